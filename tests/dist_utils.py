@@ -1,0 +1,78 @@
+"""The one helper for real multi-process tests: spawn N gloo ranks and run a function on each.
+
+Usage::
+
+    def _body(rank, world_size, x):
+        ...  # torch.distributed is initialised (gloo) here
+        return something_picklable
+
+    results = run_distributed(_body, world_size=2, args=(x,))  # list indexed by rank
+
+The body must be a module-level function (it is pickled into the spawned processes). An exception
+on any rank fails the test with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        queue.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 300.0) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else timeout)
+            if p.is_alive():
+                p.terminate()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
