@@ -1,0 +1,152 @@
+"""Process groups: torch.distributed (gloo on CPU, NCCL on GPU) and Megatron ``parallel_state``.
+
+This is the edge of the system that touches Megatron's global parallel state; everything deeper gets
+process groups passed in (``Groups``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from datetime import timedelta
+from typing import Literal
+
+import torch
+
+from megatron_rl_fp8.config_utils import field
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelConfig:
+    """How the actor is sharded. data_parallel size = world size / (TP * PP)."""
+
+    tensor_model_parallel_size: int = field(1, help="TP degree (splits every linear layer).")
+    pipeline_model_parallel_size: int = field(1, help="PP degree (splits the layer stack).")
+    backend: Literal["auto", "gloo", "nccl"] = field(
+        "auto", help="torch.distributed backend; auto = nccl with CUDA, gloo otherwise."
+    )
+    timeout_minutes: int = field(30, help="Collective timeout.")
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "timeout_minutes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+
+@dataclasses.dataclass
+class Groups:
+    """The process groups (and this rank's coordinates) the trainer passes around explicitly."""
+
+    tp: object
+    pp: object
+    dp: object
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    is_first_stage: bool
+    is_last_stage: bool
+    # Global rank that holds the rollout engine and writes logs (rank 0).
+    driver_rank: int = 0
+    # Global rank of (tp 0, dp 0) on the last pipeline stage: where step metrics are produced.
+    last_stage_rank: int = 0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def world_from_env() -> tuple[int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def initialize(cfg: ParallelConfig, *, seed: int) -> Groups:
+    """Init torch.distributed (from torchrun env or single process) and Megatron parallel_state."""
+    import torch.distributed as dist
+
+    use_cuda = torch.cuda.is_available()
+    if not use_cuda:
+        from megatron_rl_fp8.parallel import cpu_compat
+
+        cpu_compat.enable()
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    if not dist.is_initialized():
+        rank, world = world_from_env()
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            if world > 1:
+                raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is unset: launch with torchrun")
+            os.environ["MASTER_PORT"] = str(free_port())
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=timedelta(minutes=cfg.timeout_minutes))
+    return init_model_parallel(cfg, seed=seed)
+
+
+def init_model_parallel(cfg: ParallelConfig, *, seed: int) -> Groups:
+    """Megatron parallel_state + RNG tracker on an already initialised torch.distributed."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    world = dist.get_world_size()
+    if world % cfg.model_parallel_size:
+        raise ValueError(
+            f"world size {world} is not divisible by tensor_model_parallel_size * "
+            f"pipeline_model_parallel_size = {cfg.model_parallel_size}"
+        )
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+            pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+            create_gloo_process_groups=False,
+        )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    return current_groups()
+
+
+def current_groups() -> Groups:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    pp_group = ps.get_pipeline_model_parallel_group()
+    pp_size = ps.get_pipeline_model_parallel_world_size()
+    # Megatron's default order "tp-cp-ep-dp-pp" puts PP outermost: the last stage's (tp0, dp0)
+    # rank is (pp_size - 1) * (world / pp_size).
+    last_stage_rank = (pp_size - 1) * (dist.get_world_size() // pp_size)
+    return Groups(
+        tp=ps.get_tensor_model_parallel_group(),
+        pp=pp_group,
+        dp=ps.get_data_parallel_group(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=pp_size,
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        is_first_stage=ps.is_pipeline_first_stage(),
+        is_last_stage=ps.is_pipeline_last_stage(),
+        last_stage_rank=last_stage_rank,
+    )
+
+
+def destroy() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,150 @@
+"""Small helpers shared by every config dataclass: typed fields with help, dict/YAML conversion.
+
+Each concern owns its dataclass next to its code (``ModelConfig`` in ``models/``, ``TrainConfig`` in
+``trainer/`` ...). This module only knows how to build any of them from a plain dict with
+precise errors (unknown key, wrong type) naming the dotted field path, and how to write them back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, Union, get_args, get_origin
+
+
+def field(default=dataclasses.MISSING, *, help: str, default_factory=dataclasses.MISSING):  # noqa: A002
+    """A dataclass field that carries its help text (shown in errors and ``--help``)."""
+    kwargs: dict[str, Any] = {"metadata": {"help": help}}
+    if default_factory is not dataclasses.MISSING:
+        kwargs["default_factory"] = default_factory
+    else:
+        kwargs["default"] = default
+    return dataclasses.field(**kwargs)
+
+
+class ConfigError(ValueError):
+    """A config value or layout is invalid; the message names the field and the fix."""
+
+
+def _type_name(tp) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it converted (int->float, list->tuple)."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        options = get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for opt in options:
+            if opt is type(None):
+                continue
+            try:
+                return _coerce(value, opt, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {tp}")
+    if origin is Literal:
+        if value not in get_args(tp):
+            raise ConfigError(f"{path}: {value!r} is not {_type_name(tp)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return from_dict(tp, value, path)
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        args = get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
+            return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        elem = args[0] if args else Any
+        items = [_coerce(v, elem, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def from_dict(cls, data: dict, path: str = ""):
+    """Build dataclass ``cls`` from ``data``; unknown keys and wrong types raise ``ConfigError``."""
+    if data is None:
+        data = {}
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = path or "the top level"
+        raise ConfigError(
+            f"unknown key(s) {', '.join(repr(k) for k in unknown)} in {where}; "
+            f"valid keys: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, hints[name], f"{path}.{name}" if path else name)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from e
+
+
+def to_dict(obj) -> dict:
+    """Dataclass -> plain dict of YAML-safe values (tuples become lists)."""
+
+    def conv(v):
+        if dataclasses.is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        return v
+
+    return conv(obj)
+
+
+def help_text(cls) -> dict[str, str]:
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+
+def set_dotted(data: dict, dotted: str, value: Any) -> None:
+    """``set_dotted(d, "train.lr", 1e-4)`` creates intermediate mappings as needed."""
+    keys = dotted.split(".")
+    node = data
+    for k in keys[:-1]:
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {dotted!r}: {k!r} is not a section")
+        node = nxt
+    node[keys[-1]] = value

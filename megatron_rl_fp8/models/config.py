@@ -1,0 +1,67 @@
+"""What the model *is*: architecture family and shapes. No kernels, no sharding here."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+from megatron_rl_fp8.config_utils import field
+
+Arch = Literal["llama", "qwen2", "qwen3"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """A dense decoder-only LLM in one of the supported families (RMSNorm, SwiGLU, RoPE, GQA)."""
+
+    arch: Arch = field("qwen3", help="Family: llama (no biases), qwen2 (QKV bias), qwen3 (QK-norm).")
+    num_layers: int = field(2, help="Transformer layers.")
+    hidden_size: int = field(64, help="Model width.")
+    ffn_hidden_size: int = field(128, help="SwiGLU inner width (per gate/up projection).")
+    num_attention_heads: int = field(4, help="Query heads.")
+    num_query_groups: int = field(2, help="Key/value heads (GQA groups); = heads for MHA.")
+    head_dim: Optional[int] = field(None, help="Per-head width; default hidden_size / heads.")
+    vocab_size: int = field(64, help="Tokenizer vocabulary size (before padding for TP).")
+    max_position_embeddings: int = field(128, help="Longest sequence the model serves.")
+    rope_theta: float = field(10000.0, help="RoPE base frequency.")
+    norm_eps: float = field(1e-6, help="RMSNorm epsilon.")
+    tie_word_embeddings: bool = field(False, help="Share input embedding and output layer weights.")
+    params_dtype: Literal["float32", "bfloat16"] = field(
+        "float32",
+        help="Master parameter dtype. float32 for the tiny CPU model; bfloat16 on GPU clusters.",
+    )
+    make_vocab_size_divisible_by: int = field(
+        128, help="Pad the vocab to a multiple of this times tensor_model_parallel_size."
+    )
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "vocab_size", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_query_groups={self.num_query_groups} must divide "
+                f"model.num_attention_heads={self.num_attention_heads}"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}; set model.head_dim explicitly"
+            )
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.arch == "qwen2"
+
+    @property
+    def qk_layernorm(self) -> bool:
+        return self.arch == "qwen3"
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return -(-self.vocab_size // multiple) * multiple

@@ -1,0 +1,104 @@
+"""Megatron-Core GPTModel providers for Llama / Qwen2 / Qwen3 shapes.
+
+``layer_spec(...)`` is the one place that chooses kernels: the Transformer Engine spec on GPU
+clusters (where TE provides FP8 GEMMs), Megatron's local spec elsewhere. Model structure (this file)
+does not branch on the device; the CPU FP8 path swaps the local spec's linear classes for emulated
+FP8 linears (``megatron_rl_fp8.fp8``) without touching the structure.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl_fp8.models.config import ModelConfig
+
+
+def have_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return False
+    return torch.cuda.is_available()
+
+
+def layer_spec(model: ModelConfig, *, use_te: bool | None = None):
+    """The transformer-layer ModuleSpec: TE spec when TE + CUDA exist, local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_te is None:
+        use_te = have_te()
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+    return specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
+
+
+def transformer_config(model: ModelConfig, *, tensor_model_parallel_size: int = 1,
+                       pipeline_model_parallel_size: int = 1, on_cpu: bool | None = None,
+                       **overrides):
+    """Megatron TransformerConfig for ``model``; fusions off on CPU (they need CUDA kernels)."""
+    from megatron.core.transformer import TransformerConfig
+
+    if on_cpu is None:
+        on_cpu = not torch.cuda.is_available()
+    dtype = torch.bfloat16 if model.params_dtype == "bfloat16" else torch.float32
+    kwargs = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias,
+        qk_layernorm=model.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        pipeline_dtype=dtype,
+        # Deterministic TP-invariant init: the full master weight is built on CPU then split, so
+        # TP=1 and TP=2 start from identical weights for the same seed.
+        use_cpu_initialization=True,
+        init_method_std=0.02,
+    )
+    if on_cpu:
+        kwargs.update(
+            bias_activation_fusion=False,
+            masked_softmax_fusion=False,
+            bias_dropout_fusion=False,
+            gradient_accumulation_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(model: ModelConfig, config, *, use_te: bool | None = None,
+                    pre_process: bool | None = None, post_process: bool | None = None):
+    """Instantiate this rank's pipeline stage of the GPTModel (parallel_state must be set up)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(model, use_te=use_te),
+        vocab_size=model.padded_vocab_size(config.tensor_model_parallel_size),
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,  # logits stay vocab-sharded; logprobs use vocab-parallel CE
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(model.rope_theta),
+    )

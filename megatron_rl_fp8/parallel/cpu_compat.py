@@ -1,0 +1,183 @@
+"""CPU compatibility layer for Megatron-Core: the only place this project bends Megatron to CPU.
+
+Megatron-Core is written for CUDA. On a CPU-only box (CI, laptops) it works with the gloo backend
+once a handful of CUDA entry points have CPU meanings (see ../shared/PLATFORM_NOTES.md):
+
+* device placement: ``device="cuda"`` / ``torch.cuda.current_device()`` tensors and ``.cuda()``
+  calls are redirected to the CPU by a ``TorchFunctionMode`` that rewrites CUDA devices;
+* the CUDA RNG tracker (``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()``)
+  runs on the CPU default generator, so dropout forks and seeded init still work;
+* streams/events/synchronize become no-ops (there is one CPU "stream"; everything is ordered);
+* the distributed optimizer compares ``param.type()`` with ``torch.cuda.*Tensor`` names, which we
+  alias to the CPU tensor-type names.
+
+``enable()`` is idempotent and does nothing when CUDA is available (or when ``force=False`` and
+``enabled=False``); ``disable()`` undoes every patch. Nothing here is imported by the GPU path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_STATE = threading.local()
+_PATCHES: list[tuple[object, str, object]] = []  # (owner, attr, original) for disable()
+_MODE: "_CudaToCpuMode | None" = None
+_ACTIVE = False
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # Bare ints mean "cuda:<int>" in torch's device parsing.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites every CUDA device argument (and ``Tensor.cuda()``) to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            # x.cuda(...) -> x (already on CPU); keep non_blocking/memory_format semantics trivial.
+            return args[0]
+        if func is torch.Tensor.to or func is torch.Tensor.new_empty or "device" in kwargs:
+            if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+                kwargs["device"] = "cpu"
+            if func is torch.Tensor.to:
+                args = tuple("cpu" if i > 0 and _is_cuda_device(a) else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stand-in for torch.cuda.Stream / current_stream(): CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return event or _NullEvent()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _NullEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _cpu_get_rng_state(device=None, clone=True, graph_safe=False):
+    # The CUDA RNG "state" of a CPU-only box is the CPU default generator's state.
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed):
+    # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, which would recurse here.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _patch(owner, attr, value) -> None:
+    _PATCHES.append((owner, attr, getattr(owner, attr, None)))
+    setattr(owner, attr, value)
+
+
+def is_active() -> bool:
+    return _ACTIVE
+
+
+def enable(*, force: bool = False) -> bool:
+    """Activate the CPU layer when CUDA is absent. Returns whether it is active.
+
+    ``force=True`` activates it even if CUDA exists (used only by tests of the layer itself).
+    """
+    global _ACTIVE, _MODE
+    if _ACTIVE:
+        return True
+    if torch.cuda.is_available() and not force:
+        return False
+
+    import megatron.core.tensor_parallel.random as mrandom
+
+    cuda = torch.cuda
+    _patch(cuda, "current_device", lambda: 0)
+    _patch(cuda, "device_count", lambda: 0)
+    _patch(cuda, "set_device", lambda *a, **k: None)
+    _patch(cuda, "synchronize", lambda *a, **k: None)
+    _patch(cuda, "empty_cache", lambda *a, **k: None)
+    _patch(cuda, "current_stream", lambda *a, **k: _NullStream())
+    _patch(cuda, "default_stream", lambda *a, **k: _NullStream())
+    _patch(cuda, "Stream", _NullStream)
+    _patch(cuda, "Event", _NullEvent)
+    _patch(cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+    _patch(cuda, "get_rng_state", _cpu_get_rng_state)
+    _patch(cuda, "set_rng_state", _cpu_set_rng_state)
+    _patch(cuda, "manual_seed", _cpu_manual_seed)
+    _patch(cuda, "memory_allocated", lambda *a, **k: 0)
+    _patch(cuda, "max_memory_allocated", lambda *a, **k: 0)
+    _patch(cuda, "memory_reserved", lambda *a, **k: 0)
+    _patch(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
+    _patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+    # The distributed optimizer checks param.type() in {"torch.cuda.FloatTensor", ...}.
+    _patch(cuda, "FloatTensor", torch.FloatTensor)
+    _patch(cuda, "HalfTensor", torch.HalfTensor)
+    _patch(cuda, "BFloat16Tensor", torch.BFloat16Tensor)
+    _patch(cuda, "ByteTensor", torch.ByteTensor)
+
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
+    _ACTIVE = True
+    return True
+
+
+def disable() -> None:
+    """Undo every patch (tests; a process that later gets CUDA does not use this layer)."""
+    global _ACTIVE, _MODE
+    if not _ACTIVE:
+        return
+    if _MODE is not None:
+        _MODE.__exit__(None, None, None)
+        _MODE = None
+    while _PATCHES:
+        owner, attr, original = _PATCHES.pop()
+        if original is None:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, original)
+    _ACTIVE = False

@@ -1,0 +1,196 @@
+"""Megatron-Core <-> Hugging Face names and layouts for Llama / Qwen2 / Qwen3 (the one mapping).
+
+Weight sync into rollout engines and the checkpoint conversion tools both go through this module,
+so a layout bug is fixed once. It works on *full* (TP-gathered) tensors; ``sync.gather`` produces
+those from the shards. Layout facts:
+
+* ``linear_qkv.weight`` is [groups * (q_per_group + 2) * head_dim, hidden], interleaved per query
+  group: for each KV group g the rows are (q heads of g, k of g, v of g). HF keeps q/k/v separate.
+* ``linear_fc1.weight`` is [gate; up] stacked along rows (SwiGLU); HF has gate_proj and up_proj.
+* The embedding / output layer are padded to a multiple of 128 * TP rows; HF has the true vocab.
+* With the Transformer Engine spec the pre-attention / pre-MLP RMSNorm weights live inside the fused
+  linears (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); both spellings map.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import torch
+
+from megatron_rl_fp8.models.config import ModelConfig
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# Megatron per-layer suffix -> HF per-layer suffix, for the tensors that map one to one.
+_DIRECT = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+class MappingError(ValueError):
+    """A tensor that the mapping does not know, or a missing / misshapen one."""
+
+
+def hf_architecture(model: ModelConfig) -> str:
+    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
+        model.arch
+    ]
+
+
+def hf_config(model: ModelConfig, *, bos_token_id: int | None = None,
+              eos_token_id: int | None = None, pad_token_id: int | None = None):
+    """A transformers config object equivalent to ``model``."""
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "qwen3": transformers.Qwen3Config}[model.arch]
+    kwargs = dict(
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.ffn_hidden_size,
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_query_groups,
+        head_dim=model.kv_channels,
+        max_position_embeddings=model.max_position_embeddings,
+        rope_theta=model.rope_theta,
+        rms_norm_eps=model.norm_eps,
+        tie_word_embeddings=model.tie_word_embeddings,
+        hidden_act="silu",
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        architectures=[hf_architecture(model)],
+    )
+    if model.arch == "llama":
+        kwargs.update(attention_bias=False, mlp_bias=False)
+    if model.arch == "qwen3":
+        kwargs.update(attention_bias=False)
+    cfg = cls(**kwargs)
+    # transformers 5 moved rope_theta into rope_parameters; make sure the base is what we asked for.
+    rope = getattr(cfg, "rope_parameters", None)
+    if isinstance(rope, dict):
+        rope["rope_theta"] = model.rope_theta
+    return cfg
+
+
+def _split_qkv(qkv: torch.Tensor, model: ModelConfig):
+    groups = model.num_query_groups
+    q_per_group = model.num_attention_heads // groups
+    d = model.kv_channels
+    rest = qkv.shape[1:]
+    per_group = qkv.reshape(groups, (q_per_group + 2) * d, *rest)
+    q = per_group[:, : q_per_group * d].reshape(groups * q_per_group * d, *rest)
+    k = per_group[:, q_per_group * d : (q_per_group + 1) * d].reshape(groups * d, *rest)
+    v = per_group[:, (q_per_group + 1) * d :].reshape(groups * d, *rest)
+    return q, k, v
+
+
+def _merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    groups = model.num_query_groups
+    q_per_group = model.num_attention_heads // groups
+    d = model.kv_channels
+    rest = q.shape[1:]
+    parts = [
+        q.reshape(groups, q_per_group * d, *rest),
+        k.reshape(groups, d, *rest),
+        v.reshape(groups, d, *rest),
+    ]
+    return torch.cat(parts, dim=1).reshape(groups * (q_per_group + 2) * d, *rest)
+
+
+def mcore_to_hf(name: str, tensor: torch.Tensor, model: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """One full Megatron tensor -> its HF tensors (global layer numbering in ``name``)."""
+    if name.endswith("._extra_state"):
+        return []
+    if name == "embedding.word_embeddings.weight":
+        return [("model.embed_tokens.weight", tensor[: model.vocab_size])]
+    if name == "output_layer.weight":
+        if model.tie_word_embeddings:
+            return []
+        return [("lm_head.weight", tensor[: model.vocab_size])]
+    if name == "decoder.final_layernorm.weight":
+        return [("model.norm.weight", tensor)]
+    m = _LAYER.match(name)
+    if m is None:
+        raise MappingError(f"no HF mapping for Megatron tensor {name!r} (arch {model.arch})")
+    layer, suffix = int(m.group(1)), m.group(2)
+    prefix = f"model.layers.{layer}."
+    if suffix in _DIRECT:
+        return [(prefix + _DIRECT[suffix], tensor)]
+    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = suffix.rsplit(".", 1)[1]
+        q, k, v = _split_qkv(tensor, model)
+        return [(f"{prefix}self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", (q, k, v))]
+    if suffix == "mlp.linear_fc1.weight":
+        gate, up = tensor.chunk(2, dim=0)
+        return [(prefix + "mlp.gate_proj.weight", gate), (prefix + "mlp.up_proj.weight", up)]
+    raise MappingError(f"no HF mapping for Megatron tensor {name!r} (arch {model.arch})")
+
+
+def mcore_state_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in state.items():
+        yield from mcore_to_hf(name, tensor, model)
+
+
+def expected_hf_names(model: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not model.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(model.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
+                  p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight",
+                  p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
+        names += [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
+        if model.qkv_bias:
+            names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
+        if model.qk_layernorm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    return names
+
+
+def hf_state_to_mcore(hf: dict[str, torch.Tensor], model: ModelConfig, *,
+                      padded_vocab_size: int | None = None) -> dict[str, torch.Tensor]:
+    """Full HF state dict -> full Megatron (local-spec names) state dict; strict about names."""
+    expected = set(expected_hf_names(model))
+    present = {k for k in hf if not k.endswith("rotary_emb.inv_freq")}
+    if model.tie_word_embeddings:
+        present.discard("lm_head.weight")
+    missing, extra = sorted(expected - present), sorted(present - expected)
+    if missing or extra:
+        raise MappingError(f"HF checkpoint does not match {model.arch}: missing {missing}, unexpected {extra}")
+
+    def pad_vocab(t: torch.Tensor) -> torch.Tensor:
+        if padded_vocab_size is None or padded_vocab_size == t.shape[0]:
+            return t
+        return torch.cat([t, t.new_zeros(padded_vocab_size - t.shape[0], *t.shape[1:])])
+
+    out = {"embedding.word_embeddings.weight": pad_vocab(hf["model.embed_tokens.weight"]),
+           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    if not model.tie_word_embeddings:
+        out["output_layer.weight"] = pad_vocab(hf["lm_head.weight"])
+    inverse = {v: k for k, v in _DIRECT.items() if "layer_norm_weight" not in k}
+    for i in range(model.num_layers):
+        p, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for hf_suffix, mc_suffix in inverse.items():
+            if p + hf_suffix in hf:
+                out[mp + mc_suffix] = hf[p + hf_suffix]
+        for kind in ("weight", "bias"):
+            if p + f"self_attn.q_proj.{kind}" in hf:
+                out[mp + f"self_attention.linear_qkv.{kind}"] = _merge_qkv(
+                    *(hf[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"), model
+                )
+        out[mp + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
+        )
+    return out

@@ -1,0 +1,42 @@
+"""Install megatron-rl-fp8.
+
+CPU boxes: install ``torch==2.13.0`` first (the Makefile does), so the requirement below is already
+met and pip does not fetch a multi-GB CUDA build. GPU clusters keep their own CUDA torch; nothing
+here pins torch to a CPU build.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-rl-fp8",
+    version="0.1.0",
+    description="Full-pipeline FP8 RL post-training (GRPO, DAPO) on Megatron-Core with calibrated clipping",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl_fp8", "megatron_rl_fp8.*"]),
+    package_data={"megatron_rl_fp8": ["data/assets/**/*", "data/assets/*", "examples/*.yaml"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16.1",
+        "nvidia-modelopt>=0.47",
+        # modelopt imports these without declaring them (PLATFORM_NOTES).
+        "requests",
+        "huggingface_hub",
+        # dist_checkpointing.save needs psutil but megatron-core does not declare it.
+        "psutil",
+        "transformers>=4.51",
+        "tokenizers",
+        "safetensors",
+        "numpy",
+        "pyyaml",
+        "tqdm",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]"],
+        "sglang": ["sglang"],
+        "dev": ["pytest", "pytest-timeout"],
+        "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],
+    },
+    entry_points={"console_scripts": ["megatron-rl-fp8=megatron_rl_fp8.cli:main"]},
+)
