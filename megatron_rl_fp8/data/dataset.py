@@ -1,0 +1,227 @@
+"""Prompt datasets for RL rollouts: JSONL or Parquet files of (prompt, answer) records.
+
+The RL loop asks for ``n`` prompts per step (:meth:`PromptDataset.next_batch`) and never for a
+full pass, so the dataset is an endless, epoch-wise shuffled stream with an explicit cursor
+``(epoch, position)``. The order of epoch ``e`` is a pure function of ``(seed, e)``, so the cursor
+alone (:meth:`state_dict`) is enough for a resumed run to continue with exactly the prompts the
+interrupted run would have drawn next.
+
+Files are read whole into memory: RL prompt sets are small (the shipped task is ~0.75 MB), and
+having every record up front lets malformed data fail at start-up, with the file and line, rather
+than hours into a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_SUFFIXES = (".jsonl", ".parquet")
+
+
+def _check_record(raw: Any, where: str, prompt_field: str, answer_field: str) -> dict[str, str]:
+    if not isinstance(raw, dict):
+        raise ValueError(
+            f"{where}: expected a JSON object like "
+            f'{{"{prompt_field}": "12+35=", "{answer_field}": "47"}}, got {type(raw).__name__}'
+        )
+    for field in (prompt_field, answer_field):
+        if field not in raw:
+            raise ValueError(
+                f"{where}: missing field {field!r} (record has {sorted(raw)}); fix the data or "
+                f"set prompt_field/answer_field to the names the file uses"
+            )
+    prompt, answer = raw[prompt_field], raw[answer_field]
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(
+            f"{where}: field {prompt_field!r} must be a non-empty string, got {prompt!r}"
+        )
+    # Integer answers (common in Parquet exports) are accepted and kept as their decimal text;
+    # bool is an int subclass but never a meaningful answer.
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(answer, str):
+        raise ValueError(f"{where}: field {answer_field!r} must be a string, got {answer!r}")
+    return {"prompt": prompt, "answer": answer}
+
+
+def _read_jsonl(path: Path, prompt_field: str, answer_field: str) -> list[dict[str, str]]:
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # blank lines (e.g. a trailing one) carry no record
+            where = f"{path}:{lineno}"
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line must be one "
+                    "JSON object"
+                ) from None
+            records.append(_check_record(raw, where, prompt_field, answer_field))
+    return records
+
+
+def _read_parquet_rows(path: Path) -> list[Any]:
+    # Optional dependency: pyarrow (preferred) or pandas with a Parquet engine.
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        pq = None
+    if pq is not None:
+        return pq.read_table(path).to_pylist()
+    try:
+        import pandas as pd
+    except ImportError:
+        raise ImportError(
+            f"reading the Parquet prompt file {str(path)!r} needs pyarrow: `pip install pyarrow` "
+            "(or convert the file to JSONL)"
+        ) from None
+    return pd.read_parquet(path).to_dict(orient="records")
+
+
+def load_records(
+    path: str | Path, *, prompt_field: str = "prompt", answer_field: str = "answer"
+) -> list[dict[str, str]]:
+    """Read every record of a ``.jsonl`` or ``.parquet`` file as ``{"prompt", "answer"}`` dicts.
+
+    Source field names are mapped to the canonical keys ``prompt`` and ``answer``. Errors name the
+    file and line (JSONL) or row (Parquet, 0-based) and say how to fix the data.
+    """
+    p = Path(path)
+    if p.suffix not in SUPPORTED_SUFFIXES:
+        raise ValueError(
+            f"prompt file {str(p)!r} has suffix {p.suffix!r}; supported: {SUPPORTED_SUFFIXES}"
+        )
+    if not p.is_file():
+        raise FileNotFoundError(f"prompt file {str(p)!r} does not exist")
+    if p.suffix == ".jsonl":
+        records = _read_jsonl(p, prompt_field, answer_field)
+    else:
+        records = [
+            _check_record(raw, f"{p}: row {i}", prompt_field, answer_field)
+            for i, raw in enumerate(_read_parquet_rows(p))
+        ]
+    if not records:
+        raise ValueError(f"prompt file {str(p)!r} holds no records")
+    return records
+
+
+class PromptDataset:
+    """An endless, deterministically shuffled stream of ``{"prompt", "answer", "index"}`` records.
+
+    ``index`` is the record's row in the source file (stable across epochs and resumes; useful for
+    logging and for grouping GRPO samples). Epoch ``e`` visits every record once, in the order
+    ``random.Random(f"{seed}:{e}")`` shuffles to (file order when ``shuffle=False``). A batch that
+    runs past the end of an epoch continues into the next one.
+    """
+
+    def __init__(
+        self,
+        records: list[dict[str, str]],
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        source: str = "<memory>",
+    ) -> None:
+        if not records:
+            raise ValueError(f"PromptDataset from {source} got no records")
+        self.records = [{"prompt": r["prompt"], "answer": r["answer"]} for r in records]
+        self.seed = seed
+        self.shuffle = shuffle
+        self.source = source
+        self.epoch = 0
+        self.position = 0
+        self._order = self._epoch_order(0)
+        self.fingerprint = self._fingerprint()
+
+    @classmethod
+    def from_file(
+        cls,
+        path: str | Path,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        prompt_field: str = "prompt",
+        answer_field: str = "answer",
+    ) -> PromptDataset:
+        """Load a ``.jsonl`` / ``.parquet`` file (see :func:`load_records`)."""
+        records = load_records(path, prompt_field=prompt_field, answer_field=answer_field)
+        return cls(records, seed=seed, shuffle=shuffle, source=str(path))
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """Record ``i`` in file order (a fresh dict; callers may mutate it)."""
+        return {**self.records[i], "index": i}
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.records)))
+        if self.shuffle:
+            # A string seed is hashed with SHA-512 by `random`, so the order is stable across
+            # processes and Python versions (unlike hash(), which is salted per process).
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def _fingerprint(self) -> str:
+        h = hashlib.sha256()
+        for r in self.records:
+            h.update(r["prompt"].encode() + b"\0" + r["answer"].encode() + b"\n")
+        return h.hexdigest()[:16]
+
+    def next_batch(self, n: int) -> list[dict[str, Any]]:
+        """The next ``n`` records of the stream, advancing the cursor (may cross epochs)."""
+        if n < 1:
+            raise ValueError(f"next_batch(n={n}): n must be >= 1")
+        batch = []
+        for _ in range(n):
+            if self.position == len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._epoch_order(self.epoch)
+            batch.append(self[self._order[self.position]])
+            self.position += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor plus what identifies the data, for checkpoints (JSON-serialisable)."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_records": len(self.records),
+            "fingerprint": self.fingerprint,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a cursor saved by :meth:`state_dict`.
+
+        Refuses a state saved with other data, seed or shuffle setting: the cursor would then point
+        into a different order and the resumed run would silently see different prompts.
+        """
+        required = {"epoch", "position", "seed", "shuffle", "num_records", "fingerprint"}
+        missing = required - set(state)
+        if missing:
+            raise ValueError(f"dataset state is missing keys {sorted(missing)}")
+        mine = self.state_dict()
+        for key in ("seed", "shuffle", "num_records", "fingerprint"):
+            if state[key] != mine[key]:
+                raise ValueError(
+                    f"dataset state has {key}={state[key]!r} but this dataset ({self.source}) has "
+                    f"{key}={mine[key]!r}; resume with the same prompt file and seed, or start "
+                    "the data stream fresh"
+                )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= len(self.records):
+            raise ValueError(
+                f"dataset state has epoch={epoch}, position={position}; need epoch >= 0 and "
+                f"0 <= position <= {len(self.records)}"
+            )
+        self.epoch, self.position = epoch, position
+        self._order = self._epoch_order(epoch)
