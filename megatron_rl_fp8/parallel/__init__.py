@@ -110,7 +110,6 @@ def init_model_parallel(cfg: ParallelConfig, *, seed: int) -> Groups:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-            create_gloo_process_groups=False,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)

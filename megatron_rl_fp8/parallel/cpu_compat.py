@@ -8,8 +8,8 @@ once a handful of CUDA entry points have CPU meanings (see ../shared/PLATFORM_NO
 * the CUDA RNG tracker (``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()``)
   runs on the CPU default generator, so dropout forks and seeded init still work;
 * streams/events/synchronize become no-ops (there is one CPU "stream"; everything is ordered);
-* the distributed optimizer compares ``param.type()`` with ``torch.cuda.*Tensor`` names, which we
-  alias to the CPU tensor-type names.
+* the optimizers compare ``param.type()`` with ``torch.cuda.*Tensor`` names, so ``Tensor.type()``
+  reports CPU tensors under the CUDA names.
 
 ``enable()`` is idempotent and does nothing when CUDA is available (or when ``force=False`` and
 ``enabled=False``); ``disable()`` undoes every patch. Nothing here is imported by the GPU path.
@@ -46,6 +46,11 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.cuda:
             # x.cuda(...) -> x (already on CPU); keep non_blocking/memory_format semantics trivial.
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # Megatron's optimizers assert param.type() == "torch.cuda.FloatTensor"; report CPU
+            # tensors under the CUDA type names, since the CPU plays the device here.
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         if func is torch.Tensor.to or func is torch.Tensor.new_empty or "device" in kwargs:
             if "device" in kwargs and _is_cuda_device(kwargs["device"]):
                 kwargs["device"] = "cpu"
@@ -154,11 +159,6 @@ def enable(*, force: bool = False) -> bool:
     _patch(cuda, "memory_reserved", lambda *a, **k: 0)
     _patch(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
     _patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
-    # The distributed optimizer checks param.type() in {"torch.cuda.FloatTensor", ...}.
-    _patch(cuda, "FloatTensor", torch.FloatTensor)
-    _patch(cuda, "HalfTensor", torch.HalfTensor)
-    _patch(cuda, "BFloat16Tensor", torch.BFloat16Tensor)
-    _patch(cuda, "ByteTensor", torch.ByteTensor)
 
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()

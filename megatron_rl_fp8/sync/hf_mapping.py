@@ -15,7 +15,7 @@ those from the shards. Layout facts:
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -137,8 +137,11 @@ def mcore_to_hf(name: str, tensor: torch.Tensor, model: ModelConfig) -> list[tup
     raise MappingError(f"no HF mapping for Megatron tensor {name!r} (arch {model.arch})")
 
 
-def mcore_state_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in state.items():
+def mcore_state_to_hf(state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                      model: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (HF name, tensor) pairs from a Megatron state dict or a stream of (name, tensor)."""
+    pairs = state.items() if isinstance(state, dict) else state
+    for name, tensor in pairs:
         yield from mcore_to_hf(name, tensor, model)
 
 

@@ -1,0 +1,50 @@
+"""``megatron-rl-fp8 train CONFIG.yaml [section.key=value ...]`` (use torchrun for several ranks)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _train(args) -> int:
+    from megatron_rl_fp8.config import load_config
+    from megatron_rl_fp8.parallel import world_from_env
+
+    cfg = load_config(args.config, args.overrides)
+    # Validate the layout before any process group, model or engine exists.
+    cfg.validate(world_from_env()[1])
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.trainer.loop import Trainer
+
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        trainer.run()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        parallel.destroy()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-rl-fp8", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="Run RL training from a YAML config.")
+    train.add_argument("config", nargs="?", default=None,
+                       help="YAML config (default: examples/tiny_cpu.yaml).")
+    train.add_argument("overrides", nargs="*", help="section.key=value overrides.")
+    args = parser.parse_args(argv)
+    from megatron_rl_fp8.config_utils import ConfigError
+
+    try:
+        if args.command == "train":
+            return _train(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":  # the guard dist_checkpointing's multiprocessing needs
+    sys.exit(main())

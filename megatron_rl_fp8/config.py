@@ -1,0 +1,108 @@
+"""RunConfig: one run = per-concern dataclasses, loaded from YAML, validated before anything starts.
+
+Each section's dataclass lives next to the code that uses it; this module composes them and checks
+the rules that span sections (parallel layout vs model shape vs batch sizes) once, before any
+process group, server or weight exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from megatron_rl_fp8.config_utils import ConfigError, field, from_dict, set_dotted, to_dict
+from megatron_rl_fp8.data.task import TaskConfig
+from megatron_rl_fp8.models.config import ModelConfig
+from megatron_rl_fp8.parallel import ParallelConfig
+from megatron_rl_fp8.reward.verifiers import RewardConfig
+from megatron_rl_fp8.rollout.base import RolloutConfig
+from megatron_rl_fp8.trainer.config import OptimConfig, PolicyLossConfig, SFTConfig, TrainConfig
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+DEFAULT_CONFIG = EXAMPLES_DIR / "tiny_cpu.yaml"
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig, help="Architecture and shapes.")
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, help="TP / PP layout.")
+    task: TaskConfig = field(default_factory=TaskConfig, help="Prompts and length limits.")
+    reward: RewardConfig = field(default_factory=RewardConfig, help="Reward shaping.")
+    rollout: RolloutConfig = field(default_factory=RolloutConfig, help="Sampling.")
+    optim: OptimConfig = field(default_factory=OptimConfig, help="Optimizer.")
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig, help="Policy loss.")
+    sft: SFTConfig = field(default_factory=SFTConfig, help="Supervised warm start.")
+    train: TrainConfig = field(default_factory=TrainConfig, help="Loop shape and outputs.")
+
+    def validate(self, world_size: int = 1) -> "RunConfig":
+        """Cross-section rules; raises ConfigError naming the fields involved."""
+        p, m, t = self.parallel, self.model, self.train
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        if world_size % (tp * pp):
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size "
+                f"({tp}) * parallel.pipeline_model_parallel_size ({pp}); change the layout or the "
+                "number of processes"
+            )
+        dp = world_size // (tp * pp)
+        if m.num_layers % pp:
+            raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by "
+                              f"parallel.pipeline_model_parallel_size={pp}")
+        if m.num_attention_heads % tp or m.num_query_groups % tp:
+            raise ConfigError(
+                f"model.num_attention_heads={m.num_attention_heads} and model.num_query_groups="
+                f"{m.num_query_groups} must both be divisible by "
+                f"parallel.tensor_model_parallel_size={tp}"
+            )
+        if m.ffn_hidden_size % tp:
+            raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by "
+                              f"parallel.tensor_model_parallel_size={tp}")
+        rows = t.prompts_per_step * self.rollout.n_samples_per_prompt
+        per_update = rows // t.updates_per_step
+        if rows % t.updates_per_step or per_update % (dp * t.micro_batch_size):
+            raise ConfigError(
+                f"train.prompts_per_step * rollout.n_samples_per_prompt = {rows} rows must split "
+                f"into train.updates_per_step={t.updates_per_step} mini-batches, each a multiple "
+                f"of data-parallel size ({dp}) * train.micro_batch_size ({t.micro_batch_size})"
+            )
+        if self.sft.steps and self.sft.batch_size % (dp * t.micro_batch_size):
+            raise ConfigError(
+                f"sft.batch_size={self.sft.batch_size} must be a multiple of data-parallel size "
+                f"({dp}) * train.micro_batch_size ({t.micro_batch_size})"
+            )
+        longest = self.task.max_prompt_len + self.rollout.max_new_tokens
+        if longest > m.max_position_embeddings:
+            raise ConfigError(
+                f"task.max_prompt_len + rollout.max_new_tokens = {longest} exceeds "
+                f"model.max_position_embeddings={m.max_position_embeddings}"
+            )
+        return self
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(to_dict(self), sort_keys=False)
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. train.steps=5)")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """YAML file (default: examples/tiny_cpu.yaml) + ``a.b=value`` overrides -> RunConfig."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    for item in overrides:
+        key, value = parse_override(item)
+        set_dotted(data, key, value)
+    return from_dict(RunConfig, data)

@@ -1,0 +1,63 @@
+"""The rollout side's contract: what any engine (in-process, SGLang server) must offer the trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Literal, Protocol, runtime_checkable
+
+import torch
+
+from megatron_rl_fp8.config_utils import field
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutConfig:
+    """How completions are sampled."""
+
+    engine: Literal["local"] = field(
+        "local", help="local = in-process transformers engine on the driver rank (CPU boxes)."
+    )
+    n_samples_per_prompt: int = field(8, help="Group size: completions sampled per prompt (GRPO).")
+    temperature: float = field(1.0, help="Sampling temperature (logprobs use the same).")
+    top_p: float = field(1.0, help="Nucleus sampling mass; 1.0 keeps logprobs unbiased.")
+    max_new_tokens: int = field(8, help="Longest completion in tokens.")
+    seed: int = field(1234, help="Base seed; step s samples with seed + s (resumable).")
+
+    def __post_init__(self):
+        if self.n_samples_per_prompt < 1:
+            raise ValueError(f"rollout.n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}")
+        if self.temperature <= 0:
+            raise ValueError(f"rollout.temperature must be > 0, got {self.temperature}; "
+                             "use a small value such as 1e-3 for near-greedy sampling")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclasses.dataclass
+class Completion:
+    """One sampled completion (token ids exclude the prompt; eos included when produced)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    finished: bool  # ended with eos (False = truncated at max_new_tokens)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int,
+                 temperature: float, top_p: float = 1.0, seed: int = 0,
+                 greedy: bool = False) -> list[Completion]:
+        """Sample ``n`` completions per prompt, grouped: result[i * n + j] is prompt i, sample j."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       version: int) -> None:
+        """Load new weights (HF names, full tensors), then serve only that version."""
+
+    def weight_version(self) -> int: ...
+
+    def health(self) -> bool: ...
+
+    def shutdown(self) -> None: ...

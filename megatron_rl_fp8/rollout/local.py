@@ -1,0 +1,92 @@
+"""In-process rollout engine on transformers: the CPU stand-in for an SGLang server.
+
+It receives weights exactly as a server would (HF names, full tensors from the Megatron->HF sync
+path) and samples with ``model.generate``. Per-token logprobs are taken from the raw logits of the
+sampled tokens at the sampling temperature, i.e. log softmax(logits / T) — the quantity the trainer
+recomputes, so rollout-vs-train mismatch metrics compare like with like.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from megatron_rl_fp8.rollout.base import Completion
+
+
+class LocalEngine:
+    def __init__(self, hf_config, *, pad_token_id: int, eos_token_id: int, dtype=torch.float32):
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        self.model.eval()
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self._version = -1
+
+    # -- weights -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        params = dict(self.model.named_parameters())
+        seen = set()
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"engine has no parameter {name!r}; the HF mapping and model disagree")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{name}: engine shape {tuple(params[name].shape)} != sent "
+                                 f"{tuple(tensor.shape)}")
+            params[name].copy_(tensor)
+            seen.add(name)
+        missing = set(params) - seen
+        if self.model.config.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            # Never serve a mix of versions silently.
+            self._version = -1
+            raise RuntimeError(f"weight update incomplete, missing {sorted(missing)[:5]}...")
+        self._version = version
+
+    def weight_version(self) -> int:
+        return self._version
+
+    def health(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        self.model = None
+
+    # -- generation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
+                 top_p: float = 1.0, seed: int = 0, greedy: bool = False) -> list[Completion]:
+        expanded = [p for p in prompts for _ in range(n)]
+        width = max(len(p) for p in expanded)
+        # Decoder-only generation wants left padding so every row's next token is at the end.
+        input_ids = torch.full((len(expanded), width), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros_like(input_ids)
+        for i, p in enumerate(expanded):
+            input_ids[i, width - len(p):] = torch.tensor(p)
+            attn[i, width - len(p):] = 1
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
+                do_sample=not greedy, temperature=None if greedy else temperature,
+                top_p=None if greedy else top_p, top_k=None, pad_token_id=self.pad_token_id,
+                eos_token_id=self.eos_token_id, output_logits=True, return_dict_in_generate=True,
+            )
+        new_tokens = out.sequences[:, width:]
+        # logits: tuple over generated positions of [N, V] raw (pre-processor) logits.
+        logits = torch.stack(out.logits, dim=1).float()
+        t = 1.0 if greedy else temperature
+        logp = torch.log_softmax(logits / t, dim=-1).gather(-1, new_tokens[..., None])[..., 0]
+        completions = []
+        for i, p in enumerate(expanded):
+            toks = new_tokens[i].tolist()
+            finished = self.eos_token_id in toks
+            length = toks.index(self.eos_token_id) + 1 if finished else len(toks)
+            completions.append(Completion(prompt_ids=list(p), response_ids=toks[:length],
+                                          response_logprobs=logp[i, :length].tolist(),
+                                          finished=finished))
+        return completions

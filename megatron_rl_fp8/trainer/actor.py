@@ -1,0 +1,159 @@
+"""The actor: a Megatron GPTModel wrapped in Megatron DDP with Megatron's optimizer.
+
+Every forward/backward goes through ``get_forward_backward_func`` so PP=1 and PP>1 share one path.
+Loss scaling, written down once: the schedule divides each micro-batch loss by the number of
+micro-batches and Megatron DDP averages gradients over data-parallel ranks. Our losses are already
+normalised by the *global* token count of the mini-batch (so summing them over micro-batches and
+ranks gives the token mean); we multiply by ``num_microbatches * dp_size`` to cancel both.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from megatron_rl_fp8.models.config import ModelConfig
+from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
+from megatron_rl_fp8.models.logprobs import token_entropy, token_logprobs
+from megatron_rl_fp8.parallel import Groups
+from megatron_rl_fp8.trainer.config import OptimConfig
+
+
+def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict]:
+    n = next(iter(batch.values())).shape[0]
+    return [{k: v[i:i + micro_batch_size] for k, v in batch.items()}
+            for i in range(0, n, micro_batch_size)]
+
+
+class Actor:
+    def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, groups: Groups):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig
+
+        self.model_cfg = model_cfg
+        self.groups = groups
+        self.config = transformer_config(
+            model_cfg,
+            tensor_model_parallel_size=groups.tp_size,
+            pipeline_model_parallel_size=groups.pp_size,
+        )
+        module = build_gpt_model(model_cfg, self.config)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=module)
+        self.optimizer_config = OptimizerConfig(
+            optimizer="adam",
+            lr=optim_cfg.lr,
+            weight_decay=optim_cfg.weight_decay,
+            adam_beta1=optim_cfg.adam_beta1,
+            adam_beta2=optim_cfg.adam_beta2,
+            adam_eps=optim_cfg.adam_eps,
+            clip_grad=optim_cfg.clip_grad,
+            bf16=self.config.bf16,
+            params_dtype=self.config.params_dtype,
+        )
+        self.reset_optimizer()
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.model.no_sync
+
+    def reset_optimizer(self) -> None:
+        """Fresh Adam state (after the SFT warm start, so cached and fresh warm starts agree)."""
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        self.optimizer = get_megatron_optimizer(self.optimizer_config, [self.model])
+
+    @property
+    def module(self):
+        return self.model.module
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # -- forward / backward ----------------------------------------------------------------------
+    def _run(self, micro_batches: list[dict], loss_fn: Callable, *, forward_only: bool) -> list[dict]:
+        """Run the schedule; returns the per-micro-batch dicts (last pipeline stage only)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            ids = mb["input_ids"]
+            pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+            # attention_mask=None: the local spec applies a causal mask; right padding never
+            # influences earlier (real) positions under a causal mask.
+            output = model(ids, pos, None)
+            return output, functools.partial(loss_fn, mb)
+
+        fwd_bwd = get_forward_backward_func()
+        seq_len = micro_batches[0]["input_ids"].shape[1]
+        return fwd_bwd(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=seq_len,
+            micro_batch_size=micro_batches[0]["input_ids"].shape[0],
+            forward_only=forward_only,
+        )
+
+    def _logits_kwargs(self) -> dict:
+        return {"vocab_size": self.model_cfg.vocab_size, "tp_rank": self.groups.tp_rank}
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: dict[str, torch.Tensor], micro_batch_size: int, *,
+                         temperature: float = 1.0) -> dict[str, torch.Tensor] | None:
+        """Per-token logprobs of ``labels`` and entropy; [B, S] tensors on the last stage, else None."""
+        self.model.eval()
+
+        def loss_fn(mb, logits):
+            lp = token_logprobs(logits, mb["labels"], temperature=temperature, **self._logits_kwargs())
+            ent = token_entropy(logits, temperature=temperature, tp_group=self.groups.tp,
+                                **self._logits_kwargs())
+            return torch.zeros(()), {"logprobs": lp, "entropy": ent}
+
+        out = self._run(split_micro_batches(batch, micro_batch_size), loss_fn, forward_only=True)
+        self.model.train()
+        if not self.groups.is_last_stage:
+            return None
+        return {k: torch.cat([o[k] for o in out]) for k in ("logprobs", "entropy")}
+
+    def train_step(self, batch: dict[str, torch.Tensor], micro_batch_size: int,
+                   token_loss_fn: Callable, *, temperature: float = 1.0
+                   ) -> tuple[list[dict], float, bool]:
+        """One optimizer step over ``batch`` (this rank's rows).
+
+        ``token_loss_fn(mb, logprobs) -> (loss, metrics)`` returns a loss normalised by the global
+        token count (so it sums across micro-batches and ranks) and a dict of metrics.
+        Returns (per-micro-batch metric dicts [last stage only], grad norm, update applied).
+        """
+        micro_batches = split_micro_batches(batch, micro_batch_size)
+        scale = len(micro_batches) * self.groups.dp_size
+
+        def loss_fn(mb, logits):
+            lp = token_logprobs(logits, mb["labels"], temperature=temperature,
+                                **self._logits_kwargs())
+            loss, metrics = token_loss_fn(mb, lp)
+            return loss * scale, {"loss": loss.detach(), **metrics}
+
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = self._run(micro_batches, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        return out, float(grad_norm if grad_norm is not None else float("nan")), bool(ok)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def sharded_state_dict(self, *, with_optimizer: bool) -> dict:
+        model_sd = self.module.sharded_state_dict()
+        sd = {"model": model_sd}
+        if with_optimizer:
+            sd["optimizer"] = self.optimizer.sharded_state_dict(model_sd)
+        return sd
+
+    def load_sharded(self, loaded: dict) -> None:
+        self.module.load_state_dict(loaded["model"])
+        if "optimizer" in loaded:
+            self.optimizer.load_state_dict(loaded["optimizer"])

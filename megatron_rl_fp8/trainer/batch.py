@@ -1,0 +1,59 @@
+"""Turn sampled completions into the trainer's tensors (pure; no Megatron, no distributed).
+
+Layout, one row per completion, right-padded to a common length S:
+
+    input_ids  = prompt + response            (pad after)
+    labels[t]  = input_ids[t + 1]             (the token predicted at position t)
+    loss_mask[t] = 1 where labels[t] is a response token (eos included)
+
+so every per-token tensor (logprobs, rollout logprobs, advantages) is aligned with ``labels``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl_fp8.rollout.base import Completion
+
+
+def build_rl_batch(completions: list[Completion], advantages: torch.Tensor, *, pad_id: int,
+                   pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    lengths = [len(c.prompt_ids) + len(c.response_ids) for c in completions]
+    width = max(max(lengths), pad_to or 0)
+    n = len(completions)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    labels = torch.full((n, width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((n, width), dtype=torch.float32)
+    rollout_logprobs = torch.zeros((n, width), dtype=torch.float32)
+    for i, c in enumerate(completions):
+        seq = c.prompt_ids + c.response_ids
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        labels[i, : len(seq) - 1] = torch.tensor(seq[1:])
+        start = len(c.prompt_ids) - 1  # position whose label is the first response token
+        end = start + len(c.response_ids)
+        loss_mask[i, start:end] = 1.0
+        rollout_logprobs[i, start:end] = torch.tensor(c.response_logprobs, dtype=torch.float32)
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "rollout_logprobs": rollout_logprobs,
+        "advantages": advantages.to(torch.float32).reshape(n),
+    }
+
+
+def build_sft_batch(collated: dict[str, torch.Tensor], *, pad_id: int) -> dict[str, torch.Tensor]:
+    """SFT batch from ``data.collate`` output: the loss mask moves to label positions."""
+    ids = collated["input_ids"]
+    labels = torch.full_like(ids, pad_id)
+    labels[:, :-1] = ids[:, 1:]
+    loss_mask = torch.zeros_like(collated["loss_mask"])
+    loss_mask[:, :-1] = collated["loss_mask"][:, 1:]
+    return {"input_ids": ids, "labels": labels, "loss_mask": loss_mask}
+
+
+def rows_for_rank(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Contiguous slice of rows for one data-parallel rank."""
+    n = next(iter(batch.values())).shape[0]
+    per = n // world
+    return {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
