@@ -1,0 +1,52 @@
+"""RL loss math as pure tensor functions, plus one distributed wrapper.
+
+* :mod:`.ppo`          clipped policy-gradient loss (PPO / GRPO / DAPO), aggregation, KL penalty;
+* :mod:`.importance`   TIS / MIS weights for the train/rollout mismatch;
+* :mod:`.advantages`   GRPO advantages, DAPO dynamic sampling and overlong penalty;
+* :mod:`.histogram`    fixed-bin histograms and quantiles read from them;
+* :mod:`.calibration`  calibrated clipping for FP8 (the only place that may all-reduce, over a
+                       process group passed in by the caller).
+
+Nothing here imports Megatron, and ``torch.distributed`` is imported only inside
+:func:`calibrated_clip_bounds` when a group is given, so CPU unit tests reach every function.
+"""
+
+from megatron_rl_fp8.loss.advantages import (
+    dynamic_sampling_keep_mask,
+    grpo_advantages,
+    overlong_reward_penalty,
+)
+from megatron_rl_fp8.loss.calibration import (
+    CalibConfig,
+    bounds_from_histogram,
+    build_calibration_histogram,
+    calibrated_clip_bounds,
+    ema_bounds,
+    exact_calibrated_clip_bounds,
+)
+from megatron_rl_fp8.loss.histogram import hist_mass_below, hist_quantile, histogram
+from megatron_rl_fp8.loss.importance import ISCorrectionConfig, importance_weights
+from megatron_rl_fp8.loss.masked import masked_mean, masked_sum
+from megatron_rl_fp8.loss.ppo import aggregate_loss, kl_penalty, policy_loss
+
+__all__ = [
+    "CalibConfig",
+    "ISCorrectionConfig",
+    "aggregate_loss",
+    "bounds_from_histogram",
+    "build_calibration_histogram",
+    "calibrated_clip_bounds",
+    "dynamic_sampling_keep_mask",
+    "ema_bounds",
+    "exact_calibrated_clip_bounds",
+    "grpo_advantages",
+    "hist_mass_below",
+    "hist_quantile",
+    "histogram",
+    "importance_weights",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "overlong_reward_penalty",
+    "policy_loss",
+]

@@ -1,0 +1,469 @@
+"""Calibrated clipping: FP8 clip bounds that keep the semantics of the BF16 trust region.
+
+The problem. In full-pipeline FP8 RL the log ratio ``log r = log pi_theta - log pi_old`` carries
+compounded quantization noise, and for negative-advantage tokens it is biased downward. With the
+nominal bounds (1 - eps_low, 1 + eps_high) many more negative tokens fall below the lower bound than
+under BF16; PPO zeroes their gradient, bad outputs stop being penalised and entropy surges.
+
+The fix, on a calibration step (every ``CalibConfig.interval`` steps) where a BF16 *shadow* forward
+gives BF16 log ratios next to the FP8 ones for the same tokens:
+
+1. **Lower bound by quantile.** ``q`` = share of negative-advantage tokens whose BF16 ratio is below
+   1 - eps_low. The FP8 lower bound is the q-quantile of the negative-advantage FP8 ratios, so FP8
+   clips the same share of negative tokens that BF16 would.
+2. **Upper bound by balance** (``strategy="balance"``, the default). Loosening only the lower bound
+   makes the update more negative overall (rewards drop, answers shorten). Define the balance of a
+   (precision, bounds) pair as::
+
+       sum_{A>0, r <= upper} |A| r   /   sum_{A<0, r >= lower} |A| r
+
+   i.e. the effective update magnitude of the tokens whose gradient the clip does *not* zero.
+   The FP8 upper bound u is chosen so that FP8's balance under (calibrated lower, u) equals BF16's
+   balance under the nominal bounds. The numerator only grows with u, so u is found by inverting a
+   cumulative histogram. ``strategy="shift"`` instead keeps the log-width of the nominal interval:
+   ``log u = log lower_fp8 + log((1 + eps_high) / (1 - eps_low))``.
+3. Bounds are clamped to safety limits, and the trainer smooths successive calibrations with
+   :func:`ema_bounds`.
+
+Distributed. Every rank builds one flat float64 tensor (:func:`build_calibration_histogram`):
+FP8 log-ratio histograms (token counts and |A|*r sums, split by advantage sign) plus a few exact
+scalar sums of the BF16 (and FP8) quantities at the nominal bounds. BF16 is only ever evaluated at
+the nominal bounds, which are known before any data is seen, so exact sums replace its histograms.
+One all-reduce (SUM) over the data-parallel (x context-parallel) group merges them; traffic is
+``8 * (4 * bins + 7)`` bytes, independent of tokens and ranks. Reading the bounds is then a pure
+function of the merged tensor (:func:`bounds_from_histogram`), so every rank gets identical bounds.
+:func:`exact_calibrated_clip_bounds` computes the same thing from raw tokens (O(tokens)) and exists
+as the reference for tests.
+
+Conventions: tokens with A == 0 or mask 0 are ignored (they get no policy gradient); the PPO dual
+clip is not part of the balance (it touches only extreme ratios); "clipped below" is r < lower and
+"unclipped" is r >= lower (A < 0) or r <= upper (A > 0), as in :func:`~.ppo.policy_loss`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from megatron_rl_fp8.loss.histogram import bin_index, hist_inverse_mass, hist_mass_below
+
+Strategy = Literal["balance", "shift"]
+
+DEFAULT_BINS = 4096
+DEFAULT_LOG_RATIO_RANGE = (-2.0, 2.0)
+DEFAULT_LOWER_LIMITS = (0.5, 0.999)
+DEFAULT_UPPER_LIMITS = (1.001, 3.0)
+
+# Exact scalar sums packed after the four histograms, in this order.
+_SCALARS = (
+    "bf16_neg_below",        # count, A < 0 and BF16 r < nominal lower
+    "bf16_pos_unclipped",    # sum |A| r, A > 0 and BF16 r <= nominal upper
+    "bf16_neg_unclipped",    # sum |A| r, A < 0 and BF16 r >= nominal lower
+    "fp8_neg_below",         # the same three for FP8 at the nominal bounds (diagnostics)
+    "fp8_pos_unclipped",
+    "fp8_neg_unclipped",
+    "fp8_out_of_range",      # count of tokens whose FP8 log ratio was clamped into an edge bin
+)
+NUM_SCALARS = len(_SCALARS)
+
+
+@dataclass(kw_only=True)
+class CalibConfig:
+    """Calibrated clipping knobs. The trainer owns the state (previous bounds, step counter)."""
+
+    enabled: bool = field(
+        default=True,
+        metadata={"help": "Calibrate the FP8 clip bounds against a BF16 shadow forward. Only "
+                          "meaningful when training runs in FP8."},
+    )
+    interval: int = field(
+        default=20,
+        metadata={"help": "Calibrate every this many optimizer steps (each calibration costs one "
+                          "BF16 shadow forward of pi_old and pi_theta)."},
+    )
+    strategy: Strategy = field(
+        default="balance",
+        metadata={"help": "Upper-bound rule: 'balance' matches BF16's positive/negative update "
+                          "balance; 'shift' keeps the nominal log-width of the clip interval."},
+    )
+    bins: int = field(
+        default=DEFAULT_BINS,
+        metadata={"help": "Histogram bins over log_ratio_range; the bound resolution is "
+                          "(hi - lo) / bins in log ratio (4096 over (-2, 2): ~0.1% in ratio)."},
+    )
+    log_ratio_range: tuple[float, float] = field(
+        default=DEFAULT_LOG_RATIO_RANGE,
+        metadata={"help": "(lo, hi) log-ratio range of the histograms; values outside are "
+                          "clamped into the edge bins. Must contain the safety limits."},
+    )
+    ema_decay: float = field(
+        default=0.5,
+        metadata={"help": "Weight of the previous bounds when smoothing a new calibration "
+                          "(0 = use each calibration as is)."},
+    )
+    lower_limits: tuple[float, float] = field(
+        default=DEFAULT_LOWER_LIMITS,
+        metadata={"help": "(min, max) allowed calibrated lower ratio bound; max < 1 so that an "
+                          "unchanged token (r = 1) is never clipped."},
+    )
+    upper_limits: tuple[float, float] = field(
+        default=DEFAULT_UPPER_LIMITS,
+        metadata={"help": "(min, max) allowed calibrated upper ratio bound; min > 1. The max is "
+                          "also the answer when the BF16 balance is unreachable."},
+    )
+
+    def __post_init__(self) -> None:
+        self.log_ratio_range = tuple(self.log_ratio_range)
+        self.lower_limits = tuple(self.lower_limits)
+        self.upper_limits = tuple(self.upper_limits)
+        if self.interval < 1:
+            raise ValueError(f"CalibConfig.interval={self.interval!r} must be >= 1 "
+                             "(calibrate every `interval` steps; 20 is the paper's default).")
+        if self.ema_decay < 0 or self.ema_decay >= 1:
+            raise ValueError(f"CalibConfig.ema_decay={self.ema_decay!r} must lie in [0, 1); "
+                             "use 0 to disable smoothing.")
+        check_solver_args(strategy=self.strategy, bins=self.bins,
+                          log_ratio_range=self.log_ratio_range, lower_limits=self.lower_limits,
+                          upper_limits=self.upper_limits, owner="CalibConfig.")
+
+    def solver_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for :func:`calibrated_clip_bounds` taken from this config."""
+        d = asdict(self)
+        return {k: d[k] for k in ("strategy", "bins", "log_ratio_range", "lower_limits",
+                                  "upper_limits")}
+
+
+def check_solver_args(
+    *,
+    strategy: str,
+    bins: int,
+    log_ratio_range: tuple[float, float],
+    lower_limits: tuple[float, float],
+    upper_limits: tuple[float, float],
+    owner: str = "",
+) -> None:
+    """Validate the calibration solver arguments; errors name ``owner + field``."""
+    if strategy not in ("balance", "shift"):
+        raise ValueError(f"{owner}strategy={strategy!r} is not supported; use 'balance' "
+                         "(default) or 'shift'.")
+    if not isinstance(bins, int) or bins < 16:
+        raise ValueError(f"{owner}bins={bins!r} must be an int >= 16 (4096 is a good default).")
+    lo, hi = log_ratio_range
+    if not lo < 0 < hi:
+        raise ValueError(f"{owner}log_ratio_range={log_ratio_range!r} must satisfy lo < 0 < hi "
+                         "(e.g. (-2.0, 2.0)); it is a range of log ratios.")
+    min_l, max_l = lower_limits
+    if not 0 < min_l <= max_l < 1:
+        raise ValueError(f"{owner}lower_limits={lower_limits!r} must satisfy "
+                         "0 < min <= max < 1 (e.g. (0.5, 0.999)).")
+    min_u, max_u = upper_limits
+    if not 1 < min_u <= max_u:
+        raise ValueError(f"{owner}upper_limits={upper_limits!r} must satisfy 1 < min <= max "
+                         "(e.g. (1.001, 3.0)).")
+    if math.log(min_l) <= lo or math.log(max_u) >= hi:
+        raise ValueError(f"{owner}log_ratio_range={log_ratio_range!r} must strictly contain the "
+                         f"log of the limits (lower_limits={lower_limits!r}, "
+                         f"upper_limits={upper_limits!r}); widen the range or tighten the limits.")
+
+
+def _check_eps(eps_low: float, eps_high: float) -> None:
+    if not 0 < eps_low < 1 or not eps_high > 0:
+        raise ValueError(f"eps_low={eps_low!r}, eps_high={eps_high!r} must satisfy "
+                         "0 < eps_low < 1 and eps_high > 0 (the nominal bounds are "
+                         "1 - eps_low and 1 + eps_high).")
+
+
+def ema_bounds(
+    prev: tuple[float, float] | None,
+    new: tuple[float, float],
+    decay: float,
+) -> tuple[float, float]:
+    """Exponential moving average of (lower, upper): ``decay * prev + (1 - decay) * new``.
+
+    ``prev=None`` (the first calibration) returns ``new``. The average of bounds that respect the
+    safety limits respects them too, so no clamp is needed afterwards.
+    """
+    if prev is None:
+        return float(new[0]), float(new[1])
+    return (decay * prev[0] + (1 - decay) * new[0], decay * prev[1] + (1 - decay) * new[1])
+
+
+def _token_views(
+    fp8_log_ratio: torch.Tensor,
+    bf16_log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """(x8, x16, adv, neg, pos): float log ratios, advantages and the token sets per sign.
+
+    ``adv`` stays [B, 1] when advantages are per sequence: it broadcasts, so |A| and the sign tests
+    cost B operations instead of B * T.
+    """
+    if advantages.dim() == 1 and fp8_log_ratio.dim() == 2:
+        advantages = advantages.unsqueeze(-1)
+    adv = advantages.detach().float()
+    mask_b = mask.bool()
+    # Padding may hold NaN or -inf log-probs (e.g. -inf - -inf); zero the ignored tokens so they
+    # cannot poison a sum (NaN * 0 is NaN) or produce an invalid bin index.
+    x8 = fp8_log_ratio.detach().float().masked_fill(~mask_b, 0.0)
+    x16 = bf16_log_ratio.detach().float().masked_fill(~mask_b, 0.0)
+    return x8, x16, adv, mask_b & (adv < 0), mask_b & (adv > 0)
+
+
+@torch.no_grad()
+def build_calibration_histogram(
+    fp8_log_ratio: torch.Tensor,
+    bf16_log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    *,
+    bins: int = DEFAULT_BINS,
+    log_ratio_range: tuple[float, float] = DEFAULT_LOG_RATIO_RANGE,
+) -> torch.Tensor:
+    """This rank's calibration statistics as one flat float64 tensor (merge by summing).
+
+    Layout (``bins`` = b)::
+
+        [0, b)      FP8 log-ratio token counts, A < 0
+        [b, 2b)     FP8 log-ratio token counts, A > 0
+        [2b, 3b)    FP8 sum of |A| * r, A < 0
+        [3b, 4b)    FP8 sum of |A| * r, A > 0
+        [4b, 4b+7)  exact sums at the nominal bounds (see ``_SCALARS``)
+
+    Inputs are [B, T] (advantages may be [B]); the tensor stays on the inputs' device and no
+    host sync happens here. Log ratios must be finite on response tokens (+-inf is tolerated and
+    lands in an edge bin); padding may hold anything.
+    """
+    x8, x16, adv, neg, pos = _token_views(fp8_log_ratio, bf16_log_ratio, advantages, mask)
+    valid = neg | pos
+    abs_a = adv.abs()
+    log_lower, log_upper = math.log1p(-eps_low), math.log1p(eps_high)
+    lo, hi = log_ratio_range
+    # |A| * r of every counted token, zero elsewhere. The clamp keeps exp() finite (an inf times a
+    # zero mask would be NaN); in-place ops keep the number of 1M-token temporaries low.
+    w8 = x8.clamp(max=20.0).exp_().mul_(abs_a).mul_(valid)
+    w16 = x16.clamp(max=20.0).exp_().mul_(abs_a).mul_(valid)
+
+    packed = torch.zeros(4 * bins + NUM_SCALARS, dtype=torch.float64, device=x8.device)
+    # Negative-advantage tokens go to slot 0, positive to slot 1; ignored tokens add zero to
+    # whichever slot, which is cheaper than filtering them out (and filtering would sync on GPU).
+    slot = bins * (adv > 0).long()
+    idx = (bin_index(x8, bins, log_ratio_range) + slot).flatten()
+    packed[: 2 * bins].index_add_(0, idx, valid.flatten().to(torch.float64))
+    packed[2 * bins: 4 * bins].index_add_(0, idx, w8.flatten().to(torch.float64))
+
+    def total(t: torch.Tensor) -> torch.Tensor:
+        return t.sum(dtype=torch.float64)
+
+    below8, below16 = x8 < log_lower, x16 < log_lower
+    packed[4 * bins:] = torch.stack([
+        total(neg & below16),
+        total(w16 * (pos & (x16 <= log_upper))),
+        total(w16 * (neg & ~below16)),
+        total(neg & below8),
+        total(w8 * (pos & (x8 <= log_upper))),
+        total(w8 * (neg & ~below8)),
+        total(valid & ((x8 < lo) | (x8 > hi))),
+    ])
+    return packed
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else math.nan
+
+
+def _clamp(x: float, limits: tuple[float, float]) -> float:
+    return min(max(x, limits[0]), limits[1])
+
+
+def bounds_from_histogram(
+    packed: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    *,
+    strategy: Strategy = "balance",
+    bins: int = DEFAULT_BINS,
+    log_ratio_range: tuple[float, float] = DEFAULT_LOG_RATIO_RANGE,
+    lower_limits: tuple[float, float] = DEFAULT_LOWER_LIMITS,
+    upper_limits: tuple[float, float] = DEFAULT_UPPER_LIMITS,
+) -> tuple[float, float, dict[str, float]]:
+    """Read the calibrated (lower, upper) ratio bounds from a (merged) packed histogram.
+
+    Edge cases, each chosen so the answer degrades to the nominal behaviour:
+
+    * no negative-advantage tokens: lower = nominal 1 - eps_low (there is nothing to calibrate);
+    * q = 0 (BF16 clips no negative token): lower = min(nominal, left edge of the lowest non-empty
+      FP8 bin), i.e. FP8 clips none either, loosening past nominal only as far as needed;
+    * ``balance`` without positive tokens, or with no unclipped BF16 negative mass (balance
+      undefined): upper = nominal 1 + eps_high;
+    * ``balance`` unreachable (even unclipping every positive token gives too little mass):
+      upper = ``upper_limits[1]``.
+
+    Both bounds are finally clamped to ``lower_limits`` / ``upper_limits``; the balance is solved
+    with the clamped lower bound. Returns ``(lower, upper, stats)`` with Python floats.
+    """
+    _check_eps(eps_low, eps_high)
+    check_solver_args(strategy=strategy, bins=bins, log_ratio_range=log_ratio_range,
+                      lower_limits=lower_limits, upper_limits=upper_limits)
+    if packed.numel() != 4 * bins + NUM_SCALARS:
+        raise ValueError(f"packed histogram has {packed.numel()} entries, expected "
+                         f"4 * bins + {NUM_SCALARS} = {4 * bins + NUM_SCALARS} for bins={bins}; "
+                         "pass the bins it was built with.")
+    # The one host sync of a calibration: a few thousand float64 numbers to the CPU, where the
+    # rest is cheap scalar work.
+    packed = packed.detach().to("cpu", torch.float64)
+    neg_cnt, pos_cnt, neg_sum, pos_sum = packed[: 4 * bins].view(4, bins)
+    s = dict(zip(_SCALARS, packed[4 * bins:].tolist()))
+    n_neg, n_pos = float(neg_cnt.sum()), float(pos_cnt.sum())
+    neg_total, pos_total = float(neg_sum.sum()), float(pos_sum.sum())
+    nominal_lower, nominal_upper = 1.0 - eps_low, 1.0 + eps_high
+
+    q = _ratio(s["bf16_neg_below"], n_neg)
+    if n_neg == 0:
+        lower = nominal_lower
+    elif q == 0:
+        lower = min(nominal_lower, math.exp(hist_inverse_mass(neg_cnt, 0.0, log_ratio_range)))
+    else:
+        lower = math.exp(hist_inverse_mass(neg_cnt, q * n_neg, log_ratio_range))
+    lower = _clamp(lower, lower_limits)
+    log_l = math.log(lower)
+
+    def fp8_neg_unclipped(log_lower: float) -> float:
+        return neg_total - hist_mass_below(neg_sum, log_lower, log_ratio_range)
+
+    bf16_balance = _ratio(s["bf16_pos_unclipped"], s["bf16_neg_unclipped"])
+    if strategy == "shift":
+        upper = lower * nominal_upper / nominal_lower
+    elif n_pos == 0 or math.isnan(bf16_balance):
+        upper = nominal_upper
+    else:
+        target = bf16_balance * fp8_neg_unclipped(log_l)
+        if target >= pos_total:
+            upper = upper_limits[1]
+        else:
+            upper = math.exp(hist_inverse_mass(pos_sum, target, log_ratio_range))
+    upper = _clamp(upper, upper_limits)
+    log_u = math.log(upper)
+
+    stats = {
+        "lower": lower,
+        "upper": upper,
+        "bf16_neg_lower_clipfrac": q,
+        "fp8_neg_lower_clipfrac_nominal": _ratio(s["fp8_neg_below"], n_neg),
+        "fp8_neg_lower_clipfrac_calibrated": _ratio(
+            hist_mass_below(neg_cnt, log_l, log_ratio_range), n_neg),
+        "bf16_balance": bf16_balance,
+        "fp8_balance_nominal": _ratio(s["fp8_pos_unclipped"], s["fp8_neg_unclipped"]),
+        "fp8_balance_calibrated": _ratio(hist_mass_below(pos_sum, log_u, log_ratio_range),
+                                         fp8_neg_unclipped(log_l)),
+        "fp8_out_of_range_frac": _ratio(s["fp8_out_of_range"], n_neg + n_pos),
+        "num_neg_tokens": n_neg,
+        "num_pos_tokens": n_pos,
+        "hist_bytes": float(packed.numel() * packed.element_size()),
+    }
+    return lower, upper, stats
+
+
+def calibrated_clip_bounds(
+    fp8_log_ratio: torch.Tensor,
+    bf16_log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    *,
+    strategy: Strategy = "balance",
+    group: Any = None,
+    bins: int = DEFAULT_BINS,
+    log_ratio_range: tuple[float, float] = DEFAULT_LOG_RATIO_RANGE,
+    lower_limits: tuple[float, float] = DEFAULT_LOWER_LIMITS,
+    upper_limits: tuple[float, float] = DEFAULT_UPPER_LIMITS,
+    return_stats: bool = False,
+) -> tuple[float, float] | tuple[float, float, dict[str, float]]:
+    """Calibrated FP8 clip bounds (lower, upper) as Python floats; stateless.
+
+    Args:
+        fp8_log_ratio: [B, T] log pi_theta - log pi_old from the FP8 passes.
+        bf16_log_ratio: [B, T] the same from the BF16 shadow passes on the same tokens.
+        advantages: [B, T] or [B]; mask: [B, T] response mask.
+        eps_low, eps_high: nominal clip epsilons (bounds 1 - eps_low, 1 + eps_high).
+        strategy, bins, log_ratio_range, lower_limits, upper_limits: see :class:`CalibConfig`
+            (``CalibConfig.solver_kwargs()`` gives them).
+        group: a ``torch.distributed`` process group (data-parallel x context-parallel) to merge
+            the histograms over with one all-reduce; ``None`` uses only local tokens. Every rank of
+            the group must call this, and every rank gets the same bounds.
+        return_stats: also return the diagnostics dict of :func:`bounds_from_histogram`
+            (clip shares before/after, balances, ``hist_bytes`` all-reduced per calibration).
+    """
+    _check_eps(eps_low, eps_high)
+    check_solver_args(strategy=strategy, bins=bins, log_ratio_range=log_ratio_range,
+                      lower_limits=lower_limits, upper_limits=upper_limits)
+    packed = build_calibration_histogram(fp8_log_ratio, bf16_log_ratio, advantages, mask,
+                                         eps_low, eps_high, bins=bins,
+                                         log_ratio_range=log_ratio_range)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    lower, upper, stats = bounds_from_histogram(
+        packed, eps_low, eps_high, strategy=strategy, bins=bins, log_ratio_range=log_ratio_range,
+        lower_limits=lower_limits, upper_limits=upper_limits)
+    return (lower, upper, stats) if return_stats else (lower, upper)
+
+
+@torch.no_grad()
+def exact_calibrated_clip_bounds(
+    fp8_log_ratio: torch.Tensor,
+    bf16_log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    *,
+    strategy: Strategy = "balance",
+    lower_limits: tuple[float, float] = DEFAULT_LOWER_LIMITS,
+    upper_limits: tuple[float, float] = DEFAULT_UPPER_LIMITS,
+) -> tuple[float, float]:
+    """Reference for tests: the same bounds from raw tokens, exactly (O(tokens), one process).
+
+    Uses ``torch.quantile`` for the lower bound and a sorted cumulative sum for the balance; the
+    edge-case rules are those of :func:`bounds_from_histogram`, with token values in place of bin
+    edges.
+    """
+    x8, x16, adv, neg, pos = _token_views(fp8_log_ratio, bf16_log_ratio, advantages, mask)
+    x8, x16, abs_a = x8.double(), x16.double(), adv.abs().double()
+    log_lower, log_upper = math.log1p(-eps_low), math.log1p(eps_high)
+    nominal_lower, nominal_upper = 1.0 - eps_low, 1.0 + eps_high
+
+    neg_x8 = x8[neg]
+    if neg_x8.numel() == 0:
+        lower = nominal_lower
+    else:
+        q = float((x16[neg] < log_lower).double().mean())
+        lower = (min(nominal_lower, math.exp(float(neg_x8.min()))) if q == 0
+                 else math.exp(float(torch.quantile(neg_x8, q))))
+    lower = _clamp(lower, lower_limits)
+
+    w8 = abs_a * torch.exp(x8)
+    w16 = abs_a * torch.exp(x16)
+    bf16_neg_unclipped = float(w16[neg & (x16 >= log_lower)].sum())
+    if strategy == "shift":
+        upper = lower * nominal_upper / nominal_lower
+    elif not bool(pos.any()) or bf16_neg_unclipped == 0:
+        upper = nominal_upper
+    else:
+        balance = float(w16[pos & (x16 <= log_upper)].sum()) / bf16_neg_unclipped
+        target = balance * float(w8[neg & (x8 >= math.log(lower))].sum())
+        order = torch.argsort(x8[pos])
+        cum = torch.cumsum(w8[pos][order], dim=0)
+        if target >= float(cum[-1]):
+            upper = upper_limits[1]
+        else:
+            k = int(torch.searchsorted(cum, torch.tensor([target], dtype=cum.dtype)))
+            upper = math.exp(float(x8[pos][order][k]))
+    return lower, _clamp(upper, upper_limits)
