@@ -1,0 +1,79 @@
+"""FP8 numerics for training and rollout: why, and how this package does it.
+
+FP8 halves the bytes of BF16 and doubles tensor-core throughput, but an 8-bit float has very
+little of either precision or range, and the two encodings split them differently:
+
+* **e4m3** (max 448, 3 mantissa bits, <= 2^-4 relative rounding error): weights and activations.
+* **e5m2** (max 57344, 2 mantissa bits, <= 2^-3 relative error): gradients, under the "hybrid"
+  format, because gradients span more decades than they need digits.
+
+Since no real tensor fits [-448, 448] at useful precision, every FP8 tensor carries **scales**:
+``x ~= fp8 * scale_inv``, with ``scale_inv = amax / fp8_max`` over the elements sharing it. The
+*recipe* is the choice of which elements share a scale and when amax is measured:
+
+* ``tensorwise_delayed``: one scale per tensor from a history of past amaxes (no extra pass over
+  the tensor; a spike saturates until the history catches up).
+* ``tensorwise_current``: one scale per tensor from its own amax (robust; one extra reduction).
+* ``rowwise``: one scale per row along the GEMM's contraction dim (per token / per channel).
+* ``blockwise``: 1x128 groups for activations and gradients, 128x128 tiles for weights
+  (DeepSeek-V3; what FP8 rollout engines load as ``weight_scale_inv``).
+* ``mxfp8``: 32-element blocks with power-of-two (E8M0) scales (OCP MX; Blackwell).
+
+Finer scales contain outliers (one large value only coarsens its own group) at the cost of more
+scale bookkeeping. For RL the noise matters beyond loss curves: it enters the importance ratio
+pi_theta / pi_old directly, which is why the loss side calibrates its clip bounds (see ``loss/``).
+
+Where things live: ``config`` (FP8Config, RolloutFP8Config), ``formats`` (constants),
+``quantize`` (fake quant per granularity; real FP8 blockwise weights for rollout),
+``emulation`` (the CPU FP8 linear layer), ``te`` (mapping to Transformer Engine / Megatron).
+Nothing here imports Transformer Engine or Megatron at import time.
+"""
+
+from megatron_rl_fp8.fp8.config import FP8Config, RolloutFP8Config
+from megatron_rl_fp8.fp8.emulation import (
+    DelayedScalingState,
+    FP8LinearEmulator,
+    fp8_linear,
+    quantization_error,
+    quantize_operand,
+)
+from megatron_rl_fp8.fp8.formats import E4M3_MAX, E5M2_MAX, FP8_DTYPES, FP8_MAX
+from megatron_rl_fp8.fp8.quantize import (
+    dequantize_blockwise,
+    dequantize_per_tensor,
+    fake_quant_blocks,
+    fake_quant_groups,
+    fake_quant_mxfp8,
+    fake_quant_rows,
+    fake_quant_tensor,
+    quantize_blockwise,
+    quantize_per_tensor,
+)
+from megatron_rl_fp8.fp8.te import have_te, megatron_fp8_kwargs, should_emulate, te_recipe
+
+__all__ = [
+    "DelayedScalingState",
+    "E4M3_MAX",
+    "E5M2_MAX",
+    "FP8Config",
+    "FP8LinearEmulator",
+    "FP8_DTYPES",
+    "FP8_MAX",
+    "RolloutFP8Config",
+    "dequantize_blockwise",
+    "dequantize_per_tensor",
+    "fake_quant_blocks",
+    "fake_quant_groups",
+    "fake_quant_mxfp8",
+    "fake_quant_rows",
+    "fake_quant_tensor",
+    "fp8_linear",
+    "have_te",
+    "megatron_fp8_kwargs",
+    "quantization_error",
+    "quantize_blockwise",
+    "quantize_operand",
+    "quantize_per_tensor",
+    "should_emulate",
+    "te_recipe",
+]

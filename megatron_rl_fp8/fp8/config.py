@@ -1,0 +1,210 @@
+"""FP8 knobs: one dataclass for the trainer side, one for the rollout side.
+
+The trainer side (``FP8Config``) says how Megatron's linear layers run their GEMMs: which scaling
+recipe, which element formats, and which layers stay in BF16. On a GPU with Transformer Engine it
+maps onto a TE recipe (``te.py``); on a CPU box the same config drives the emulation
+(``emulation.py``). The rollout side (``RolloutFP8Config``) says how synced weights are quantized
+for the serving engine (W8A8 blockwise, DeepSeek-V3 style).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Recipe = Literal[
+    "bf16", "tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise", "mxfp8"
+]
+Format = Literal["e4m3", "hybrid"]
+AmaxComputeAlgo = Literal["max", "most_recent"]
+RolloutWeightQuant = Literal["bf16", "blockwise", "per_tensor"]
+
+RECIPES: tuple[str, ...] = (
+    "bf16", "tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise", "mxfp8"
+)
+FORMATS: tuple[str, ...] = ("e4m3", "hybrid")
+AMAX_COMPUTE_ALGOS: tuple[str, ...] = ("max", "most_recent")
+ROLLOUT_WEIGHT_QUANTS: tuple[str, ...] = ("bf16", "blockwise", "per_tensor")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
+
+
+def _check_non_negative_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}={value!r} is not valid; it must be an integer >= 0")
+
+
+@dataclass(kw_only=True)
+class FP8Config:
+    """How the trainer's linear layers run in FP8 (forward and backward GEMMs)."""
+
+    recipe: Recipe = field(
+        default="bf16",
+        metadata={
+            "help": "Scaling recipe. 'bf16' turns FP8 off. 'tensorwise_delayed': one scale per "
+            "tensor from an amax history (TE DelayedScaling). 'tensorwise_current': one scale per "
+            "tensor from its own amax (TE Float8CurrentScaling). 'rowwise': one scale per row "
+            "along the GEMM contraction dim (emulation only; no TE recipe). 'blockwise': 1x128 "
+            "activation/gradient groups and 128x128 weight blocks (TE Float8BlockScaling, "
+            "DeepSeek-V3). 'mxfp8': 32-element blocks with power-of-two E8M0 scales (Blackwell)."
+        },
+    )
+    format: Format = field(
+        default="e4m3",
+        metadata={
+            "help": "'e4m3' everywhere, or 'hybrid': e4m3 for weights/activations in the forward "
+            "pass and e5m2 (more range, less precision) for gradients in the backward pass."
+        },
+    )
+    amax_history_len: int = field(
+        default=16,
+        metadata={"help": "Delayed scaling: how many past amax values each tensor remembers."},
+    )
+    amax_compute_algo: AmaxComputeAlgo = field(
+        default="max",
+        metadata={
+            "help": "Delayed scaling: derive the scale from the 'max' of the history (safe "
+            "against spikes) or the 'most_recent' entry (tracks drift faster)."
+        },
+    )
+    margin: int = field(
+        default=0,
+        metadata={
+            "help": "Delayed scaling: extra headroom, scale = fp8_max / amax / 2^margin. Raise "
+            "it if amax grows between steps and values saturate."
+        },
+    )
+    bf16_first_layers: int = field(
+        default=0,
+        metadata={"help": "Number of leading transformer layers kept in BF16 (sensitive layers)."},
+    )
+    bf16_last_layers: int = field(
+        default=0,
+        metadata={"help": "Number of trailing transformer layers kept in BF16."},
+    )
+    keep_lm_head_bf16: bool = field(
+        default=True,
+        metadata={
+            "help": "Keep the output projection (LM head) in BF16: its logits feed the log "
+            "ratios directly, so FP8 noise there lands straight in the importance ratio. "
+            "Megatron's TE path never runs the LM head in FP8, so False is emulation-only."
+        },
+    )
+    emulate: bool = field(
+        default=False,
+        metadata={
+            "help": "Force the pure-PyTorch FP8 emulation even where Transformer Engine and a "
+            "GPU exist (numerics debugging, CI parity checks). Always on without TE."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        _check_choice("FP8Config.recipe", self.recipe, RECIPES)
+        _check_choice("FP8Config.format", self.format, FORMATS)
+        _check_choice("FP8Config.amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS)
+        if (
+            not isinstance(self.amax_history_len, int)
+            or isinstance(self.amax_history_len, bool)
+            or self.amax_history_len < 1
+        ):
+            raise ValueError(
+                f"FP8Config.amax_history_len={self.amax_history_len!r} is not valid; "
+                "it must be an integer >= 1 (1 = use only the previous step's amax)"
+            )
+        _check_non_negative_int("FP8Config.margin", self.margin)
+        _check_non_negative_int("FP8Config.bf16_first_layers", self.bf16_first_layers)
+        _check_non_negative_int("FP8Config.bf16_last_layers", self.bf16_last_layers)
+        # Megatron-Core rejects this pair in TransformerConfig; catching it here means the error
+        # appears at config load, before any process group or model exists.
+        bf16_edges = self.bf16_first_layers or self.bf16_last_layers
+        if self.recipe == "tensorwise_delayed" and bf16_edges:
+            raise ValueError(
+                "FP8Config.bf16_first_layers/bf16_last_layers="
+                f"{self.bf16_first_layers}/{self.bf16_last_layers} is not supported with "
+                "recipe='tensorwise_delayed' (Megatron-Core forbids BF16 first/last layers under "
+                "delayed scaling); use recipe='tensorwise_current' or set both to 0"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """True when any GEMM runs in FP8 (recipe is not 'bf16')."""
+        return self.recipe != "bf16"
+
+    @property
+    def grad_format(self) -> str:
+        """Element format for gradients in the backward pass: e5m2 under 'hybrid', else e4m3."""
+        return "e5m2" if self.format == "hybrid" else "e4m3"
+
+    def layer_uses_fp8(self, layer_number: int, num_layers: int) -> bool:
+        """Whether transformer layer ``layer_number`` (1-based, Megatron's convention) runs FP8.
+
+        The first ``bf16_first_layers`` and last ``bf16_last_layers`` layers stay in BF16.
+        """
+        if not 1 <= layer_number <= num_layers:
+            raise ValueError(
+                f"layer_number={layer_number} is outside 1..num_layers={num_layers}; "
+                "pass Megatron's 1-based global layer number"
+            )
+        if not self.enabled:
+            return False
+        return self.bf16_first_layers < layer_number <= num_layers - self.bf16_last_layers
+
+
+@dataclass(kw_only=True)
+class RolloutFP8Config:
+    """How synced weights are quantized for the rollout engine (W8A8, e4m3)."""
+
+    weight_quant: RolloutWeightQuant = field(
+        default="blockwise",
+        metadata={
+            "help": "'blockwise': one float32 scale per weight_block tile (what SGLang/vLLM read "
+            "as 'weight_scale_inv'); 'per_tensor': one scale per weight; 'bf16': no FP8 rollout."
+        },
+    )
+    weight_block: tuple[int, int] = field(
+        default=(128, 128),
+        metadata={
+            "help": "Weight tile (rows, cols) sharing one scale. Serving kernels expect "
+            "(128, 128); other sizes are for numerics studies."
+        },
+    )
+    pow2_scale: bool = field(
+        default=False,
+        metadata={
+            "help": "Round each weight scale_inv up to a power of two. Exact rescaling and "
+            "matches TE's default blockwise scales; costs up to one bit of precision."
+        },
+    )
+    act_group: int = field(
+        default=128,
+        metadata={"help": "Activation group size along the hidden dim (1 x act_group scales)."},
+    )
+
+    def __post_init__(self) -> None:
+        _check_choice("RolloutFP8Config.weight_quant", self.weight_quant, ROLLOUT_WEIGHT_QUANTS)
+        block = tuple(self.weight_block) if isinstance(self.weight_block, (list, tuple)) else None
+        if (
+            block is None
+            or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)
+        ):
+            raise ValueError(
+                f"RolloutFP8Config.weight_block={self.weight_block!r} is not valid; "
+                "give two positive integers, e.g. (128, 128)"
+            )
+        # YAML gives lists; normalise so equality and hashing behave.
+        self.weight_block = block  # type: ignore[assignment]
+        group = self.act_group
+        if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+            raise ValueError(
+                f"RolloutFP8Config.act_group={self.act_group!r} is not valid; "
+                "it must be a positive integer (128 for serving kernels)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """True when rollout weights are sent as FP8 (weight_quant is not 'bf16')."""
+        return self.weight_quant != "bf16"

@@ -1,0 +1,330 @@
+"""Emulated FP8 linear layers: the CPU stand-in for Transformer Engine's FP8 GEMMs.
+
+A linear layer runs three GEMMs per step, and under FP8 each one reads FP8 operands:
+
+    fprop  y  = x  @ W^T     contraction over K (hidden in)     operands x [T,K], W [N,K]
+    dgrad  dx = dy @ W       contraction over N (hidden out)    operands dy [T,N], W [N,K]
+    wgrad  dW = dy^T @ x     contraction over T (tokens)        operands dy [T,N], x [T,K]
+
+The rule that decides how each operand is quantized: **scales must be shared along the
+contraction dimension** of the GEMM the operand feeds, because only then does a scale factor out
+of every partial dot product and can be applied once in the epilogue. So the same tensor is
+quantized differently for different GEMMs (TE keeps a "rowwise" and a "columnwise" FP8 copy):
+
+=====================  ==================  ===========================  =====================
+recipe                 x (fprop / wgrad)   W (fprop / dgrad)            dy (dgrad / wgrad)
+=====================  ==================  ===========================  =====================
+tensorwise_delayed     one scale, from the amax history of that tensor (see DelayedScalingState)
+tensorwise_current     one scale, from the tensor's own amax
+rowwise                per row along K/T   per row along K/N            per row along N/T
+blockwise              1x128 along K/T     128x128 tiles (both GEMMs)   1x128 along N/T
+mxfp8                  32 along K/T        32 along K/N                 32 along N/T
+=====================  ==================  ===========================  =====================
+
+Forward operands are e4m3. Gradients are e5m2 under the "hybrid" format (more range, since
+gradients span many decades) and e4m3 otherwise. The emulation dequantizes every operand to
+float32 and multiplies in float32, so the result equals what an FP8 tensor core computes up to
+accumulation order. Bias is added in float32 (TE adds it in the GEMM epilogue, not in FP8), and
+the bias gradient is the float32 sum of the unquantized output gradient.
+
+Delayed scaling in the emulation departs from TE in one place: TE starts with scale 1 before any
+amax is recorded, so its first step may saturate; here the first step uses the tensor's own amax.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl_fp8.fp8.config import FP8Config
+from megatron_rl_fp8.fp8.formats import FP8_MAX, check_format
+from megatron_rl_fp8.fp8.quantize import (
+    compute_scale_inv,
+    fake_quant_blocks,
+    fake_quant_groups,
+    fake_quant_mxfp8,
+    fake_quant_rows,
+    fake_quant_tensor,
+)
+
+__all__ = [
+    "BLOCK_GROUP",
+    "BLOCK_WEIGHT",
+    "MX_BLOCK",
+    "DelayedScalingState",
+    "FP8LinearEmulator",
+    "fp8_linear",
+    "quantize_operand",
+    "quantization_error",
+]
+
+BLOCK_GROUP = 128
+"""Group size of 1D (1x128) activation / gradient scales under the blockwise recipe."""
+BLOCK_WEIGHT = (128, 128)
+"""Weight tile under the blockwise recipe."""
+MX_BLOCK = 32
+"""Elements per E8M0 scale under MXFP8."""
+
+OperandRole = Literal["input", "weight", "grad_output"]
+_ROLES = ("input", "weight", "grad_output")
+
+
+class DelayedScalingState:
+    """Amax history of one tensor (input, weight or output gradient of one layer).
+
+    Delayed scaling picks this step's scale from *past* amaxes, so the GEMM need not wait for a
+    reduction over the tensor it is about to quantize (on a GPU that saves a pass over memory).
+    The history lives on the tensor's device and is never read on the host, so updating it does
+    not force a CPU-GPU sync.
+    """
+
+    def __init__(self, history_len: int = 16, compute_algo: str = "max", margin: int = 0):
+        if history_len < 1:
+            raise ValueError(f"history_len={history_len} is not valid; it must be >= 1")
+        if compute_algo not in ("max", "most_recent"):
+            raise ValueError(
+                f"compute_algo={compute_algo!r} is not valid; use 'max' or 'most_recent'"
+            )
+        self.history_len = history_len
+        self.compute_algo = compute_algo
+        self.margin = margin
+        self.history: torch.Tensor | None = None  # float32 ring buffer [history_len]
+        self.num_updates = 0
+
+    def amax(self) -> torch.Tensor | None:
+        """The amax the next scale is derived from, or None before the first update."""
+        if self.history is None or self.num_updates == 0:
+            return None
+        if self.compute_algo == "most_recent":
+            return self.history[(self.num_updates - 1) % self.history_len]
+        filled = min(self.num_updates, self.history_len)
+        return self.history[:filled].max()
+
+    def scale_inv(self, fmt: str) -> torch.Tensor | None:
+        """``amax * 2^margin / fp8_max`` from the history (None before the first update)."""
+        amax = self.amax()
+        if amax is None:
+            return None
+        return compute_scale_inv(amax * (2.0**self.margin), fmt)
+
+    def update(self, amax: torch.Tensor) -> None:
+        """Record this step's amax (a 0-d tensor), overwriting the oldest entry."""
+        amax = amax.detach().float().reshape(())
+        if self.history is None or self.history.device != amax.device:
+            self.history = torch.zeros(self.history_len, dtype=torch.float32, device=amax.device)
+        self.history[self.num_updates % self.history_len] = amax
+        self.num_updates += 1
+
+    def scale_inv_then_update(self, t: torch.Tensor, fmt: str) -> torch.Tensor:
+        """Scale for quantizing ``t`` now (from history; t's own amax on the first step), then
+        record t's amax, in TE's order."""
+        amax_now = t.detach().abs().amax().float()
+        s = self.scale_inv(fmt)
+        if s is None:
+            s = compute_scale_inv(amax_now * (2.0**self.margin), fmt)
+        self.update(amax_now)
+        return s
+
+
+def quantize_operand(
+    t: torch.Tensor,
+    recipe: str,
+    role: OperandRole,
+    dim: int,
+    fmt: str = "e4m3",
+    *,
+    scale_inv: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Fake-quantize one GEMM operand as ``recipe`` prescribes; float32 out, no autograd.
+
+    ``dim`` is the contraction dim of the GEMM the operand feeds (scales are shared along it).
+    ``scale_inv`` is used by the tensorwise recipes when given (delayed scaling); otherwise the
+    tensor's own amax sets the scale. "bf16" rounds to bfloat16 (the unquantized baseline).
+    """
+    if role not in _ROLES:
+        raise ValueError(f"role={role!r} is not valid; choose one of {list(_ROLES)}")
+    check_format(fmt)
+    with torch.no_grad():
+        t = t.detach()
+        if recipe == "bf16":
+            return t.to(torch.bfloat16).float()
+        if recipe in ("tensorwise_delayed", "tensorwise_current"):
+            return fake_quant_tensor(t.float(), fmt, scale_inv=scale_inv)
+        if recipe == "rowwise":
+            return fake_quant_rows(t.float(), fmt, dim=dim)
+        if recipe == "blockwise":
+            if role == "weight":
+                # 128x128 tiles are symmetric under transpose: one copy serves fprop and dgrad.
+                return fake_quant_blocks(t.float(), BLOCK_WEIGHT, fmt)
+            return fake_quant_groups(t.float(), BLOCK_GROUP, fmt, dim=dim)
+        if recipe == "mxfp8":
+            return fake_quant_mxfp8(t.float(), fmt, dim=dim, block=MX_BLOCK)
+    raise ValueError(
+        f"recipe={recipe!r} is not valid; choose one of 'bf16', 'tensorwise_delayed', "
+        "'tensorwise_current', 'rowwise', 'blockwise', 'mxfp8'"
+    )
+
+
+class _FP8LinearFn(torch.autograd.Function):
+    """y = q(x) @ q(W)^T + b with FP8-quantized backward GEMMs (see module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, emulator: FP8LinearEmulator):  # noqa: D102
+        recipe = emulator.config.recipe
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        sx = sw = None
+        if recipe == "tensorwise_delayed":
+            sx = emulator.input_state.scale_inv_then_update(x2, "e4m3")
+            sw = emulator.weight_state.scale_inv_then_update(weight, "e4m3")
+        qx = quantize_operand(x2, recipe, "input", dim=-1, fmt="e4m3", scale_inv=sx)
+        qw = quantize_operand(weight, recipe, "weight", dim=-1, fmt="e4m3", scale_inv=sw)
+        y = qx @ qw.t()
+        if bias is not None:
+            y = y + bias.detach().float()
+        ctx.emulator = emulator
+        ctx.x_shape = x.shape
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.per_tensor = recipe in ("tensorwise_delayed", "tensorwise_current")
+        if ctx.per_tensor:
+            # One scale per tensor is the same along every dim: the backward GEMMs reuse the
+            # forward FP8 operands (and, for delayed scaling, the forward scales) as TE does.
+            ctx.save_for_backward(qx, qw)
+        else:
+            ctx.save_for_backward(x2.detach(), weight.detach())
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        emulator: FP8LinearEmulator = ctx.emulator
+        recipe = emulator.config.recipe
+        gfmt = emulator.config.grad_format
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        a, w = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1]).float()
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+
+        sg = None
+        if recipe == "tensorwise_delayed":
+            sg = emulator.grad_state.scale_inv_then_update(g2, gfmt)
+
+        dx = dw = db = None
+        if ctx.per_tensor:
+            qg = quantize_operand(g2, recipe, "grad_output", dim=-1, fmt=gfmt, scale_inv=sg)
+            if need_dx:
+                dx = qg @ w
+            if need_dw:
+                dw = qg.t() @ a
+        else:
+            if need_dx:  # dgrad: contraction over N (dim -1 of dy, dim 0 of W)
+                qg_n = quantize_operand(g2, recipe, "grad_output", dim=-1, fmt=gfmt)
+                qw_n = quantize_operand(w, recipe, "weight", dim=0, fmt="e4m3")
+                dx = qg_n @ qw_n
+            if need_dw:  # wgrad: contraction over tokens T (dim 0 of dy and of x)
+                qg_t = quantize_operand(g2, recipe, "grad_output", dim=0, fmt=gfmt)
+                qx_t = quantize_operand(a, recipe, "input", dim=0, fmt="e4m3")
+                dw = qg_t.t() @ qx_t
+        if need_db:
+            db = g2.sum(dim=0).to(b_dtype)
+        if dx is not None:
+            dx = dx.to(x_dtype).reshape(ctx.x_shape)
+        if dw is not None:
+            dw = dw.to(w_dtype)
+        return dx, dw, db, None
+
+
+class FP8LinearEmulator:
+    """Per-layer FP8 GEMM emulation: ``emulator(x, weight, bias) -> y``.
+
+    Holds the delayed-scaling amax histories of one linear layer, so create one per layer (a
+    Megatron linear wrapper owns it). ``enabled=False`` (or recipe "bf16") gives a plain
+    ``F.linear`` (BF16 first/last layers, the LM head).
+    """
+
+    def __init__(self, config: FP8Config, *, enabled: bool = True):
+        self.config = config
+        self.enabled = enabled and config.enabled
+        make = lambda: DelayedScalingState(  # noqa: E731
+            config.amax_history_len, config.amax_compute_algo, config.margin
+        )
+        self.input_state = make()
+        self.weight_state = make()
+        self.grad_state = make()
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not self.enabled:
+            return F.linear(x, weight, bias)
+        if x.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"x has {x.shape[-1]} features but weight is {tuple(weight.shape)} ([out, in])"
+            )
+        return _FP8LinearFn.apply(x, weight, bias, self)
+
+    def __repr__(self) -> str:
+        return (
+            f"FP8LinearEmulator(recipe={self.config.recipe!r}, "
+            f"format={self.config.format!r}, enabled={self.enabled})"
+        )
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    recipe_state: FP8LinearEmulator,
+) -> torch.Tensor:
+    """Functional form of :class:`FP8LinearEmulator` (``recipe_state`` holds config + history)."""
+    return recipe_state(x, weight, bias)
+
+
+def quantization_error(
+    tensor: torch.Tensor, recipe: str, *, role: OperandRole = "weight", fmt: str = "e4m3"
+) -> dict[str, float]:
+    """How much ``recipe`` distorts ``tensor`` (quantized for the forward GEMM, along dim -1).
+
+    Keys: ``rel_error`` (||q - x|| / ||x||), ``max_abs_error``, ``amax``, ``underflow_frac``
+    (share of nonzero elements flushed to zero: the outlier damage fine scales prevent) and
+    ``saturated_frac`` (share hitting +-fp8_max at the scaled level; only MXFP8 can clip).
+    Returns Python floats, which costs one host sync: call it on metric steps only.
+    """
+    x = tensor.detach().float()
+    if x.dim() == 0 or x.numel() == 0:
+        raise ValueError(f"quantization_error needs a non-empty tensor, got shape {tuple(x.shape)}")
+    q = quantize_operand(x, recipe, role, dim=-1, fmt=fmt)
+    diff = q - x
+    norm = x.norm()
+    nonzero = x != 0
+    n_nonzero = nonzero.sum().clamp_min(1)
+    rel = diff.norm() / norm.clamp_min(torch.finfo(torch.float32).tiny)
+    saturated = _mx_saturated(x, fmt).sum() if recipe == "mxfp8" else x.new_zeros(())
+    stats = torch.stack(
+        [
+            rel,
+            diff.abs().max(),
+            x.abs().max(),
+            (nonzero & (q == 0)).sum() / n_nonzero,
+            saturated / x.numel(),
+        ]
+    )
+    rel, max_abs, amax, underflow, sat = stats.tolist()  # the one host sync
+    return {
+        "rel_error": rel,
+        "max_abs_error": max_abs,
+        "amax": amax,
+        "underflow_frac": underflow,
+        "saturated_frac": sat,
+    }
+
+
+def _mx_saturated(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Mask (over padded MX blocks) of elements whose scaled magnitude exceeds fp8_max."""
+    n = x.shape[-1]
+    pad = (-n) % MX_BLOCK
+    xp = F.pad(x, (0, pad)) if pad else x
+    xv = xp.reshape(*xp.shape[:-1], -1, MX_BLOCK).abs()
+    scale_inv = compute_scale_inv(xv.amax(dim=-1, keepdim=True), fmt, mode="mx")
+    return xv / scale_inv > FP8_MAX[fmt]

@@ -1,0 +1,164 @@
+"""Mapping FP8Config onto Transformer Engine recipes and Megatron-Core TransformerConfig kwargs.
+
+Pure functions: nothing here runs a GEMM, and Transformer Engine / Megatron are imported only
+inside the functions that need them, so the mapping is unit-testable on a CPU box.
+
+=====================  ==========================  =============================
+FP8Config.recipe       TE recipe class             Megatron ``fp8_recipe``
+=====================  ==========================  =============================
+tensorwise_delayed     DelayedScaling              "delayed"
+tensorwise_current     Float8CurrentScaling        "tensorwise"
+blockwise              Float8BlockScaling          "blockwise"
+mxfp8                  MXFP8BlockScaling           "mxfp8"
+rowwise                (none)                      (none): emulation only
+=====================  ==========================  =============================
+
+``format`` maps to TE's ``Format.E4M3`` / ``Format.HYBRID`` and Megatron's ``fp8="e4m3"`` /
+``"hybrid"``. TE's Float8BlockScaling uses power-of-two scales by default (unless
+``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``); the emulation uses exact ``amax/448`` scales, which
+differ from TE's by less than one bit of precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Any
+
+import torch
+
+from megatron_rl_fp8.fp8.config import FP8Config
+
+__all__ = [
+    "INSTALL_HINT",
+    "MEGATRON_RECIPE_NAMES",
+    "have_te",
+    "megatron_fp8_kwargs",
+    "should_emulate",
+    "te_recipe",
+]
+
+INSTALL_HINT = "pip install megatron-rl-fp8[gpu]"
+
+MEGATRON_RECIPE_NAMES: dict[str, str] = {
+    "tensorwise_delayed": "delayed",
+    "tensorwise_current": "tensorwise",
+    "blockwise": "blockwise",
+    "mxfp8": "mxfp8",
+}
+"""FP8Config.recipe -> Megatron-Core's ``TransformerConfig.fp8_recipe`` name."""
+
+
+def have_te() -> bool:
+    """Whether Transformer Engine is importable (checked without importing it: TE's import
+    initialises CUDA and is slow)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def should_emulate(config: FP8Config) -> bool:
+    """True when FP8 must run through the PyTorch emulation instead of TE: asked for via
+    ``config.emulate``, no CUDA device, no Transformer Engine, or a recipe TE lacks (rowwise)."""
+    if not config.enabled:
+        return False
+    return (
+        config.emulate
+        or config.recipe == "rowwise"
+        or not torch.cuda.is_available()
+        or not have_te()
+    )
+
+
+def _require_te_mappable(config: FP8Config, what: str) -> None:
+    if not config.enabled:
+        raise ValueError(
+            f"FP8Config.recipe='bf16' has no {what}: FP8 is off. Check FP8Config.enabled first"
+        )
+    if config.recipe == "rowwise":
+        raise ValueError(
+            f"FP8Config.recipe='rowwise' has no {what} (Transformer Engine has no per-row FP8 "
+            "recipe); it runs only in emulation (FP8Config.emulate=True). On GPU use "
+            "'blockwise' (finer, 1x128) or 'tensorwise_current'"
+        )
+
+
+def te_recipe(config: FP8Config) -> Any:
+    """The Transformer Engine recipe object for ``config`` (for ``te.fp8_autocast``).
+
+    Raises ValueError for 'bf16' / 'rowwise' and ImportError (with the install command) when
+    Transformer Engine is not installed.
+    """
+    _require_te_mappable(config, "Transformer Engine recipe")
+    try:
+        from transformer_engine.common import recipe as te_recipes
+    except (ImportError, OSError) as e:  # OSError: TE installed but its CUDA libraries absent
+        raise ImportError(
+            f"FP8Config.recipe={config.recipe!r} on the Transformer Engine path needs "
+            f"transformer_engine (GPU only): `{INSTALL_HINT}`. On CPU, set FP8Config.emulate=True "
+            f"to use the PyTorch emulation. (Import error: {e})"
+        ) from e
+    fmt = te_recipes.Format.HYBRID if config.format == "hybrid" else te_recipes.Format.E4M3
+    if config.recipe == "tensorwise_delayed":
+        return te_recipes.DelayedScaling(
+            fp8_format=fmt,
+            amax_history_len=config.amax_history_len,
+            amax_compute_algo=config.amax_compute_algo,
+            margin=config.margin,
+        )
+    if config.recipe == "tensorwise_current":
+        return te_recipes.Float8CurrentScaling(fp8_format=fmt)
+    if config.recipe == "blockwise":
+        return te_recipes.Float8BlockScaling(fp8_format=fmt)
+    if config.recipe == "mxfp8":
+        return te_recipes.MXFP8BlockScaling(fp8_format=fmt)
+    raise AssertionError(f"unhandled recipe {config.recipe!r}")  # FP8Config validated it
+
+
+def _transformer_config_fields() -> set[str]:
+    from megatron.core.transformer import TransformerConfig
+
+    return {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
+def megatron_fp8_kwargs(
+    config: FP8Config, *, available_fields: set[str] | None = None
+) -> dict[str, Any]:
+    """Megatron-Core ``TransformerConfig`` kwargs for ``config`` (TE path).
+
+    ``{"fp8": None}`` when FP8 is off. ``available_fields`` defaults to the installed
+    TransformerConfig's fields; BF16 first/last layers need ``first_last_layers_bf16`` and
+    ``num_layers_at_{start,end}_in_bf16`` (Megatron-Core >= 0.13) and raise ValueError without.
+    """
+    if not config.enabled:
+        return {"fp8": None}
+    _require_te_mappable(config, "Megatron-Core fp8_recipe")
+    if not config.keep_lm_head_bf16:
+        raise ValueError(
+            "FP8Config.keep_lm_head_bf16=False is emulation-only: Megatron-Core's output layer "
+            "is not a Transformer Engine module and always runs in BF16. Set it to True, or "
+            "FP8Config.emulate=True"
+        )
+    fields = _transformer_config_fields() if available_fields is None else available_fields
+    kwargs: dict[str, Any] = {
+        "fp8": config.format,
+        "fp8_recipe": MEGATRON_RECIPE_NAMES[config.recipe],
+        "fp8_margin": config.margin,
+        "fp8_amax_history_len": config.amax_history_len,
+        "fp8_amax_compute_algo": config.amax_compute_algo,
+    }
+    bf16_layers = {
+        "first_last_layers_bf16": bool(config.bf16_first_layers or config.bf16_last_layers),
+        "num_layers_at_start_in_bf16": config.bf16_first_layers,
+        "num_layers_at_end_in_bf16": config.bf16_last_layers,
+    }
+    if bf16_layers["first_last_layers_bf16"]:
+        missing = sorted(k for k in bf16_layers if k not in fields)
+        if missing:
+            raise ValueError(
+                "FP8Config.bf16_first_layers/bf16_last_layers="
+                f"{config.bf16_first_layers}/{config.bf16_last_layers} need Megatron-Core's "
+                f"{missing} (Megatron-Core >= 0.13); upgrade megatron-core or set both to 0"
+            )
+        kwargs.update(bf16_layers)
+    elif "first_last_layers_bf16" in fields:
+        kwargs["first_last_layers_bf16"] = False
+    return kwargs
