@@ -88,7 +88,14 @@ def parse_override(text: str) -> tuple[str, object]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value (e.g. train.steps=5)")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw)
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):
+        # YAML 1.1 reads "1e-3" (no dot) as a string; users mean the number.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    return key.strip(), value
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:

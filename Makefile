@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine: `make run` (the tiny CPU job) and `make test`.
+# Both create .venv once (idempotent: re-running reinstalls only when setup.py changes).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CONFIG ?= examples/tiny_cpu.yaml
+
+.PHONY: install run test test-all clean
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU boxes: pin the local CPU build of torch first, so no CUDA torch is pulled in.
+	# GPU clusters (nvidia-smi present) keep their CUDA torch.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m megatron_rl_fp8 train $(CONFIG) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m ""
+
+clean:
+	rm -rf runs
