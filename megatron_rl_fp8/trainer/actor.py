@@ -146,11 +146,13 @@ class Actor:
         return out, float(grad_norm if grad_norm is not None else float("nan")), bool(ok)
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def sharded_state_dict(self, *, with_optimizer: bool) -> dict:
+    def sharded_state_dict(self, *, with_optimizer: bool, is_loading: bool = False) -> dict:
         model_sd = self.module.sharded_state_dict()
         sd = {"model": model_sd}
         if with_optimizer:
-            sd["optimizer"] = self.optimizer.sharded_state_dict(model_sd)
+            # is_loading makes Megatron allocate the (still empty) Adam state first, so the loaded
+            # exp_avg / exp_avg_sq have somewhere to go; without it they are silently dropped.
+            sd["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
         return sd
 
     def load_sharded(self, loaded: dict) -> None:

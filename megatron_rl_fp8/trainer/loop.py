@@ -309,7 +309,8 @@ class Trainer:
         path = checkpoint.latest(self.ckpt_root)
         if path is None:
             return False
-        loaded, state = checkpoint.load(path, self.actor.sharded_state_dict(with_optimizer=True))
+        loaded, state = checkpoint.load(
+            path, self.actor.sharded_state_dict(with_optimizer=True, is_loading=True))
         self.actor.load_sharded(loaded)
         self.step = state["step"]
         self.train_data.load_state_dict(state["train_data"])
