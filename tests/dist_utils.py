@@ -15,16 +15,11 @@ on any rank fails the test with that rank's traceback.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_rl_fp8.parallel import free_port
 
 
 def _worker(rank, world_size, port, fn, args, queue):
