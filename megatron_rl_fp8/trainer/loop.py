@@ -193,12 +193,11 @@ class Trainer:
             keys = sorted(sums)
             vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
             if g.dp_size > 1:
-                tp0_dp_group = g.dp  # DP group of this (tp, pp) position
-                dist.all_reduce(vec, group=tp0_dp_group)
+                dist.all_reduce(vec, group=g.dp)
                 for k in list(extremes):
                     t = torch.tensor([extremes[k]], dtype=torch.float64)
                     op = dist.ReduceOp.MAX if k.endswith(_MAX_KEYS) else dist.ReduceOp.MIN
-                    dist.all_reduce(t, op=op, group=tp0_dp_group)
+                    dist.all_reduce(t, op=op, group=g.dp)
                     extremes[k] = t.item()
             total = dict(zip(keys, vec.tolist()))
             n = max(total.pop("n_tokens", 0.0), 1.0)
