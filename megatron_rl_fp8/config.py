@@ -14,6 +14,7 @@ import yaml
 
 from megatron_rl_fp8.config_utils import ConfigError, field, from_dict, set_dotted, to_dict
 from megatron_rl_fp8.data.task import TaskConfig
+from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.parallel import ParallelConfig
 from megatron_rl_fp8.reward.verifiers import RewardConfig
@@ -31,6 +32,8 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig, help="Prompts and length limits.")
     reward: RewardConfig = field(default_factory=RewardConfig, help="Reward shaping.")
     rollout: RolloutConfig = field(default_factory=RolloutConfig, help="Sampling.")
+    fp8: FP8Config = field(default_factory=FP8Config,
+                           help="FP8 training: recipe of the actor's linear layers (bf16 = off).")
     optim: OptimConfig = field(default_factory=OptimConfig, help="Optimizer.")
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig, help="Policy loss.")
     sft: SFTConfig = field(default_factory=SFTConfig, help="Supervised warm start.")

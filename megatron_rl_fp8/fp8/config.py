@@ -158,10 +158,11 @@ class RolloutFP8Config:
     """How synced weights are quantized for the rollout engine (W8A8, e4m3)."""
 
     weight_quant: RolloutWeightQuant = field(
-        default="blockwise",
+        default="bf16",
         metadata={
-            "help": "'blockwise': one float32 scale per weight_block tile (what SGLang/vLLM read "
-            "as 'weight_scale_inv'); 'per_tensor': one scale per weight; 'bf16': no FP8 rollout."
+            "help": "'bf16': no FP8 rollout (default). 'blockwise': one float32 scale per "
+            "weight_block tile (what SGLang/vLLM read as 'weight_scale_inv') and 1 x act_group "
+            "dynamic activation scales; 'per_tensor': one scale per weight."
         },
     )
     weight_block: tuple[int, int] = field(

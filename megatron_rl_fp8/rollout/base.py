@@ -8,6 +8,7 @@ from typing import Iterable, Literal, Protocol, runtime_checkable
 import torch
 
 from megatron_rl_fp8.config_utils import field
+from megatron_rl_fp8.fp8.config import RolloutFP8Config
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -22,6 +23,11 @@ class RolloutConfig:
     top_p: float = field(1.0, help="Nucleus sampling mass; 1.0 keeps logprobs unbiased.")
     max_new_tokens: int = field(8, help="Longest completion in tokens.")
     seed: int = field(1234, help="Base seed; step s samples with seed + s (resumable).")
+    fp8: RolloutFP8Config = field(
+        default_factory=RolloutFP8Config,
+        help="FP8 rollout numerics: how synced weights are quantized (and activations, in the "
+             "in-process engine). weight_quant=bf16 keeps the rollout in full precision.",
+    )
 
     def __post_init__(self):
         if self.n_samples_per_prompt < 1:

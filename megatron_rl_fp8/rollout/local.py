@@ -4,6 +4,11 @@ It receives weights exactly as a server would (HF names, full tensors from the M
 path) and samples with ``model.generate``. Per-token logprobs are taken from the raw logits of the
 sampled tokens at the sampling temperature, i.e. log softmax(logits / T) — the quantity the trainer
 recomputes, so rollout-vs-train mismatch metrics compare like with like.
+
+FP8 rollout (``fp8.weight_quant`` blockwise / per_tensor) runs the numerics of a W8A8 FP8 server:
+linear weights arrive as e4m3 codes + ``weight_scale_inv`` (the sync path quantizes them) and are
+dequantized on load; every input to those linears is fake-quantized to e4m3 with one dynamic scale
+per 1 x ``act_group`` elements, as block-FP8 serving kernels quantize activations on the fly.
 """
 
 from __future__ import annotations
@@ -12,25 +17,43 @@ from typing import Iterable
 
 import torch
 
+from megatron_rl_fp8.fp8.config import RolloutFP8Config
+from megatron_rl_fp8.fp8.quantize import fake_quant_groups
 from megatron_rl_fp8.rollout.base import Completion
+from megatron_rl_fp8.sync.quantize import dequantize_stream, is_fp8_weight
 
 
 class LocalEngine:
-    def __init__(self, hf_config, *, pad_token_id: int, eos_token_id: int, dtype=torch.float32):
+    def __init__(self, hf_config, *, pad_token_id: int, eos_token_id: int, dtype=torch.float32,
+                 fp8: RolloutFP8Config | None = None):
         import transformers
 
         self.model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         self.model.eval()
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
+        self.fp8 = fp8 or RolloutFP8Config()
         self._version = -1
+        if self.fp8.enabled:
+            self._quantize_linear_inputs()
+
+    def _quantize_linear_inputs(self) -> None:
+        group = self.fp8.act_group
+
+        def hook(_module, args):
+            return (fake_quant_groups(args[0], group=group),) + tuple(args[1:])
+
+        for name, module in self.model.named_modules():
+            if isinstance(module, torch.nn.Linear) and is_fp8_weight(name + ".weight"):
+                module.register_forward_pre_hook(hook)
 
     # -- weights -------------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
         params = dict(self.model.named_parameters())
         seen = set()
-        for name, tensor in named_tensors:
+        dtype = next(iter(params.values())).dtype
+        for name, tensor in dequantize_stream(named_tensors, block=self.fp8.weight_block, dtype=dtype):
             if name not in params:
                 raise KeyError(f"engine has no parameter {name!r}; the HF mapping and model disagree")
             if params[name].shape != tensor.shape:

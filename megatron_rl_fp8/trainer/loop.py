@@ -34,6 +34,7 @@ from megatron_rl_fp8.data import (
 from megatron_rl_fp8.loss import grpo_advantages, policy_loss
 from megatron_rl_fp8.metrics.logger import MetricsLogger, atomic_write_text, print_rank0
 from megatron_rl_fp8.reward.verifiers import compute_rewards
+from megatron_rl_fp8.rollout import build_engine
 from megatron_rl_fp8.rollout.base import Completion
 from megatron_rl_fp8.sync.gather import iter_full_params
 from megatron_rl_fp8.sync.hf_mapping import hf_config, mcore_state_to_hf
@@ -70,10 +71,9 @@ class Trainer:
         self.actor = Actor(cfg.model, cfg.optim, self.groups)
         self.engine = None
         if self.is_driver:
-            from megatron_rl_fp8.rollout.local import LocalEngine
-
             tok = self.tokenizer
-            self.engine = LocalEngine(
+            self.engine = build_engine(
+                cfg.rollout,
                 hf_config(cfg.model, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id),
                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,

@@ -59,9 +59,9 @@ def test_layer_uses_fp8():
 
 
 def test_rollout_config():
-    r = RolloutFP8Config(weight_block=[128, 64])
+    r = RolloutFP8Config(weight_quant="blockwise", weight_block=[128, 64])
     assert r.weight_block == (128, 64) and r.enabled and not r.pow2_scale and r.act_group == 128
-    assert not RolloutFP8Config(weight_quant="bf16").enabled
+    assert not RolloutFP8Config().enabled
     with pytest.raises(ValueError, match="weight_block"):
         RolloutFP8Config(weight_block=(128, 0))
     with pytest.raises(ValueError, match="act_group"):
