@@ -3,17 +3,27 @@ factory the trainer calls so the engine kind is one config value."""
 
 from __future__ import annotations
 
-from megatron_rl_fp8.rollout.base import Completion, RolloutConfig, RolloutEngine
+from megatron_rl_fp8.rollout.base import Completion, RolloutConfig, RolloutEngine, SGLangConfig
 
 
-def build_engine(cfg: RolloutConfig, hf_cfg, *, pad_token_id: int, eos_token_id: int) -> RolloutEngine:
-    """The engine named by ``cfg.engine``, ready for its first ``update_weights``."""
+def build_engine(cfg: RolloutConfig, hf_cfg, *, pad_token_id: int, eos_token_id: int,
+                 output_dir: str | None = None) -> RolloutEngine:
+    """The engine named by ``cfg.engine``, ready for its first ``update_weights``.
+
+    ``output_dir`` (the run's ``train.output_dir``) is where a server engine keeps its logs and its
+    restart copy of the weights, unless ``rollout.sglang.work_dir`` says otherwise."""
     if cfg.engine == "local":
         from megatron_rl_fp8.rollout.local import LocalEngine
 
         return LocalEngine(hf_cfg, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
                            fp8=cfg.fp8)
+    if cfg.engine == "sglang":
+        # No sglang import here: the server runs in its own interpreter (rollout.sglang.python).
+        from megatron_rl_fp8.rollout.sglang import SGLangEngine
+
+        return SGLangEngine(cfg, hf_cfg, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                            output_dir=output_dir)
     raise ValueError(f"rollout.engine={cfg.engine!r} is not a known engine")
 
 
-__all__ = ["Completion", "RolloutConfig", "RolloutEngine", "build_engine"]
+__all__ = ["Completion", "RolloutConfig", "RolloutEngine", "SGLangConfig", "build_engine"]
