@@ -15,7 +15,7 @@ those from the shards. Layout facts:
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -197,3 +197,154 @@ def hf_state_to_mcore(hf: dict[str, torch.Tensor], model: ModelConfig, *,
             [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
         )
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Additions for the checkpoint conversion tools (megatron_rl_fp8.convert). Everything below is
+# derived from the same layout facts as the functions above; tests check they agree.
+# ---------------------------------------------------------------------------------------------
+_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                  "Qwen3ForCausalLM": "qwen3"}
+
+
+def model_config_from_hf(config: dict, *, params_dtype: str | None = None
+                         ) -> tuple[ModelConfig, list[str]]:
+    """The project's ModelConfig for an HF ``config.json`` dict (inverse of :func:`hf_config`).
+
+    Returns ``(model, notes)``: ``notes`` lists HF settings that do not change any weight but that
+    ModelConfig does not represent (e.g. Llama 3.1 RoPE scaling), so a caller can warn about them.
+    Settings that would change the weights or their meaning raise :class:`MappingError`.
+    """
+    archs = config.get("architectures") or []
+    known = [a for a in archs if a in _ARCHITECTURES]
+    if not known:
+        raise MappingError(
+            f"config.json architectures={archs} is not supported; supported: "
+            f"{sorted(_ARCHITECTURES)} (dense Llama / Qwen2 / Qwen3)"
+        )
+    arch = _ARCHITECTURES[known[0]]
+    notes: list[str] = []
+
+    def need(key):
+        if key not in config:
+            raise MappingError(f"config.json ({known[0]}) has no {key!r}")
+        return config[key]
+
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise MappingError(f"config.json hidden_act={act!r}: only SwiGLU ('silu') is supported")
+    if arch == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
+        raise MappingError("config.json: Llama with attention_bias / mlp_bias is not supported")
+    if arch == "qwen3" and config.get("attention_bias"):
+        raise MappingError("config.json: Qwen3 with attention_bias=true is not supported")
+    if config.get("use_sliding_window"):
+        raise MappingError("config.json use_sliding_window=true is not supported (full attention only)")
+    rope = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        notes.append(f"RoPE scaling {rope_type!r} is kept in config.json but not represented in "
+                     "ModelConfig (weights are unaffected)")
+    heads = need("num_attention_heads")
+    if params_dtype is None:
+        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+        params_dtype = "float32" if dtype == "float32" else "bfloat16"
+        if dtype not in ("float32", "bfloat16"):
+            notes.append(f"checkpoint dtype {dtype!r} -> params_dtype bfloat16")
+    model = ModelConfig(
+        arch=arch,
+        num_layers=need("num_hidden_layers"),
+        hidden_size=need("hidden_size"),
+        ffn_hidden_size=need("intermediate_size"),
+        num_attention_heads=heads,
+        num_query_groups=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or None,
+        vocab_size=need("vocab_size"),
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        rope_theta=float(rope_theta),
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        params_dtype=params_dtype,
+    )
+    return model, notes
+
+
+def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, for exactly the names of :func:`expected_hf_names`."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+    q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    per_layer = {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+        "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+    }
+    out = {}
+    for name in expected_hf_names(model):
+        m = re.match(r"^model\.layers\.\d+\.(.+)$", name)
+        if m:
+            out[name] = per_layer[m.group(1)]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            out[name] = (model.vocab_size, h)
+        else:  # model.norm.weight
+            out[name] = (h,)
+    return out
+
+
+class Piece(NamedTuple):
+    """Rows ``[start, stop)`` of one HF tensor (``rows=None``: all of it)."""
+
+    hf_name: str
+    rows: tuple[int, int] | None = None
+
+
+def hf_to_mcore_plan(model: ModelConfig) -> list[tuple[str, list[Piece]]]:
+    """How each full Megatron tensor is made of HF tensors, without touching any data.
+
+    Returns ``[(megatron name, pieces)]`` (local-spec names, global layer numbers, unpadded vocab).
+    Stacking the pieces' rows in order gives exactly what :func:`hf_state_to_mcore` builds, so a
+    converter can write the pieces as row blocks of the fused tensor straight from memory-mapped
+    HF files, never materialising a fused tensor. All pieces of one tensor have the same number
+    of rows: the fused QKV is cut per head (head_dim rows: q heads of group g, then k_g, then v_g),
+    the SwiGLU fc1 into its gate and up halves.
+    """
+    d = model.kv_channels
+    groups = model.num_query_groups
+    q_per_group = model.num_attention_heads // groups
+    plan: list[tuple[str, list[Piece]]] = [
+        ("embedding.word_embeddings.weight", [Piece("model.embed_tokens.weight")])]
+    inverse = {v: k for k, v in _DIRECT.items() if "layer_norm_weight" not in k}
+    for i in range(model.num_layers):
+        p, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
+        kinds = ("weight", "bias") if model.qkv_bias else ("weight",)
+        for kind in kinds:
+            pieces = []
+            for g in range(groups):
+                for j in range(q_per_group):
+                    head = g * q_per_group + j
+                    pieces.append(Piece(f"{p}self_attn.q_proj.{kind}", (head * d, (head + 1) * d)))
+                pieces.append(Piece(f"{p}self_attn.k_proj.{kind}", (g * d, (g + 1) * d)))
+                pieces.append(Piece(f"{p}self_attn.v_proj.{kind}", (g * d, (g + 1) * d)))
+            plan.append((f"{mp}self_attention.linear_qkv.{kind}", pieces))
+        plan.append((mp + "mlp.linear_fc1.weight",
+                     [Piece(p + "mlp.gate_proj.weight"), Piece(p + "mlp.up_proj.weight")]))
+        for hf_suffix, mc_suffix in inverse.items():
+            if hf_suffix.startswith(("self_attn.q_norm", "self_attn.k_norm")) and not model.qk_layernorm:
+                continue
+            plan.append((mp + mc_suffix, [Piece(p + hf_suffix)]))
+    plan.append(("decoder.final_layernorm.weight", [Piece("model.norm.weight")]))
+    if not model.tie_word_embeddings:
+        plan.append(("output_layer.weight", [Piece("lm_head.weight")]))
+    return plan
+
+
+def assemble_pieces(pieces: list[Piece], get) -> torch.Tensor:
+    """The full Megatron tensor from its pieces; ``get(hf_name)`` returns an HF tensor."""
+    parts = []
+    for piece in pieces:
+        t = get(piece.hf_name)
+        parts.append(t if piece.rows is None else t[piece.rows[0]:piece.rows[1]])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

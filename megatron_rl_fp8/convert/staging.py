@@ -1,0 +1,88 @@
+"""Write a whole output directory or nothing: stage next to ``--out``, fsync, rename.
+
+The output is built in ``<parent>/.<name>.partial`` (same filesystem, so the final ``rename`` is
+atomic). On any error the staging directory is removed and ``--out`` is untouched. On success every
+file and directory under it is fsynced before the rename, and the parent directory after it, so a
+crash never leaves a directory named ``--out`` with missing bytes. With several ranks (torchrun),
+rank 0 owns the directory operations and the others wait at barriers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+from megatron_rl_fp8.convert.errors import ConvertError
+
+
+def fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_output(out: Path, *, overwrite: bool) -> None:
+    """Fail before any work if ``out`` holds something and ``overwrite`` was not asked for."""
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"--out {out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ConvertError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def staged_output(out: str | Path, *, overwrite: bool = False, rank: int = 0, world: int = 1):
+    """Yield the staging directory; on clean exit it becomes ``out`` (see module docstring)."""
+    out = Path(out).absolute()
+    check_output(out, overwrite=overwrite)
+    tmp = out.parent / f".{out.name}.partial"
+    if rank == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a crashed run
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    _barrier(world)
+    try:
+        yield tmp
+        _barrier(world)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if rank == 0:
+        try:
+            fsync_tree(tmp)
+            old = None
+            if out.exists() and any(out.iterdir()):
+                old = out.parent / f".{out.name}.old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(out, old)
+            os.replace(tmp, out)  # replaces an empty directory too
+            fsync_dir(out.parent)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    _barrier(world)
