@@ -247,6 +247,8 @@ class SGLangEngine:
         self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True, cwd=self.work_dir)
         log.close()
+        # Operators (and the recovery test) find the live server here.
+        (self.work_dir / "server.pid").write_text(f"{self._proc.pid}\n")
         self._port = port
         self._http = _Http(self.url)
         self._group = None

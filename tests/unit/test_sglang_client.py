@@ -1,0 +1,124 @@
+"""The SGLang engine's client side without a server: config validation, the launch command,
+request building, answer parsing (version checks), and the shared-memory bucket layout."""
+
+import pytest
+import torch
+
+from megatron_rl_fp8.config import load_config
+from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.rollout import build_engine
+from megatron_rl_fp8.rollout.base import RolloutConfig, SGLangConfig
+from megatron_rl_fp8.rollout.sglang import (
+    SGLangServerError,
+    _flatten,
+    _ServerGone,
+    parse_completion,
+    sampling_params,
+    server_command,
+)
+
+
+def test_config_defaults_and_overrides():
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.transport=distributed",
+                             "rollout.sglang.bucket_mb=64", "rollout.sglang.tp_size=2"])
+    s = cfg.rollout.sglang
+    assert cfg.rollout.engine == "sglang"
+    assert (s.transport, s.bucket_mb, s.tp_size, s.max_restarts) == ("distributed", 64.0, 2, 2)
+    assert load_config(None, []).rollout.engine == "local"
+
+
+@pytest.mark.parametrize("override, match", [
+    ("rollout.engine=vllm", "rollout.engine"),
+    ("rollout.sglang.transport=nccl", "transport"),
+    ("rollout.sglang.bucket_mb=0", "bucket_mb"),
+    ("rollout.sglang.tp_size=0", "tp_size"),
+    ("rollout.sglang.mem_fraction_static=1.5", "mem_fraction_static"),
+    ("rollout.sglang.max_restarts=-1", "max_restarts"),
+    ("rollout.sglang.request_timeout_s=0", "request_timeout_s"),
+    ("rollout.sglang.port=70000", "port"),
+])
+def test_config_rejects_bad_values_naming_the_field(override, match):
+    with pytest.raises((ConfigError, ValueError), match=match):
+        load_config(None, [override])
+
+
+def test_extra_args_may_not_override_engine_owned_flags():
+    with pytest.raises(ValueError, match="--port"):
+        SGLangConfig(extra_args=["--port", "1234"])
+    SGLangConfig(extra_args=["--log-level", "warning"])
+
+
+def test_server_command_cpu_and_gpu():
+    cfg = SGLangConfig(tp_size=2, extra_args=["--log-level", "warning"])
+    cpu = server_command(cfg, python="/py", model_path="/m", port=31000, device="cpu",
+                         dtype="float32", fp8_checkpoint=False, weight_version="3")
+    assert cpu[:3] == ["/py", "-m", "sglang.launch_server"]
+    flags = dict(zip(cpu[3::1], cpu[4::1]))
+    assert flags["--model-path"] == "/m" and flags["--port"] == "31000"
+    assert flags["--tp-size"] == "2" and flags["--weight-version"] == "3"
+    assert flags["--device"] == "cpu" and flags["--attention-backend"] == "torch_native"
+    assert flags["--mem-fraction-static"] == "0.05"
+    assert "--skip-tokenizer-init" in cpu and "--quantization" not in cpu
+    assert cpu[-2:] == ["--log-level", "warning"]
+    gpu = server_command(SGLangConfig(), python="/py", model_path="/m", port=1, device="cuda",
+                         dtype="bfloat16", fp8_checkpoint=True, weight_version="0")
+    assert "--device" not in gpu and "--mem-fraction-static" not in gpu
+    assert gpu[gpu.index("--quantization") + 1] == "fp8"
+
+
+def test_sampling_params_greedy_and_sampled():
+    g = sampling_params(max_new_tokens=5, temperature=0.7, top_p=0.9, greedy=True,
+                        eos_token_id=2, seed=11)
+    assert g["temperature"] == 0.0 and g["top_p"] == 1.0 and "sampling_seed" not in g
+    s = sampling_params(max_new_tokens=5, temperature=0.7, top_p=0.9, greedy=False,
+                        eos_token_id=2, seed=11)
+    assert (s["temperature"], s["top_p"], s["sampling_seed"]) == (0.7, 0.9, 11)
+    assert s["stop_token_ids"] == [2] and s["max_new_tokens"] == 5 and s["top_k"] == -1
+
+
+def _answer(ids, lps, version="4", spans=None):
+    return {"output_ids": ids, "meta_info": {
+        "weight_version": version,
+        "weight_versions": spans if spans is not None else [{"version": version, "start": 0,
+                                                             "end": len(ids)}],
+        "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}}
+
+
+def test_parse_completion_checks_version_and_alignment():
+    c = parse_completion([1, 5], _answer([7, 8, 2], [-0.1, -0.2, -0.3]), eos_token_id=2,
+                         expected_version="4")
+    assert c.prompt_ids == [1, 5] and c.response_ids == [7, 8, 2] and c.finished
+    assert c.response_logprobs == [-0.1, -0.2, -0.3]
+    trunc = parse_completion([1], _answer([7, 8], [-0.1, -0.2]), eos_token_id=2,
+                             expected_version="4")
+    assert not trunc.finished
+    with pytest.raises(_ServerGone, match="expected '5'"):
+        parse_completion([1], _answer([7], [-0.1]), eos_token_id=2, expected_version="5")
+    mixed = _answer([7, 8], [-0.1, -0.2], spans=[{"version": "3"}, {"version": "4"}])
+    with pytest.raises(_ServerGone, match="version"):  # a half-synced server is never accepted
+        parse_completion([1], mixed, eos_token_id=2, expected_version="4")
+    bad = _answer([7, 8], [-0.1, -0.2])
+    bad["meta_info"]["output_token_logprobs"][1][1] = 9
+    with pytest.raises(SGLangServerError, match="line up"):
+        parse_completion([1], bad, eos_token_id=2, expected_version="4")
+
+
+def test_flatten_copies_into_one_buffer_per_dtype():
+    a, b, c = torch.randn(3, 4), torch.randn(5), torch.ones(2, 2, dtype=torch.bfloat16)
+    flat = _flatten([("a", a.t()), ("b", b), ("c", c)])
+    assert [n for n, _ in flat] == ["a", "b", "c"]
+    assert torch.equal(flat[0][1], a.t()) and torch.equal(flat[1][1], b)
+    assert torch.equal(flat[2][1], c)
+    ptr = flat[0][1].untyped_storage().data_ptr()
+    assert flat[1][1].untyped_storage().data_ptr() == ptr  # same buffer for one dtype
+    assert ptr != a.untyped_storage().data_ptr()  # never the caller's storage
+
+
+def test_missing_server_python_names_the_field_and_the_fix(tmp_path):
+    from megatron_rl_fp8.sync.hf_mapping import hf_config
+    from megatron_rl_fp8.models.config import ModelConfig
+
+    cfg = RolloutConfig(engine="sglang", sglang=SGLangConfig(python=str(tmp_path / "nope"),
+                                                             work_dir=str(tmp_path / "w")))
+    with pytest.raises(FileNotFoundError, match="rollout.sglang.python.*install_sglang_cpu"):
+        build_engine(cfg, hf_config(ModelConfig(vocab_size=53)), pad_token_id=0, eos_token_id=2)
