@@ -1,4 +1,8 @@
-"""``megatron-rl-fp8 train CONFIG.yaml [section.key=value ...]`` (use torchrun for several ranks)."""
+"""``megatron-rl-fp8 train CONFIG.yaml [section.key=value ...]`` (use torchrun for several ranks).
+
+``megatron-rl-fp8 convert hf-to-mcore|mcore-to-hf|export-fp8 ...``: checkpoint conversion
+(same as tools/convert_checkpoint.py; see docs/convert.md).
+"""
 
 from __future__ import annotations
 
@@ -34,6 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("config", nargs="?", default=None,
                        help="YAML config (default: examples/tiny_cpu.yaml).")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides.")
+    sub.add_parser("convert", help="Checkpoint conversion: hf-to-mcore | mcore-to-hf | export-fp8 "
+                                   "(`megatron-rl-fp8 convert -h`).")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["convert"]:  # its own parser owns every argument after the word
+        from megatron_rl_fp8.convert.cli import main as convert_main
+
+        return convert_main(argv[1:], prog="megatron-rl-fp8 convert")
     args = parser.parse_args(argv)
     from megatron_rl_fp8.config_utils import ConfigError
 

@@ -350,3 +350,33 @@ def test_fp8_export_loads_with_transformers_finegrained_fp8(fp8_export):
         if t.dtype == torch.float8_e4m3fn:
             ours = dequantize_blockwise(t, q[n + "_scale_inv"], dtype=torch.bfloat16)
             assert torch.equal(state[n], ours), n
+
+
+# -- command line --------------------------------------------------------------------------------
+def test_cli_convert_subcommand_runs_all_three(tmp_path, capsys):
+    from megatron_rl_fp8.cli import main
+
+    hf = make_hf_model(tmp_path / "hf", "qwen3", hidden=128)
+    assert main(["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "m"),
+                 "--tp", "2", "--no-progress"]) == 0
+    assert main(["convert", "mcore-to-hf", "--ckpt", str(tmp_path / "m"), "--hf-config", str(hf),
+                 "--out", str(tmp_path / "back"), "--dtype", "bfloat16", "--no-progress"]) == 0
+    assert main(["convert", "export-fp8", "--ckpt", str(tmp_path / "m"), "--hf-config", str(hf),
+                 "--out", str(tmp_path / "fp8"), "--keep-first-layers", "1", "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["hf-to-mcore", "mcore-to-hf", "export-fp8"]
+    assert all(" tensors, " in ln and "GB/s) -> " in ln for ln in lines)
+    src, back = read_hf(hf), read_hf(tmp_path / "back")
+    assert all(back[n].dtype == torch.bfloat16 and torch.equal(back[n], src[n].bfloat16()) for n in src)
+    assert json.loads((tmp_path / "back/config.json").read_text())["torch_dtype"] == "bfloat16"
+    fp8 = read_hf(tmp_path / "fp8")  # from the dist checkpoint: layer 0 kept, layer 1 quantized
+    assert fp8["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
+    assert fp8["model.layers.1.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_cli_reports_errors_with_exit_code_2(tmp_path, capsys):
+    from megatron_rl_fp8.cli import main
+
+    assert main(["convert", "hf-to-mcore", "--hf", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "config.json not found" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
