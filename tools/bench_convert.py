@@ -140,8 +140,8 @@ def main() -> None:
         timed("export-fp8 (from HF)", lambda: export_fp8(root / "fp8", hf_dir=root / "hf",
                                                           progress=False))
         copy_gbs = rows[0][2]
-        print(f"| step | seconds | GB/s | vs copy | peak anon MB |")
-        print(f"|---|---:|---:|---:|---:|")
+        print("| step | seconds | GB/s | vs copy | peak anon MB |")
+        print("|---|---:|---:|---:|---:|")
         for label, dt, gbs, peak in rows:
             print(f"| {label} | {dt:.2f} | {gbs:.2f} | {gbs / copy_gbs:.2f} | {peak / 2**20:.0f} |")
     finally:

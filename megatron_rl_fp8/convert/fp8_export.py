@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl_fp8.convert.mcore_io import refuse_torchrun
 from megatron_rl_fp8.convert.errors import ConvertError
 from megatron_rl_fp8.convert.hf_io import OutTensor
+from megatron_rl_fp8.convert.mcore_io import refuse_torchrun
 from megatron_rl_fp8.convert.mcore_to_hf import parse_size, write_hf
 from megatron_rl_fp8.convert.progress import Meter, summary_line
 from megatron_rl_fp8.convert.sources import HFSource, McoreSource
@@ -39,7 +39,7 @@ def kept_layers(num_layers: int, keep_first: int, keep_last: int) -> list[int]:
                   | set(range(max(num_layers - keep_last, 0), num_layers)))
 
 
-def quantization_config(num_layers: int, keep: list[int]) -> dict:
+def quantization_config(keep: list[int]) -> dict:
     skip = ["lm_head"] + [f"model.layers.{i}.{s}" for i in keep for s in _LINEAR_SUFFIXES]
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": list(BLOCK), "modules_to_not_convert": skip}
@@ -93,7 +93,7 @@ def export_fp8(out: str | Path, *, hf_dir: str | Path | None = None, ckpt: str |
         config = dict(source.config)
         config.pop("dtype", None)
         config["torch_dtype"] = "bfloat16"
-        config["quantization_config"] = quantization_config(model.num_layers, keep)
+        config["quantization_config"] = quantization_config(keep)
         total = sum(o.nbytes for t in source.plan() for o in quant.plan(t))
         meter = Meter("export-fp8", total, show=progress)
         with staged_output(out, overwrite=overwrite) as tmp:

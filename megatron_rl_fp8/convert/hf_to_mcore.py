@@ -49,6 +49,13 @@ def check_hf_tensors(ckpt: HFCheckpoint, model: ModelConfig) -> None:
             + ". Nothing was written; fix the checkpoint or its config.json.")
 
 
+def _piece_bytes(ckpt: HFCheckpoint, piece) -> int:
+    info = ckpt.tensors[piece.hf_name]
+    if piece.rows is None:
+        return info.nbytes
+    return (piece.rows[1] - piece.rows[0]) * info.nbytes // info.shape[0]
+
+
 def _assign(sizes: list[int], world: int) -> list[int]:
     """Owner rank per tensor: biggest first onto the least-loaded rank (balanced write bytes)."""
     owner, load = [0] * len(sizes), [0] * world
@@ -75,9 +82,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tensor_model_parallel_si
         check_hf_tensors(ckpt, model)
         padded = model.padded_vocab_size(tp)
         plan = hf_to_mcore_plan(model)
-        sizes = [sum(ckpt.tensors[p.hf_name].nbytes if p.rows is None else
-                     (p.rows[1] - p.rows[0]) * ckpt.tensors[p.hf_name].nbytes
-                     // ckpt.tensors[p.hf_name].shape[0] for p in pieces) for _, pieces in plan]
+        sizes = [sum(_piece_bytes(ckpt, p) for p in pieces) for _, pieces in plan]
         owner = _assign(sizes, world)
         meter = Meter("hf-to-mcore", sum(s for s, o in zip(sizes, owner) if o == rank),
                       show=progress and rank == 0)
@@ -89,9 +94,9 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tensor_model_parallel_si
             for p in pieces:
                 t = ckpt.get(p.hf_name)
                 blocks.append(t if p.rows is None else t[p.rows[0]:p.rows[1]])
-            if name in ("embedding.word_embeddings.weight", "output_layer.weight") and padded > model.vocab_size:
-                # Padding rows are zeros (never selected: logprobs mask them). This is the one
-                # tensor materialised in memory.
+            vocab = name in ("embedding.word_embeddings.weight", "output_layer.weight")
+            if vocab and padded > model.vocab_size:
+                # Padding rows are zeros (logprobs mask them). The only tensors materialised.
                 t = blocks[0]
                 blocks = [torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])])]
             items.append((name, blocks))

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl_fp8.convert.mcore_io import refuse_torchrun
 from megatron_rl_fp8.convert.errors import ConvertError
 from megatron_rl_fp8.convert.hf_io import OutTensor, SafetensorsWriter, copy_side_files
+from megatron_rl_fp8.convert.mcore_io import refuse_torchrun
 from megatron_rl_fp8.convert.progress import Meter, summary_line
 from megatron_rl_fp8.convert.sources import McoreSource
 from megatron_rl_fp8.convert.staging import check_output, staged_output
