@@ -75,6 +75,15 @@ class RunConfig:
                 f"sft.batch_size={self.sft.batch_size} must be a multiple of data-parallel size "
                 f"({dp}) * train.micro_batch_size ({t.micro_batch_size})"
             )
+        if self.fp8.enabled and self.loss.calib.enabled and t.updates_per_step < 2:
+            raise ConfigError(
+                "loss.calib.enabled with fp8 training needs train.updates_per_step >= 2: with one "
+                "update per step pi_theta == pi_old, every ratio is 1 and there is nothing to "
+                "calibrate; raise train.updates_per_step or set loss.calib.enabled=false"
+            )
+        if self.loss.overlong_buffer > self.rollout.max_new_tokens:
+            raise ConfigError(f"loss.overlong_buffer={self.loss.overlong_buffer} exceeds "
+                              f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
         longest = self.task.max_prompt_len + self.rollout.max_new_tokens
         if longest > m.max_position_embeddings:
             raise ConfigError(
@@ -101,17 +110,38 @@ def parse_override(text: str) -> tuple[str, object]:
     return key.strip(), value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """YAML file (default: examples/tiny_cpu.yaml) + ``a.b=value`` overrides -> RunConfig."""
-    path = Path(path) if path is not None else DEFAULT_CONFIG
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
+    """A config file as a dict; ``base: other.yaml`` (relative to the file) is read first and this
+    file's sections are merged over it, so variants state only what they change."""
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+        where = f" (the base of {str(chain[-1])!r})" if chain else ""
+        raise ConfigError(f"config file {str(path)!r}{where} does not exist")
+    if path.resolve() in chain:
+        raise ConfigError(f"config file {str(path)!r} includes itself through 'base'")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{str(path)!r}: 'base' must be a file name, got {base!r}")
+    return _deep_merge(_read_yaml(path.parent / base, chain + (path.resolve(),)), data)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """YAML file (default: examples/tiny_cpu.yaml) + ``a.b=value`` overrides -> RunConfig."""
+    data = _read_yaml(Path(path) if path is not None else DEFAULT_CONFIG)
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(data, key, value)

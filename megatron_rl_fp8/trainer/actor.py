@@ -14,7 +14,10 @@ from typing import Callable
 
 import torch
 
+from megatron_rl_fp8.fp8.config import FP8Config
+from megatron_rl_fp8.fp8.te import megatron_fp8_kwargs, should_emulate
 from megatron_rl_fp8.models.config import ModelConfig
+from megatron_rl_fp8.models.fp8 import full_precision, install_fp8_emulation
 from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
 from megatron_rl_fp8.models.logprobs import token_entropy, token_logprobs
 from megatron_rl_fp8.parallel import Groups
@@ -28,19 +31,29 @@ def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -
 
 
 class Actor:
-    def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, groups: Groups):
+    def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, groups: Groups,
+                 fp8: FP8Config | None = None):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig
 
         self.model_cfg = model_cfg
         self.groups = groups
+        self.fp8 = fp8 or FP8Config()
+        # FP8 through Transformer Engine where it can run (Megatron's own fp8 config); otherwise
+        # (CPU, or fp8.emulate) the local spec with emulated FP8 GEMMs installed after build.
+        self.fp8_emulated = should_emulate(self.fp8)
+        te_fp8 = {} if self.fp8_emulated or not self.fp8.enabled else megatron_fp8_kwargs(self.fp8)
         self.config = transformer_config(
             model_cfg,
             tensor_model_parallel_size=groups.tp_size,
             pipeline_model_parallel_size=groups.pp_size,
+            **te_fp8,
         )
-        module = build_gpt_model(model_cfg, self.config)
+        module = build_gpt_model(model_cfg, self.config,
+                                 use_te=False if self.fp8_emulated else None)
+        if self.fp8_emulated:
+            install_fp8_emulation(module, self.fp8, model_cfg.num_layers)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
@@ -69,6 +82,10 @@ class Actor:
     @property
     def module(self):
         return self.model.module
+
+    def full_precision(self):
+        """Context: forward passes inside run without FP8 (the BF16 shadow), same weights."""
+        return full_precision(self.module, self.config)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -6,6 +6,8 @@ import dataclasses
 from typing import Literal, Optional
 
 from megatron_rl_fp8.config_utils import field
+from megatron_rl_fp8.loss.calibration import CalibConfig
+from megatron_rl_fp8.loss.importance import ISCorrectionConfig
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -40,8 +42,30 @@ class PolicyLossConfig:
         "token-mean", help="Loss aggregation; token-mean counts tokens across all DP ranks."
     )
     norm_adv_by_std: bool = field(True, help="GRPO: divide group-centred rewards by group std.")
+    is_correction: Optional[ISCorrectionConfig] = field(
+        None, help="TIS/MIS: reweight token losses by pi_old / pi_rollout (null = off; the "
+                   "mismatch is logged either way).")
+    calib: CalibConfig = field(
+        default_factory=CalibConfig,
+        help="Calibrated clipping (FP8 training only): clip bounds matched to a BF16 shadow pass "
+             "every calib.interval steps, smoothed by EMA in between.")
+    dynamic_sampling: bool = field(
+        False, help="DAPO: drop prompt groups whose rewards are all equal and sample more prompts "
+                    "until the batch is full.")
+    max_sampling_rounds: int = field(
+        4, help="DAPO: most rollout rounds per step when refilling; if the batch is still short, "
+                "dropped groups fill it (zero advantage) and rollout/dynamic_fill_frac says so.")
+    overlong_buffer: int = field(
+        0, help="DAPO soft overlong punishment: responses longer than rollout.max_new_tokens - "
+                "overlong_buffer lose reward linearly (0 = off).")
+    overlong_penalty: float = field(1.0, help="DAPO: reward lost at rollout.max_new_tokens.")
 
     def __post_init__(self):
+        if self.max_sampling_rounds < 1:
+            raise ValueError(f"max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            raise ValueError("overlong_buffer and overlong_penalty must be >= 0, got "
+                             f"{self.overlong_buffer} and {self.overlong_penalty}")
         if not 0 <= self.eps_low < 1:
             raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
         if self.eps_high < 0:

@@ -31,13 +31,22 @@ from megatron_rl_fp8.data import (
     prompt_token_ids,
     sft_examples,
 )
-from megatron_rl_fp8.loss import grpo_advantages, policy_loss
+from megatron_rl_fp8.loss import (
+    calibrated_clip_bounds,
+    dynamic_sampling_keep_mask,
+    ema_bounds,
+    grpo_advantages,
+    overlong_reward_penalty,
+    policy_loss,
+)
+from megatron_rl_fp8.models.fp8 import weight_quantization_errors
 from megatron_rl_fp8.metrics.logger import MetricsLogger, atomic_write_text, print_rank0
 from megatron_rl_fp8.reward.verifiers import compute_rewards
 from megatron_rl_fp8.rollout import build_engine
 from megatron_rl_fp8.rollout.base import Completion
 from megatron_rl_fp8.sync.gather import iter_full_params
 from megatron_rl_fp8.sync.hf_mapping import hf_config, mcore_state_to_hf
+from megatron_rl_fp8.sync.quantize import quantize_for_rollout
 from megatron_rl_fp8.trainer import checkpoint
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.batch import build_rl_batch, build_sft_batch, rows_for_rank
@@ -68,7 +77,9 @@ class Trainer:
             raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
                              f"tokenizer's {len(self.tokenizer)} tokens")
         self.train_data, self.val_data = build_datasets(cfg.task)
-        self.actor = Actor(cfg.model, cfg.optim, self.groups)
+        self.actor = Actor(cfg.model, cfg.optim, self.groups, fp8=cfg.fp8)
+        # Clip bounds in use: nominal until the first calibration, then the EMA of calibrations.
+        self.calib = {"lower": 1.0 - cfg.loss.eps_low, "upper": 1.0 + cfg.loss.eps_high, "count": 0}
         self.engine = None
         if self.is_driver:
             tok = self.tokenizer
@@ -90,30 +101,74 @@ class Trainer:
         ids = [t for t in c.response_ids if t != self.tokenizer.eos_token_id]
         return self.tokenizer.decode(ids)
 
+    def _sample_round(self, records, step: int, round_: int):
+        """One rollout round on the driver: completions and (shaped) rewards for ``records``."""
+        r, loss_cfg = self.cfg.rollout, self.cfg.loss
+        completions = self.engine.generate(
+            self._prompt_ids(records), n=r.n_samples_per_prompt, max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature, top_p=r.top_p, seed=r.seed + step + round_ * 1_000_003,
+        )
+        answers = [rec["answer"] for rec in records for _ in range(r.n_samples_per_prompt)]
+        rewards = compute_rewards(self.cfg.task.name, [self._decode(c) for c in completions],
+                                  answers, format_weight=self.cfg.reward.format_weight)
+        if loss_cfg.overlong_buffer:
+            lengths = torch.tensor([len(c.response_ids) for c in completions])
+            rewards = rewards + overlong_reward_penalty(
+                lengths, r.max_new_tokens, loss_cfg.overlong_buffer, loss_cfg.overlong_penalty)
+        return completions, rewards
+
     def rollout(self, step: int) -> tuple[list[Completion], torch.Tensor, dict]:
-        """Sample on the driver, score, and broadcast (completions, rewards) to every rank."""
-        r = self.cfg.rollout
-        records = self.train_data.next_batch(self.cfg.train.prompts_per_step)  # same on all ranks
+        """Sample on the driver, score, and broadcast (completions, rewards) to every rank.
+
+        With DAPO dynamic sampling, groups whose rewards are all equal are dropped and more prompts
+        are sampled (up to ``loss.max_sampling_rounds`` rounds) until ``prompts_per_step`` groups
+        remain; the driver's dataset position is then shared so every rank stays in step.
+        """
+        r, loss_cfg = self.cfg.rollout, self.cfg.loss
+        n, want = r.n_samples_per_prompt, self.cfg.train.prompts_per_step
         payload = None
         if self.is_driver:
             t0 = time.perf_counter()
-            completions = self.engine.generate(
-                self._prompt_ids(records), n=r.n_samples_per_prompt, max_new_tokens=r.max_new_tokens,
-                temperature=r.temperature, top_p=r.top_p, seed=r.seed + step,
-            )
-            gen_time = time.perf_counter() - t0
-            answers = [rec["answer"] for rec in records for _ in range(r.n_samples_per_prompt)]
-            rewards = compute_rewards(self.cfg.task.name, [self._decode(c) for c in completions],
-                                      answers, format_weight=self.cfg.reward.format_weight)
-            lengths = torch.tensor([len(c.response_ids) for c in completions], dtype=torch.float32)
+            kept, dropped, all_rewards, all_completions = [], [], [], []
+            rounds = 0
+            while rounds < (loss_cfg.max_sampling_rounds if loss_cfg.dynamic_sampling else 1):
+                completions, rewards = self._sample_round(
+                    self.train_data.next_batch(want), step, rounds)
+                rounds += 1
+                all_rewards.append(rewards)
+                all_completions += completions
+                keep = (dynamic_sampling_keep_mask(rewards, n) if loss_cfg.dynamic_sampling
+                        else torch.ones(want, dtype=torch.bool))
+                for gi in range(want):
+                    group = (completions[gi * n:(gi + 1) * n], rewards[gi * n:(gi + 1) * n])
+                    (kept if keep[gi] else dropped).append(group)
+                if len(kept) >= want:
+                    break
+            filled = max(0, want - len(kept))
+            groups = (kept + dropped[:filled])[:want]
+            completions = [c for g in groups for c in g[0]]
+            rewards = torch.cat([g[1] for g in groups])
+            sampled = torch.cat(all_rewards)
+            lengths = torch.tensor([len(c.response_ids) for c in all_completions], dtype=torch.float32)
             stats = {
-                "rollout/reward_mean": rewards.mean().item(),
+                "rollout/reward_mean": sampled.mean().item(),
                 "rollout/response_len_mean": lengths.mean().item(),
-                "rollout/truncated_frac": sum(not c.finished for c in completions) / len(completions),
-                "perf/rollout_time_s": gen_time,
+                "rollout/truncated_frac": sum(not c.finished for c in all_completions)
+                / len(all_completions),
+                "perf/rollout_time_s": time.perf_counter() - t0,
             }
-            payload = (completions, rewards, stats)
-        return _broadcast_object(payload, self.groups.driver_rank)
+            if loss_cfg.dynamic_sampling:
+                stats.update({
+                    "rollout/sampling_rounds": float(rounds),
+                    "rollout/kept_group_frac": len(kept) / (rounds * want),
+                    "rollout/dynamic_fill_frac": filled / want,
+                    "rollout/batch_reward_mean": rewards.mean().item(),
+                })
+            payload = (completions, rewards, stats, self.train_data.state_dict())
+        completions, rewards, stats, data_state = _broadcast_object(payload, self.groups.driver_rank)
+        if not self.is_driver:
+            self.train_data.load_state_dict(data_state)
+        return completions, rewards, stats
 
     def _global_tokens(self, batch: dict, update: int) -> float:
         """Response tokens of mini-batch ``update`` summed over all DP ranks (known everywhere)."""
@@ -124,6 +179,47 @@ class Trainer:
             total += rows.chunk(n_up)[update].sum().item()
         return max(total, 1.0)
 
+    # -- calibrated clipping ---------------------------------------------------------------------
+    def _calibrating(self, step: int) -> bool:
+        """Calibration steps: 1, 1 + interval, ... when training runs FP8 (BF16 has nothing to
+        calibrate against itself)."""
+        c = self.cfg.loss.calib
+        return self.cfg.fp8.enabled and c.enabled and (step - 1) % c.interval == 0
+
+    def _calibrate(self, mini: dict) -> dict:
+        """BF16 shadow + FP8 forward of the current policy on ``mini``; new EMA clip bounds.
+
+        ``mini`` carries FP8 and BF16 old logprobs. Histograms are merged over the data-parallel
+        group only (tensor-parallel ranks hold the same tokens); under pipeline parallelism the
+        last stage calibrates and broadcasts the bounds so every rank (and the checkpoint) agrees.
+        """
+        cfg, g = self.cfg, self.groups
+        loss_cfg = cfg.loss
+        t0 = time.perf_counter()
+        kw = dict(temperature=cfg.rollout.temperature)
+        cur8 = self.actor.compute_logprobs(mini, cfg.train.micro_batch_size, **kw)
+        with self.actor.full_precision():
+            cur16 = self.actor.compute_logprobs(mini, cfg.train.micro_batch_size, **kw)
+        result = None
+        if g.is_last_stage:
+            lower, upper, stats = calibrated_clip_bounds(
+                cur8["logprobs"] - mini["old_logprobs"], cur16["logprobs"] - mini["old_logprobs_bf16"],
+                mini["advantages"], mini["loss_mask"], loss_cfg.eps_low, loss_cfg.eps_high,
+                group=g.dp if g.dp_size > 1 else None, return_stats=True,
+                **loss_cfg.calib.solver_kwargs())
+            prev = None if self.calib["count"] == 0 else (self.calib["lower"], self.calib["upper"])
+            lower, upper = ema_bounds(prev, (lower, upper), loss_cfg.calib.ema_decay)
+            result = (lower, upper, stats)
+        lower, upper, stats = _broadcast_object(result, g.last_stage_rank)
+        self.calib.update(lower=lower, upper=upper, count=self.calib["count"] + 1)
+        out = {f"calib/{k}": v for k, v in stats.items()
+               if k in ("bf16_neg_lower_clipfrac", "fp8_neg_lower_clipfrac_nominal",
+                        "fp8_neg_lower_clipfrac_calibrated", "bf16_balance", "fp8_balance_nominal",
+                        "fp8_balance_calibrated", "hist_bytes", "fp8_out_of_range_frac")}
+        out["calib/raw_lower"], out["calib/raw_upper"] = stats["lower"], stats["upper"]
+        out["perf/shadow_time_s"] = time.perf_counter() - t0
+        return out
+
     def update(self, batch: dict) -> dict:
         """Old logprobs, then ``updates_per_step`` clipped policy-gradient optimizer steps."""
         cfg, g = self.cfg, self.groups
@@ -131,17 +227,30 @@ class Trainer:
         local = rows_for_rank(batch, g.dp_rank, g.dp_size)
         old = self.actor.compute_logprobs(local, cfg.train.micro_batch_size,
                                           temperature=cfg.rollout.temperature)
+        calibrating = self._calibrating(self.step)
+        shadow_time = 0.0
+        if calibrating:
+            ts = time.perf_counter()
+            with self.actor.full_precision():
+                old16 = self.actor.compute_logprobs(local, cfg.train.micro_batch_size,
+                                                    temperature=cfg.rollout.temperature)
+            shadow_time += time.perf_counter() - ts
+            local["old_logprobs_bf16"] = old16["logprobs"] if old16 is not None else \
+                torch.zeros_like(local["rollout_logprobs"])
         metric_sums: dict[str, float] = {}
         if old is not None:
             mask = local["loss_mask"]
             local["old_logprobs"] = old["logprobs"]
-            mismatch = (old["logprobs"] - local["rollout_logprobs"]) * mask
+            # rollout - train: positive when the rollout engine was more confident.
+            diff = (local["rollout_logprobs"] - old["logprobs"]) * mask
             metric_sums.update({
                 "n_tokens": mask.sum().item(),
                 "train/entropy": (old["entropy"] * mask).sum().item(),
-                "rollout/logprob_abs_diff": mismatch.abs().sum().item(),
+                "fp8/logprob_abs_diff": diff.abs().sum().item(),
                 # NeMo RL's metric: mean of exp(|logp_rollout - logp_train|); 1.0 = identical.
-                "rollout/token_mult_prob_error": (torch.exp(mismatch.abs()) * mask).sum().item(),
+                "fp8/token_mult_prob_error": (torch.exp(diff.abs()) * mask).sum().item(),
+                # KL(rollout || train) from rollout samples, k3 estimator (>= 0, low variance).
+                "fp8/rollout_train_kl": ((torch.exp(-diff) - 1 + diff) * mask).sum().item(),
             })
         else:
             local["old_logprobs"] = torch.zeros_like(local["rollout_logprobs"])
@@ -150,15 +259,25 @@ class Trainer:
         loss_cfg = cfg.loss
         grad_norms = []
         extremes: dict[str, float] = {}
+        calib_metrics: dict[str, float] = {}
         for u, mini in enumerate(_chunks(local, cfg.train.updates_per_step)):
             global_tokens = self._global_tokens(batch, u)
+            if calibrating and u >= 1:
+                # Update 0 sees pi_theta == pi_old (all ratios 1): calibrate from update 1 on.
+                calib_metrics = self._calibrate(mini)
+                shadow_time += calib_metrics.pop("perf/shadow_time_s")
+            clip_low, clip_high = self.calib["lower"], self.calib["upper"]
 
-            def token_loss(mb, logprobs, _g=global_tokens):
+            def token_loss(mb, logprobs, _g=global_tokens, _lo=clip_low, _hi=clip_high):
                 loss, m = policy_loss(
                     logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
-                    clip_low=1.0 - loss_cfg.eps_low, clip_high=1.0 + loss_cfg.eps_high,
-                    clip_c=loss_cfg.clip_c, agg=loss_cfg.agg, global_token_count=_g,
+                    clip_low=_lo, clip_high=_hi, clip_c=loss_cfg.clip_c, agg=loss_cfg.agg,
+                    global_token_count=_g, rollout_log_prob=mb["rollout_logprobs"],
+                    is_correction=loss_cfg.is_correction,
                 )
+                # The trainer reports the rollout mismatch itself (fp8/), once per step.
+                m.pop("rollout_kl_k1", None)
+                m.pop("token_mult_prob_error", None)
                 ntok = mb["loss_mask"].sum()
                 # Weighted sums, so micro-batches and DP ranks combine into token means.
                 return loss, {**{k: v.detach() * ntok for k, v in m.items()}, "_ntok": ntok}
@@ -180,9 +299,15 @@ class Trainer:
                 metric_sums["pg_tokens"] = metric_sums.get("pg_tokens", 0.0) + o["_ntok"].item()
 
         metrics = self._reduce_metrics(metric_sums, extremes)
-        metrics["train/grad_norm"] = grad_norms[-1]
-        metrics["perf/logprob_time_s"] = logprob_time
-        metrics["perf/update_time_s"] = time.perf_counter() - t0 - logprob_time
+        if self.is_driver:
+            metrics["train/grad_norm"] = grad_norms[-1]
+            metrics["perf/logprob_time_s"] = logprob_time
+            metrics["perf/update_time_s"] = time.perf_counter() - t0 - logprob_time - shadow_time
+            if self.cfg.fp8.enabled:
+                metrics["calib/lower"], metrics["calib/upper"] = self.calib["lower"], self.calib["upper"]
+            if calibrating:
+                metrics.update(calib_metrics)
+                metrics["perf/shadow_time_s"] = shadow_time
         return metrics
 
     def _reduce_metrics(self, sums: dict[str, float], extremes: dict[str, float]) -> dict:
@@ -222,7 +347,7 @@ class Trainer:
         if self.groups.dp_rank == 0:
             full = iter_full_params(self.actor.model, tp_group=self.groups.tp,
                                     pp_group=self.groups.pp, dst_global_rank=self.groups.driver_rank)
-            hf = mcore_state_to_hf(full, self.cfg.model)
+            hf = quantize_for_rollout(mcore_state_to_hf(full, self.cfg.model), self.cfg.rollout.fp8)
             if self.is_driver:
                 self.engine.update_weights(hf, version=version)
             else:
@@ -231,8 +356,25 @@ class Trainer:
         dist.barrier()
         return time.perf_counter() - t0
 
+    def fp8_weight_errors(self) -> dict:
+        """Per-layer relative FP8 quantization error of the actor's weights (collective; the
+        driver gets every stage's layers; tensor-parallel rank 0's shards stand for the layer)."""
+        if not self.cfg.fp8.enabled:
+            return {}
+        g = self.groups
+        mine = {}
+        if g.dp_rank == 0 and g.tp_rank == 0:
+            mine = weight_quantization_errors(self.actor.module, self.cfg.fp8)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        merged = {f"fp8/weight_qerr/{k}": v for d in everyone for k, v in d.items()}
+        if merged:
+            merged["fp8/weight_qerr_mean"] = sum(merged.values()) / len(merged)
+        return merged if self.is_driver else {}
+
     def evaluate(self) -> dict:
-        """Greedy decoding on held-out prompts (driver only)."""
+        """Greedy decoding on held-out prompts (driver only) and FP8 weight-error diagnostics."""
+        fp8_errors = self.fp8_weight_errors()
         if not self.is_driver:
             return {}
         n = min(self.cfg.train.eval_prompts, len(self.val_data))
@@ -243,7 +385,8 @@ class Trainer:
         rewards = compute_rewards(self.cfg.task.name, [self._decode(c) for c in completions],
                                   [r["answer"] for r in records])
         return {"eval/reward_mean": rewards.mean().item(),
-                "eval/response_len_mean": sum(len(c.response_ids) for c in completions) / n}
+                "eval/response_len_mean": sum(len(c.response_ids) for c in completions) / n,
+                **fp8_errors}
 
     # -- warm start ------------------------------------------------------------------------------
     def _warm_start_key(self) -> str:
@@ -279,8 +422,11 @@ class Trainer:
                 loss = -(logprobs * mb["loss_mask"]).sum() / _n
                 return loss, {}
 
-            outs, _, _ = self.actor.train_step(rows_for_rank(batch, g.dp_rank, g.dp_size),
-                                               self.cfg.train.micro_batch_size, nll)
+            # SFT runs without FP8 so that every precision mode starts RL from one warm start
+            # (and shares its cache): mode comparisons then measure RL alone.
+            with self.actor.full_precision():
+                outs, _, _ = self.actor.train_step(rows_for_rank(batch, g.dp_rank, g.dp_size),
+                                                   self.cfg.train.micro_batch_size, nll)
             if outs:
                 local = torch.tensor([sum(o["loss"].item() for o in outs)], dtype=torch.float64)
                 if g.dp_size > 1:
@@ -298,7 +444,7 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save(self) -> None:
-        state = {"step": self.step, "train_data": self.train_data.state_dict()}
+        state = {"step": self.step, "train_data": self.train_data.state_dict(), "calib": self.calib}
         checkpoint.save(self.ckpt_root, f"iter_{self.step:07d}",
                         self.actor.sharded_state_dict(with_optimizer=True), state)
         if self.is_driver:
@@ -313,6 +459,7 @@ class Trainer:
         self.actor.load_sharded(loaded)
         self.step = state["step"]
         self.train_data.load_state_dict(state["train_data"])
+        self.calib = state.get("calib", self.calib)
         print_rank0(f"resumed from {path} at step {self.step}")
         return True
 
@@ -385,10 +532,11 @@ def _progress(enabled: bool, total: int, initial: int):
 
 
 _SHOWN = ("rollout/reward_mean", "eval/reward_mean", "train/loss", "train/entropy",
-          "train/pg_clipfrac", "rollout/token_mult_prob_error", "perf/step_time_s", "sft/final_loss")
+          "train/pg_clipfrac", "fp8/token_mult_prob_error", "calib/lower", "calib/upper", "perf/step_time_s", "sft/final_loss")
 
 
 def _print_step(step: int, metrics: dict, progress=None) -> None:
-    parts = [f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in _SHOWN if k in metrics]
+    parts = [f"{k.removeprefix('rollout/').replace('/', '_')}={metrics[k]:.4g}"
+             for k in _SHOWN if k in metrics]
     line = f"step {step}: " + " ".join(parts)
     (progress.write if progress is not None else print)(line)

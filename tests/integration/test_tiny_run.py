@@ -1,5 +1,9 @@
 """The tiny CPU job end to end through the CLI: golden metrics, and kill -9 + restart resumes.
 
+It runs the full-FP8 variant (examples/tiny_cpu_fp8.yaml: FP8 rollout weights, emulated blockwise
+FP8 training, calibrated clipping every 2 steps), so the golden values pin the whole pipeline and
+the restart must restore the calibrated clip bounds as well as weights, optimizer and data.
+
 Golden values live in tests/assets/tiny_golden.json; regenerate with
 ``UPDATE_GOLDEN=1 pytest tests/integration/test_tiny_run.py`` after an intended numerics change.
 fp32 on CPU is deterministic for a fixed torch build and thread count, so the SFT loss and the
@@ -26,14 +30,14 @@ ROWS = 8 * 4
 OVERRIDES = [
     "sft.steps=100", "sft.batch_size=32", "train.steps=6", "train.prompts_per_step=8",
     "rollout.n_samples_per_prompt=4", "train.micro_batch_size=16", "train.save_interval=3",
-    "train.eval_interval=3", "train.eval_prompts=32", "optim.lr=3e-4",
+    "train.eval_interval=3", "train.eval_prompts=32", "optim.lr=3e-4", "loss.calib.interval=2",
 ]
 KEYS = ["sft/final_loss", "eval/reward_mean", "rollout/reward_mean", "train/loss", "train/entropy",
-        "train/grad_norm", "rollout/token_mult_prob_error"]
+        "train/grad_norm", "fp8/token_mult_prob_error", "calib/lower", "calib/upper"]
 
 
 def _cmd(out: Path, cache: Path) -> list[str]:
-    return [sys.executable, "-m", "megatron_rl_fp8", "train", "examples/tiny_cpu.yaml", *OVERRIDES,
+    return [sys.executable, "-m", "megatron_rl_fp8", "train", "examples/tiny_cpu_fp8.yaml", *OVERRIDES,
             f"train.output_dir={out}", f"train.cache_dir={cache}"]
 
 

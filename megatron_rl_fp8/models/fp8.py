@@ -1,0 +1,119 @@
+"""FP8 in the actor: TE autocast on GPU clusters, emulated FP8 linears on CPU, one switch for both.
+
+Where Transformer Engine runs (GPU, TE spec), FP8 is Megatron-Core's own: ``TransformerConfig.fp8``
+and ``fp8_recipe`` (``fp8.te.megatron_fp8_kwargs``) make every TE linear run FP8 GEMMs.
+
+Elsewhere the local spec's ``ColumnParallelLinear`` / ``RowParallelLinear`` compute their GEMMs
+through :class:`megatron_rl_fp8.fp8.FP8LinearEmulator` instead: same layer classes, same parameters
+and sharding, but the three GEMMs of each linear (fprop, dgrad, wgrad) read FP8 quantize-dequantized
+operands with the recipe's granularity. Layers kept in BF16 (first/last N, the LM head) keep
+Megatron's GEMM. Each emulated linear owns its delayed-scaling amax histories, as TE modules do.
+
+:func:`full_precision` switches FP8 off for a block of code (the BF16 shadow pass of calibrated
+clipping): the same weights, the same layers, unquantized GEMMs, no amax-history updates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from megatron_rl_fp8.fp8.config import FP8Config
+from megatron_rl_fp8.fp8.emulation import FP8LinearEmulator, quantization_error
+
+_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+class _EmulatedGemm:
+    """Replaces a Megatron linear's ``_forward_impl`` (the GEMM call) with the FP8 emulation.
+
+    Megatron passes the communication duties of the GEMM along with it; the only one that applies
+    without sequence parallelism is the column-parallel dgrad all-reduce, which
+    ``copy_to_tensor_model_parallel_region`` provides (identity forward, all-reduce backward).
+    """
+
+    def __init__(self, module: torch.nn.Module, emulator: FP8LinearEmulator):
+        self.original = module._forward_impl
+        self.emulator = emulator
+        self.enabled = True
+
+    def __call__(self, input, weight, *args, bias=None, allreduce_dgrad=False, sequence_parallel=False,
+                 tp_group=None, **kwargs):
+        if not self.enabled:
+            return self.original(input, weight, *args, bias=bias, allreduce_dgrad=allreduce_dgrad,
+                                 sequence_parallel=sequence_parallel, tp_group=tp_group, **kwargs)
+        if sequence_parallel:
+            raise NotImplementedError("FP8 emulation does not support sequence parallelism; set "
+                                      "parallel.sequence_parallel=false on CPU")
+        if allreduce_dgrad:
+            from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        return self.emulator(input, weight, bias)
+
+
+def emulated_linears(model) -> Iterator[tuple[str, torch.nn.Module, _EmulatedGemm]]:
+    """(name, module, emulated GEMM) for every linear of ``model`` running emulated FP8."""
+    for name, module in model.named_modules():
+        gemm = module.__dict__.get("_forward_impl")
+        if isinstance(gemm, _EmulatedGemm):
+            yield name, module, gemm
+
+
+def install_fp8_emulation(model, fp8: FP8Config, num_layers: int) -> int:
+    """Route the FP8 linears of this pipeline stage through the emulation; returns how many.
+
+    ``num_layers`` is the model's total depth (BF16 first/last layers are global positions).
+    """
+    if not fp8.enabled:
+        return 0
+    count = 0
+    decoder = getattr(model, "decoder", None)
+    for layer in getattr(decoder, "layers", []):
+        if not fp8.layer_uses_fp8(layer.layer_number, num_layers):
+            continue
+        for name, module in layer.named_modules():
+            if name.split(".")[-1] in _LINEARS:
+                module._forward_impl = _EmulatedGemm(module, FP8LinearEmulator(fp8))
+                count += 1
+    output_layer = getattr(model, "output_layer", None)
+    if output_layer is not None and not fp8.keep_lm_head_bf16:
+        output_layer._forward_impl = _EmulatedGemm(output_layer, FP8LinearEmulator(fp8))
+        count += 1
+    return count
+
+
+@contextlib.contextmanager
+def full_precision(model, config=None):
+    """Run ``model`` without FP8 inside the block: emulated linears use Megatron's GEMM; on the TE
+    path ``config.fp8`` is cleared so Megatron opens no FP8 autocast (same weights either way)."""
+    gemms = [g for _, _, g in emulated_linears(model)]
+    saved_fp8 = getattr(config, "fp8", None) if config is not None else None
+    for g in gemms:
+        g.enabled = False
+    if saved_fp8 is not None:
+        config.fp8 = None
+    try:
+        yield
+    finally:
+        for g in gemms:
+            g.enabled = True
+        if saved_fp8 is not None:
+            config.fp8 = saved_fp8
+
+
+def weight_quantization_errors(model, fp8: FP8Config) -> dict[str, float]:
+    """Relative quantization error (||q(W) - W|| / ||W||) of each FP8 linear's weight shard under
+    the trainer's recipe, keyed ``L<layer>.<linear>`` (``lm_head`` for the output layer)."""
+    out = {}
+    for name, module, _ in emulated_linears(model):
+        parts = name.split(".")
+        if "layers" in parts:
+            layer = model.decoder.layers[int(parts[parts.index("layers") + 1])]
+            key = f"L{layer.layer_number}.{parts[-1]}"
+        else:
+            key = "lm_head"
+        out[key] = quantization_error(module.weight, fp8.recipe, role="weight")["rel_error"]
+    return out
