@@ -110,6 +110,11 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tensor_model_parallel_si
                 import torch.distributed as dist
 
                 dist.barrier()
+            if progress and rank == 0:
+                # The bar above covers mapping; the write itself is one collective save call.
+                meter.bar.close()
+                print(f"hf-to-mcore: writing {sum(sizes) / 1e9:.2f} GB with dist_checkpointing "
+                      f"({world} rank{'s' if world > 1 else ''}) ...", flush=True)
             mcore_io.save(sd, ckpt_dir)
             if rank == 0:
                 mcore_io.write_trainer_state(ckpt_dir, {
