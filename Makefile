@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= examples/tiny_cpu.yaml
 
-.PHONY: install run test test-all clean
+.PHONY: install install-sglang run test test-sglang test-all clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,15 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# SGLang's CPU engine lives in its own venv (.venv-sglang) so its pins never touch .venv.
+SGLANG_VENV ?= .venv-sglang
+
+install-sglang:
+	tools/install_sglang_cpu.sh $(SGLANG_VENV)
+
+test-sglang: $(STAMP) install-sglang
+	MRF8_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -q -m sglang tests/sglang
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ""
