@@ -57,3 +57,21 @@ def rows_for_rank(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict
     n = next(iter(batch.values())).shape[0]
     per = n // world
     return {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+
+
+def order_for_updates(batch: dict[str, torch.Tensor], dp_size: int, updates: int) -> dict[str, torch.Tensor]:
+    """Reorder rows so that mini-batch ``u`` is rows ``[u*M, (u+1)*M)`` of the original batch at
+    any data-parallel size.
+
+    Each DP rank takes a contiguous slice (:func:`rows_for_rank`) and splits it into ``updates``
+    mini-batches. Without reordering, DP=2 would train update 0 on rows {0..M/2, N/2..N/2+M/2}
+    instead of rows 0..M: a different (equally valid) split, but not the 1-rank run. After it, the
+    optimizer sees the same mini-batches, and micro-batches, whatever the layout.
+    """
+    n = next(iter(batch.values())).shape[0]
+    if n % (dp_size * updates):
+        raise ValueError(f"{n} rows do not split into {updates} mini-batches over {dp_size} ranks")
+    per_mini, per_rank = n // updates, n // (updates * dp_size)
+    index = torch.tensor([u * per_mini + r * per_rank + i
+                          for r in range(dp_size) for u in range(updates) for i in range(per_rank)])
+    return {k: v[index] for k, v in batch.items()}

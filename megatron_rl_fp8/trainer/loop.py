@@ -39,8 +39,8 @@ from megatron_rl_fp8.loss import (
     overlong_reward_penalty,
     policy_loss,
 )
-from megatron_rl_fp8.models.fp8 import weight_quantization_errors
 from megatron_rl_fp8.metrics.logger import MetricsLogger, atomic_write_text, print_rank0
+from megatron_rl_fp8.models.fp8 import weight_quantization_errors
 from megatron_rl_fp8.reward.verifiers import compute_rewards
 from megatron_rl_fp8.rollout import build_engine
 from megatron_rl_fp8.rollout.base import Completion
@@ -49,7 +49,12 @@ from megatron_rl_fp8.sync.hf_mapping import hf_config, mcore_state_to_hf
 from megatron_rl_fp8.sync.quantize import quantize_for_rollout
 from megatron_rl_fp8.trainer import checkpoint
 from megatron_rl_fp8.trainer.actor import Actor
-from megatron_rl_fp8.trainer.batch import build_rl_batch, build_sft_batch, rows_for_rank
+from megatron_rl_fp8.trainer.batch import (
+    build_rl_batch,
+    build_sft_batch,
+    order_for_updates,
+    rows_for_rank,
+)
 
 # Metrics that are reduced with max/min instead of a token-weighted mean.
 _MAX_KEYS = ("ratio_max",)
@@ -490,7 +495,9 @@ class Trainer:
             completions, rewards, rollout_stats = self.rollout(self.step)
             advantages = grpo_advantages(rewards, cfg.rollout.n_samples_per_prompt,
                                          norm_std=cfg.loss.norm_adv_by_std)
-            batch = build_rl_batch(completions, advantages, pad_id=self.tokenizer.pad_token_id)
+            batch = order_for_updates(
+                build_rl_batch(completions, advantages, pad_id=self.tokenizer.pad_token_id),
+                self.groups.dp_size, cfg.train.updates_per_step)
             metrics = self.update(batch)
             sync_time = self.sync_weights(version=self.step)
             if self.is_driver:

@@ -42,3 +42,40 @@ def test_first_step_matches_one_rank(reference, tmp_path, layout):
     for key in KEYS:
         a, b = got[1][key], ref[1][key]
         assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6), (layout, key, a, b)
+
+
+# Full FP8 with calibrated clipping at every step and DAPO dynamic sampling (format bonus and
+# overlong shaping give the barely-trained policy's groups some reward variance to keep). Blockwise FP8 groups
+# are per token (1x128 activations) and per weight tile, so splitting the batch over DP ranks or
+# the layers over PP stages quantizes exactly what one rank does: the calibration histograms, merged
+# over the DP group (or computed on the last stage), must give the 1-rank bounds. Bounds are read
+# from 4096 bins over log ratios in (-2, 2); identical inputs give identical bins, so the tolerance
+# is the same 1e-4 as the loss.
+FP8 = ["fp8.recipe=blockwise", "rollout.fp8.weight_quant=blockwise", "loss.calib.interval=1",
+       "loss.dynamic_sampling=true", "reward.format_weight=0.5", "loss.overlong_buffer=4"]
+FP8_KEYS = KEYS + ("calib/raw_lower", "calib/raw_upper", "calib/lower", "calib/upper",
+                   "calib/bf16_neg_lower_clipfrac", "fp8/token_mult_prob_error")
+
+
+@pytest.fixture(scope="module")
+def fp8_reference(reference, tmp_path_factory):
+    cache, _ = reference
+    out = tmp_path_factory.mktemp("fp8_1rank")
+    metrics = run_distributed(trainer_body, world_size=1,
+                              args=(SMALL + FP8 + [f"train.output_dir={out}",
+                                                   f"train.cache_dir={cache}"],))[0]
+    return {m["step"]: m for m in metrics}
+
+
+@pytest.mark.parametrize("layout", [[], ["parallel.pipeline_model_parallel_size=2"]],
+                         ids=["dp2", "pp2"])
+def test_fp8_calibration_matches_one_rank(reference, fp8_reference, tmp_path, layout):
+    cache, _ = reference
+    metrics = run_distributed(trainer_body, world_size=2,
+                              args=(SMALL + FP8 + layout + [f"train.output_dir={tmp_path}",
+                                                            f"train.cache_dir={cache}"],))[0]
+    got, ref = {m["step"]: m for m in metrics}[1], fp8_reference[1]
+    assert ref["calib/hist_bytes"] == got["calib/hist_bytes"] == 8 * (4 * 4096 + 7)
+    assert ref["rollout/sampling_rounds"] == got["rollout/sampling_rounds"] >= 1
+    for key in FP8_KEYS:
+        assert math.isclose(got[key], ref[key], rel_tol=1e-4, abs_tol=1e-6), (layout, key)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from megatron_rl_fp8.rollout.base import Completion
@@ -32,3 +33,19 @@ def test_rows_for_rank_partitions_rows():
     batch = {"x": torch.arange(8)}
     parts = [rows_for_rank(batch, r, 2)["x"].tolist() for r in range(2)]
     assert parts == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_order_for_updates_gives_every_layout_the_same_mini_batches():
+    from megatron_rl_fp8.trainer.batch import order_for_updates, rows_for_rank
+
+    batch = {"x": torch.arange(24)}
+    for dp in (1, 2, 3):
+        ordered = order_for_updates(batch, dp, updates=2)
+        minis = [[] for _ in range(2)]
+        for r in range(dp):
+            local = rows_for_rank(ordered, r, dp)["x"]
+            for u, chunk in enumerate(local.chunk(2)):
+                minis[u] += chunk.tolist()
+        assert minis == [list(range(12)), list(range(12, 24))], dp
+    with pytest.raises(ValueError, match="mini-batches"):
+        order_for_updates(batch, 5, updates=2)
