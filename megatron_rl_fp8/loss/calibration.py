@@ -68,6 +68,7 @@ _SCALARS = (
     "fp8_out_of_range",      # count of tokens whose FP8 log ratio was clamped into an edge bin
 )
 NUM_SCALARS = len(_SCALARS)
+_EXACT_FLOAT32_COUNT = 1 << 24  # float32 represents every integer count below this exactly
 
 
 @dataclass(kw_only=True)
@@ -252,23 +253,37 @@ def build_calibration_histogram(
     packed = torch.zeros(4 * bins + NUM_SCALARS, dtype=torch.float64, device=x8.device)
     # Negative-advantage tokens go to slot 0, positive to slot 1; ignored tokens add zero to
     # whichever slot, which is cheaper than filtering them out (and filtering would sync on GPU).
-    slot = bins * (adv > 0).long()
-    idx = (bin_index(x8, bins, log_ratio_range) + slot).flatten()
-    packed[: 2 * bins].index_add_(0, idx, valid.flatten().to(torch.float64))
-    packed[2 * bins: 4 * bins].index_add_(0, idx, w8.flatten().to(torch.float64))
+    # The slot offset is added before the one integer cast (bin_index's float path, inlined).
+    scale = bins / (hi - lo)
+    idx = ((x8 - lo).mul_(scale).clamp_(0, bins - 1).add_(bins * (adv > 0))).long().flatten()
+    ones = valid.flatten().to(w8.dtype)
+    if x8.numel() < _EXACT_FLOAT32_COUNT:
+        # float32 counts are exact below 2^24 tokens per call and skip a float64 copy of the mask.
+        packed[: 2 * bins] = torch.zeros(2 * bins, dtype=w8.dtype, device=w8.device) \
+            .index_add_(0, idx, ones).double()
+    else:
+        packed[: 2 * bins].index_add_(0, idx, ones.double())
+    packed[2 * bins: 4 * bins].index_add_(0, idx, w8.flatten().double())
 
-    def total(t: torch.Tensor) -> torch.Tensor:
-        return t.sum(dtype=torch.float64)
+    def count(t: torch.Tensor) -> torch.Tensor:
+        return torch.count_nonzero(t).double()  # int64: exact
+
+    def total(w: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        # Per-sequence float32 sums (exact per row whatever the rank layout), then float64 across
+        # rows: merged results do not depend on how rows split over ranks, without a float64
+        # copy of every token.
+        kept = torch.where(keep, w, 0.0)
+        return (kept.sum(dim=-1) if kept.dim() > 1 else kept).double().sum()
 
     below8, below16 = x8 < log_lower, x16 < log_lower
     packed[4 * bins:] = torch.stack([
-        total(neg & below16),
-        total(w16 * (pos & (x16 <= log_upper))),
-        total(w16 * (neg & ~below16)),
-        total(neg & below8),
-        total(w8 * (pos & (x8 <= log_upper))),
-        total(w8 * (neg & ~below8)),
-        total(valid & ((x8 < lo) | (x8 > hi))),
+        count(neg & below16),
+        total(w16, pos & (x16 <= log_upper)),
+        total(w16, neg & ~below16),
+        count(neg & below8),
+        total(w8, pos & (x8 <= log_upper)),
+        total(w8, neg & ~below8),
+        count(valid & ((x8 < lo) | (x8 > hi))),
     ])
     return packed
 
