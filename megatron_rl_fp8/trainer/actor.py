@@ -96,10 +96,14 @@ class Actor:
         """Run the schedule; returns the per-micro-batch dicts (last pipeline stage only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            # Batches are built on the host; the model's device is CUDA on GPU clusters.
+            mb = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
             ids = mb["input_ids"]
-            pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+            pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
             # attention_mask=None: the local spec applies a causal mask; right padding never
             # influences earlier (real) positions under a causal mask.
             output = model(ids, pos, None)
@@ -136,7 +140,7 @@ class Actor:
         self.model.train()
         if not self.groups.is_last_stage:
             return None
-        return {k: torch.cat([o[k] for o in out]) for k in ("logprobs", "entropy")}
+        return {k: torch.cat([o[k] for o in out]).cpu() for k in ("logprobs", "entropy")}
 
     def train_step(self, batch: dict[str, torch.Tensor], micro_batch_size: int,
                    token_loss_fn: Callable, *, temperature: float = 1.0
