@@ -93,6 +93,7 @@ class Trainer:
                 hf_config(cfg.model, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id),
                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                output_dir=str(self.out_dir),
             )
         self.logger = MetricsLogger(self.out_dir, enabled=self.is_driver)
         self.step = 0
