@@ -112,8 +112,7 @@ class CalibConfig:
     )
     upper_limits: tuple[float, float] = field(
         default=DEFAULT_UPPER_LIMITS,
-        metadata={"help": "(min, max) allowed calibrated upper ratio bound; min > 1. The max is "
-                          "also the answer when the BF16 balance is unreachable."},
+        metadata={"help": "(min, max) allowed calibrated upper ratio bound; min > 1."},
     )
 
     def __post_init__(self) -> None:
@@ -317,7 +316,8 @@ def bounds_from_histogram(
     * ``balance`` without positive tokens, or with no unclipped BF16 negative mass (balance
       undefined): upper = nominal 1 + eps_high;
     * ``balance`` unreachable (even unclipping every positive token gives too little mass):
-      upper = ``upper_limits[1]``.
+      upper = the larger of nominal and the right edge of the last non-empty positive bin (the
+      tightest bound that unclips every positive token; looser would change nothing now).
 
     Both bounds are finally clamped to ``lower_limits`` / ``upper_limits``; the balance is solved
     with the clamped lower bound. Returns ``(lower, upper, stats)`` with Python floats.
@@ -359,7 +359,12 @@ def bounds_from_histogram(
     else:
         target = bf16_balance * fp8_neg_unclipped(log_l)
         if target >= pos_total:
-            upper = upper_limits[1]
+            # Unreachable: unclip every positive token this batch has (the right edge of the last
+            # non-empty bin) but never tighten below nominal. Going further, e.g. to the safety
+            # maximum, would not move this batch's balance at all, only drop the upper clip for
+            # every step until the next calibration.
+            upper = max(nominal_upper,
+                        math.exp(hist_inverse_mass(pos_sum, pos_total, log_ratio_range)))
         else:
             upper = math.exp(hist_inverse_mass(pos_sum, target, log_ratio_range))
     upper = _clamp(upper, upper_limits)
@@ -477,7 +482,7 @@ def exact_calibrated_clip_bounds(
         order = torch.argsort(x8[pos])
         cum = torch.cumsum(w8[pos][order], dim=0)
         if target >= float(cum[-1]):
-            upper = upper_limits[1]
+            upper = max(nominal_upper, math.exp(float(x8[pos].max())))
         else:
             k = int(torch.searchsorted(cum, torch.tensor([target], dtype=cum.dtype)))
             upper = math.exp(float(x8[pos][order][k]))

@@ -136,18 +136,32 @@ def test_q_zero_loosens_lower_just_enough_to_clip_nothing():
     assert lower == pytest.approx(1 - EPS_LOW)
 
 
-def test_safety_limits_clamp_and_unreachable_balance_uses_max_upper():
+def test_safety_limits_clamp_and_unreachable_balance_unclips_every_positive_token():
     fp8, bf16, adv, mask = _fp8_biased_batch(b=32, t=256)
     neg = (adv < 0)[:, None].expand_as(fp8)
     # A huge FP8 bias on negative tokens would push the lower bound far below 0.5.
     lower, _ = calibrated_clip_bounds(fp8 - 1.0 * neg, bf16, adv, mask, EPS_LOW, EPS_HIGH)
     assert lower == 0.5
-    # FP8 positive ratios far smaller than BF16's: no upper bound reaches the BF16 balance.
-    lower, upper = calibrated_clip_bounds(fp8 - 1.5 * ~neg, bf16, adv, mask, EPS_LOW, EPS_HIGH,
-                                          upper_limits=(1.01, 1.6))
-    assert upper == 1.6
-    assert exact_calibrated_clip_bounds(fp8 - 1.5 * ~neg, bf16, adv, mask, EPS_LOW, EPS_HIGH,
-                                        upper_limits=(1.01, 1.6))[1] == 1.6
+    # FP8 positive ratios far smaller than BF16's: no upper bound reaches the BF16 balance. The
+    # answer unclips every positive token (never below nominal) instead of jumping to the limit.
+    shifted = fp8 - 1.5 * ~neg
+    pos_max = math.exp(float(shifted[(adv > 0)[:, None].expand_as(fp8) & mask.bool()].max()))
+    _, upper = calibrated_clip_bounds(shifted, bf16, adv, mask, EPS_LOW, EPS_HIGH,
+                                      upper_limits=(1.01, 1.6))
+    assert upper == 1 + EPS_HIGH and pos_max < upper
+    assert exact_calibrated_clip_bounds(shifted, bf16, adv, mask, EPS_LOW, EPS_HIGH,
+                                        upper_limits=(1.01, 1.6))[1] == 1 + EPS_HIGH
+    # Positive ratios spread past nominal (x2), negative ones inflated (+1 in log) so the BF16
+    # balance is out of reach: the bound is the bin edge just above the largest positive ratio.
+    pos_t = (adv > 0)[:, None].expand_as(fp8) & mask.bool()
+    spread = torch.where(neg, bf16 + 1.0, 2 * bf16)
+    pos_max = math.exp(float(spread[pos_t].max()))
+    assert 1 + EPS_HIGH < pos_max < 3.0
+    _, upper = calibrated_clip_bounds(spread, bf16, adv, mask, EPS_LOW, EPS_HIGH)
+    exact = exact_calibrated_clip_bounds(spread, bf16, adv, mask, EPS_LOW, EPS_HIGH)[1]
+    assert exact == pytest.approx(pos_max)
+    bin_width = 4.0 / 4096
+    assert pos_max <= upper <= pos_max * math.exp(bin_width) * (1 + 1e-9)
 
 
 def test_out_of_range_tokens_are_counted_not_dropped():
