@@ -13,6 +13,7 @@ each header, then streams tensors in order: memory stays at one tensor, whatever
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -55,10 +56,7 @@ class TensorInfo(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class HFCheckpoint:
@@ -144,10 +142,7 @@ class OutTensor(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class SafetensorsWriter:

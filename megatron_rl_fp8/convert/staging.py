@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from megatron_rl_fp8.convert.errors import ConvertError
+from megatron_rl_fp8.metrics.logger import fsync_dir
 
 
 def fsync_tree(root: Path) -> None:
@@ -26,14 +27,6 @@ def fsync_tree(root: Path) -> None:
             finally:
                 os.close(fd)
         fsync_dir(Path(dirpath))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_output(out: Path, *, overwrite: bool) -> None:

@@ -21,15 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_rl_fp8.metrics.logger import atomic_write_text
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from megatron_rl_fp8.metrics.logger import atomic_write_text, fsync_dir
 
 
 def save(ckpt_root: str | Path, name: str, sharded_state_dict: dict, trainer_state: dict) -> Path:
@@ -53,7 +45,7 @@ def save(ckpt_root: str | Path, name: str, sharded_state_dict: dict, trainer_sta
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         atomic_write_text(root / "latest", name + "\n")
     dist.barrier()
     return final
