@@ -24,6 +24,9 @@ class ModelConfig:
     vocab_size: int = field(64, help="Tokenizer vocabulary size (before padding for TP).")
     max_position_embeddings: int = field(128, help="Longest sequence the model serves.")
     rope_theta: float = field(10000.0, help="RoPE base frequency.")
+    rope_scaling_factor: Optional[float] = field(
+        None, help="Llama 3.1 RoPE scaling (HF rope_type 'llama3': low/high frequency factors 1 "
+                   "and 4, original context 8192, as Megatron-Core implements it); null = off.")
     norm_eps: float = field(1e-6, help="RMSNorm epsilon.")
     tie_word_embeddings: bool = field(False, help="Share input embedding and output layer weights.")
     params_dtype: Literal["float32", "bfloat16"] = field(
@@ -44,6 +47,9 @@ class ModelConfig:
                 f"model.num_query_groups={self.num_query_groups} must divide "
                 f"model.num_attention_heads={self.num_attention_heads}"
             )
+        if self.rope_scaling_factor is not None and self.rope_scaling_factor <= 1:
+            raise ValueError(f"model.rope_scaling_factor must be > 1 (Llama 3.1 uses 8) or null, "
+                             f"got {self.rope_scaling_factor}")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by num_attention_heads="

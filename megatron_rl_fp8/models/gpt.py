@@ -101,4 +101,6 @@ def build_gpt_model(model: ModelConfig, config, *, use_te: bool | None = None,
         share_embeddings_and_output_weights=model.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(model.rope_theta),
+        rope_scaling=model.rope_scaling_factor is not None,
+        rope_scaling_factor=model.rope_scaling_factor or 8.0,
     )

@@ -75,12 +75,20 @@ def hf_config(model: ModelConfig, *, bos_token_id: int | None = None,
         kwargs.update(attention_bias=False, mlp_bias=False)
     if model.arch == "qwen3":
         kwargs.update(attention_bias=False)
+    if model.rope_scaling_factor is not None:
+        kwargs["rope_scaling"] = {"rope_type": "llama3", "factor": model.rope_scaling_factor,
+                                  **_LLAMA3_ROPE, "rope_theta": model.rope_theta}
     cfg = cls(**kwargs)
     # transformers 5 moved rope_theta into rope_parameters; make sure the base is what we asked for.
     rope = getattr(cfg, "rope_parameters", None)
     if isinstance(rope, dict):
         rope["rope_theta"] = model.rope_theta
     return cfg
+
+
+# The Llama 3.1 RoPE scaling constants Megatron-Core hard-codes (rope_utils / _apply_scaling).
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
 
 
 def _split_qkv(qkv: torch.Tensor, model: ModelConfig):
@@ -243,9 +251,14 @@ def model_config_from_hf(config: dict, *, params_dtype: str | None = None
     scaling = config.get("rope_scaling") or {}
     rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        notes.append(f"RoPE scaling {rope_type!r} is kept in config.json but not represented in "
-                     "ModelConfig (weights are unaffected)")
+    rope_scaling_factor = None
+    params = {**scaling, **rope}
+    if rope_type == "llama3" and all(float(params.get(k, v)) == v for k, v in _LLAMA3_ROPE.items()):
+        rope_scaling_factor = float(params.get("factor", 8.0))
+    elif rope_type != "default":
+        notes.append(f"RoPE scaling {rope_type!r} ({params}) is kept in config.json but not "
+                     "represented in ModelConfig (weights are unaffected; long-context positions "
+                     "will differ from the HF model)")
     heads = need("num_attention_heads")
     if params_dtype is None:
         dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
@@ -263,6 +276,7 @@ def model_config_from_hf(config: dict, *, params_dtype: str | None = None
         vocab_size=need("vocab_size"),
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         rope_theta=float(rope_theta),
+        rope_scaling_factor=rope_scaling_factor,
         norm_eps=config.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         params_dtype=params_dtype,

@@ -109,7 +109,8 @@ def test_model_config_from_hf_reads_v4_style_llama31():
     mc, notes = model_config_from_hf(cfg)
     assert (mc.arch, mc.kv_channels, mc.rope_theta, mc.params_dtype) == ("llama", 128, 5e5, "bfloat16")
     assert mc.padded_vocab_size(1) == 128256 and mc.padded_vocab_size(8) == 129024
-    assert len(notes) == 1 and "llama3" in notes[0]
+    assert mc.rope_scaling_factor == 8.0 and notes == []
+    assert model_config_from_hf({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})[1]
 
 
 def test_model_config_from_hf_rejects_unknown_architecture():
