@@ -110,7 +110,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return module
 
     def exec_module(self, module):
-        pass
+        """Nothing to execute: every attribute of a stand-in raises when used."""
 
 
 sys.meta_path.append(_Finder())

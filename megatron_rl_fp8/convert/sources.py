@@ -109,4 +109,4 @@ class McoreSource:
                 yield from mcore_to_hf(name, loaded.pop(name), self.model)
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the reader opens and closes the checkpoint per layer group."""

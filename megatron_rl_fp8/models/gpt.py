@@ -10,15 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rl_fp8.fp8.te import have_te
 from megatron_rl_fp8.models.config import ModelConfig
-
-
-def have_te() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
-        return False
-    return torch.cuda.is_available()
 
 
 def layer_spec(model: ModelConfig, *, use_te: bool | None = None):
@@ -26,7 +19,7 @@ def layer_spec(model: ModelConfig, *, use_te: bool | None = None):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te is None:
-        use_te = have_te()
+        use_te = have_te() and torch.cuda.is_available()
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
     return specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")

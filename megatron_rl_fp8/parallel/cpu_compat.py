@@ -63,16 +63,16 @@ class _NullStream:
     """Stand-in for torch.cuda.Stream / current_stream(): CPU work is already ordered."""
 
     def __init__(self, *args, **kwargs):
-        pass
+        """Nothing to set up."""
 
     def wait_stream(self, other):
-        pass
+        """CPU work is already ordered."""
 
     def wait_event(self, event):
-        pass
+        """CPU work is already ordered."""
 
     def synchronize(self):
-        pass
+        """CPU work is already done when this is called."""
 
     def record_event(self, event=None):
         return event or _NullEvent()
@@ -86,16 +86,16 @@ class _NullStream:
 
 class _NullEvent:
     def __init__(self, *args, **kwargs):
-        pass
+        """Nothing to set up."""
 
     def record(self, stream=None):
-        pass
+        """Nothing to record: CPU work is already ordered."""
 
     def wait(self, stream=None):
-        pass
+        """CPU work is already ordered."""
 
     def synchronize(self):
-        pass
+        """CPU work is already done when this is called."""
 
     def query(self):
         return True

@@ -52,7 +52,7 @@ def quantize_for_rollout(named: Iterable[tuple[str, torch.Tensor]], cfg: Rollout
 def dequantize_weight(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                       dtype: torch.dtype) -> torch.Tensor:
     """Full-precision weight from FP8 codes and their scales (per-tensor or blockwise)."""
-    if scale_inv.dim() == 0 or scale_inv.numel() == 1 and scale_inv.dim() < 2:
+    if scale_inv.dim() < 2:  # per-tensor (0-d); blockwise scales are [row blocks, col blocks]
         return dequantize_per_tensor(codes, scale_inv.reshape(()), dtype=dtype)
     return dequantize_blockwise(codes, scale_inv, block=block, dtype=dtype)
 

@@ -12,6 +12,7 @@ update does not depend on how the batch is split (TP=2 or DP=2 give the 1-rank l
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import time
@@ -278,10 +279,11 @@ class Trainer:
                 loss, m = policy_loss(
                     logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
                     clip_low=_lo, clip_high=_hi, clip_c=loss_cfg.clip_c, agg=loss_cfg.agg,
-                    global_token_count=_g, rollout_log_prob=mb["rollout_logprobs"],
-                    is_correction=loss_cfg.is_correction,
+                    global_token_count=_g, is_correction=loss_cfg.is_correction,
+                    # Needed only to reweight (TIS/MIS): the trainer reports the rollout mismatch
+                    # itself (fp8/), once per step, so the loss need not recompute it.
+                    rollout_log_prob=mb["rollout_logprobs"] if loss_cfg.is_correction else None,
                 )
-                # The trainer reports the rollout mismatch itself (fp8/), once per step.
                 m.pop("rollout_kl_k1", None)
                 m.pop("token_mult_prob_error", None)
                 ntok = mb["loss_mask"].sum()
@@ -357,8 +359,8 @@ class Trainer:
             if self.is_driver:
                 self.engine.update_weights(hf, version=version)
             else:
-                for _ in hf:  # drive the collectives; non-driver ranks receive nothing
-                    pass
+                # Drive the gather's collectives; non-driver ranks receive nothing.
+                collections.deque(hf, maxlen=0)
         dist.barrier()
         return time.perf_counter() - t0
 
@@ -540,7 +542,8 @@ def _progress(enabled: bool, total: int, initial: int):
 
 
 _SHOWN = ("rollout/reward_mean", "eval/reward_mean", "train/loss", "train/entropy",
-          "train/pg_clipfrac", "fp8/token_mult_prob_error", "calib/lower", "calib/upper", "perf/step_time_s", "sft/final_loss")
+          "train/pg_clipfrac", "fp8/token_mult_prob_error", "calib/lower", "calib/upper",
+          "perf/step_time_s", "sft/final_loss")
 
 
 def _print_step(step: int, metrics: dict, progress=None) -> None:
