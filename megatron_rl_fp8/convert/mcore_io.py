@@ -135,9 +135,9 @@ def sharded_state_dict(items, *, num_layers: int, extra_state: bool) -> dict:
 
 
 def save(sd: dict, ckpt_dir: Path) -> None:
-    from megatron.core import dist_checkpointing
+    from megatron_rl_fp8.trainer.checkpoint import save_sharded
 
-    dist_checkpointing.save(sd, str(ckpt_dir))
+    save_sharded(sd, ckpt_dir)
 
 
 def write_trainer_state(ckpt_dir: Path, state: dict) -> None:

@@ -1,7 +1,8 @@
 """FP8 knobs: one dataclass for the trainer side, one for the rollout side.
 
 The trainer side (``FP8Config``) says how Megatron's linear layers run their GEMMs: which scaling
-recipe, which element formats, and which layers stay in BF16. On a GPU with Transformer Engine it
+recipe, which element formats, which layers stay in BF16, and (emulation only) how the tensor
+core's limited-precision accumulation is modelled. On a GPU with Transformer Engine it
 maps onto a TE recipe (``te.py``); on a CPU box the same config drives the emulation
 (``emulation.py``). The rollout side (``RolloutFP8Config``) says how synced weights are quantized
 for the serving engine (W8A8 blockwise, DeepSeek-V3 style).
@@ -18,6 +19,7 @@ Recipe = Literal[
 Format = Literal["e4m3", "hybrid"]
 AmaxComputeAlgo = Literal["max", "most_recent"]
 RolloutWeightQuant = Literal["bf16", "blockwise", "per_tensor"]
+Accumulation = Literal["fp32", "hopper"]
 
 RECIPES: tuple[str, ...] = (
     "bf16", "tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise", "mxfp8"
@@ -25,6 +27,11 @@ RECIPES: tuple[str, ...] = (
 FORMATS: tuple[str, ...] = ("e4m3", "hybrid")
 AMAX_COMPUTE_ALGOS: tuple[str, ...] = ("max", "most_recent")
 ROLLOUT_WEIGHT_QUANTS: tuple[str, ...] = ("bf16", "blockwise", "per_tensor")
+ACCUMULATIONS: tuple[str, ...] = ("fp32", "hopper")
+
+HOPPER_MMA_K = 32
+"""Elements of K one Hopper FP8 tensor-core instruction contracts (``wgmma.mma_async`` m64nNk32 for
+e4m3/e5m2): the granularity at which a kernel can promote its partial sums to float32."""
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -100,6 +107,44 @@ class FP8Config:
             "GPU exist (numerics debugging, CI parity checks). Always on without TE."
         },
     )
+    accumulation: Accumulation = field(
+        default="fp32",
+        metadata={
+            "help": "Emulation only: how FP8 GEMMs accumulate. 'fp32' sums in float32 (exact up "
+            "to float32 rounding; the default). 'hopper' models Hopper FP8 tensor cores, whose "
+            "accumulator keeps only accum_mantissa_bits and is promoted to float32 every "
+            "accum_chunk elements of K (see fp8/emulation.py). Real GPUs (TE) always do what "
+            "their hardware does; this changes only the emulated GEMMs."
+        },
+    )
+    accum_chunk: int = field(
+        default=128,
+        metadata={
+            "help": "accumulation='hopper': promotion interval, in elements of the contraction "
+            "dim: partial sums move to float32 every accum_chunk elements (128 = 4 WGMMA "
+            "instructions, as CUTLASS, cuBLAS without fast accumulation and DeepSeek-V3 do). A "
+            "multiple of 32; for recipe='blockwise' a divisor of 128 (its scales change every "
+            "128 elements, which forces a promotion)."
+        },
+    )
+    accum_mantissa_bits: int = field(
+        default=13,
+        metadata={
+            "help": "accumulation='hopper': explicit mantissa bits the tensor-core accumulator "
+            "keeps between promotions (1..23; float32 has 23). 13 is what bit-level studies of "
+            "H100 FP8 MMA report (DeepSeek-V3 measured 'around 14 bits' retained on H800)."
+        },
+    )
+    accum_fast_fprop: bool = field(
+        default=True,
+        metadata={
+            "help": "accumulation='hopper': the forward GEMM runs with fast accumulation (no "
+            "promotion: all of K accumulates at accum_mantissa_bits), as Transformer Engine "
+            "(use_split_accumulator=False for fprop) and torchao (use_fast_accum=True for the "
+            "output) do by default; dgrad and wgrad always promote. Ignored by "
+            "recipe='blockwise', whose per-block scales force promotion in every GEMM."
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_choice("FP8Config.recipe", self.recipe, RECIPES)
@@ -117,6 +162,7 @@ class FP8Config:
         _check_non_negative_int("FP8Config.margin", self.margin)
         _check_non_negative_int("FP8Config.bf16_first_layers", self.bf16_first_layers)
         _check_non_negative_int("FP8Config.bf16_last_layers", self.bf16_last_layers)
+        self._check_accumulation()
         # Megatron-Core rejects this pair in TransformerConfig; catching it here means the error
         # appears at config load, before any process group or model exists.
         bf16_edges = self.bf16_first_layers or self.bf16_last_layers
@@ -126,6 +172,46 @@ class FP8Config:
                 f"{self.bf16_first_layers}/{self.bf16_last_layers} is not supported with "
                 "recipe='tensorwise_delayed' (Megatron-Core forbids BF16 first/last layers under "
                 "delayed scaling); use recipe='tensorwise_current' or set both to 0"
+            )
+
+    def _check_accumulation(self) -> None:
+        _check_choice("FP8Config.accumulation", self.accumulation, ACCUMULATIONS)
+        chunk = self.accum_chunk
+        if (
+            not isinstance(chunk, int)
+            or isinstance(chunk, bool)
+            or chunk < HOPPER_MMA_K
+            or chunk % HOPPER_MMA_K
+        ):
+            raise ValueError(
+                f"FP8Config.accum_chunk={chunk!r} is not valid; it must be a positive multiple of "
+                f"{HOPPER_MMA_K} (one FP8 tensor-core instruction contracts {HOPPER_MMA_K} "
+                "elements, and promotion happens between instructions); the hardware default is 128"
+            )
+        bits = self.accum_mantissa_bits
+        if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= 23:
+            raise ValueError(
+                f"FP8Config.accum_mantissa_bits={bits!r} is not valid; it must be an integer in "
+                "1..23 (23 = float32, i.e. no loss; 13 models Hopper)"
+            )
+        if not isinstance(self.accum_fast_fprop, bool):
+            raise ValueError(
+                f"FP8Config.accum_fast_fprop={self.accum_fast_fprop!r} is not valid; "
+                "use true or false"
+            )
+        if self.accumulation != "hopper":
+            return
+        if self.recipe == "mxfp8":
+            raise ValueError(
+                "FP8Config.accumulation='hopper' is not valid with recipe='mxfp8': Hopper has no "
+                "MXFP8 tensor cores, and Blackwell's accumulate differently; use "
+                "accumulation='fp32' with mxfp8"
+            )
+        if self.recipe == "blockwise" and 128 % chunk:
+            raise ValueError(
+                f"FP8Config.accum_chunk={chunk} is not valid with recipe='blockwise' and "
+                "accumulation='hopper': the 1x128 / 128x128 scales change every 128 elements of "
+                "K, so a blockwise GEMM promotes at least that often; use 32, 64 or 128"
             )
 
     @property

@@ -484,6 +484,6 @@ def exact_calibrated_clip_bounds(
         if target >= float(cum[-1]):
             upper = max(nominal_upper, math.exp(float(x8[pos].max())))
         else:
-            k = int(torch.searchsorted(cum, torch.tensor([target], dtype=cum.dtype)))
+            k = int(torch.searchsorted(cum, torch.tensor([target], dtype=cum.dtype, device=cum.device)))
             upper = math.exp(float(x8[pos][order][k]))
     return lower, _clamp(upper, upper_limits)

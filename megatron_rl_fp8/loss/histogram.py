@@ -87,7 +87,7 @@ def hist_inverse_mass(
         return lo + (int(nonzero[-1]) + 1) * w
     # First bin whose cumulative mass reaches the target; it is non-empty because the previous
     # cumulative value is strictly below the target.
-    k = int(torch.searchsorted(cum, torch.tensor([target], dtype=cum.dtype)))
+    k = int(torch.searchsorted(cum, torch.tensor([target], dtype=cum.dtype, device=cum.device)))
     before = float(cum[k]) - float(weights[k])
     return lo + (k + (target - before) / float(weights[k])) * w
 

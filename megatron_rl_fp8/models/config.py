@@ -29,9 +29,10 @@ class ModelConfig:
                    "and 4, original context 8192, as Megatron-Core implements it); null = off.")
     norm_eps: float = field(1e-6, help="RMSNorm epsilon.")
     tie_word_embeddings: bool = field(False, help="Share input embedding and output layer weights.")
-    params_dtype: Literal["float32", "bfloat16"] = field(
-        "float32",
-        help="Master parameter dtype. float32 for the tiny CPU model; bfloat16 on GPU clusters.",
+    params_dtype: Literal["auto", "float32", "bfloat16"] = field(
+        "auto",
+        help="Parameter dtype. auto = bfloat16 on GPUs (the optimizer keeps fp32 main parameters "
+             "and gradients, as Megatron trains) and float32 on the CPU.",
     )
     make_vocab_size_divisible_by: int = field(
         128, help="Pad the vocab to a multiple of this times tensor_model_parallel_size."

@@ -25,15 +25,65 @@ def layer_spec(model: ModelConfig, *, use_te: bool | None = None):
     return specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
 
 
+def params_dtype(model: ModelConfig, *, on_cpu: bool) -> torch.dtype:
+    """The actor's parameter dtype: ``model.params_dtype``, where ``auto`` is bfloat16 on GPUs
+    (with fp32 main parameters and gradients in the optimizer, as Megatron trains) and float32 on
+    the CPU (where bf16 GEMMs are slow and the layout-parity tests compare fp32 results)."""
+    if model.params_dtype == "auto":
+        return torch.float32 if on_cpu else torch.bfloat16
+    return torch.bfloat16 if model.params_dtype == "bfloat16" else torch.float32
+
+
+def _module_exists(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def megatron_fusions(*, on_cpu: bool, use_te: bool) -> dict[str, bool]:
+    """Megatron's fused kernels, each turned on where this install has its kernel.
+
+    * ``bias_activation_fusion`` (SwiGLU) and ``bias_dropout_fusion``: torch.jit-scripted code in
+      ``megatron.core.fusions``, nothing to install: on for every CUDA run;
+    * ``apply_rope_fusion``: Transformer Engine's fused RoPE (Megatron refuses it without TE);
+    * ``gradient_accumulation_fusion`` (wgrad GEMMs accumulate straight into the fp32
+      ``main_grad``): TE linears do it themselves; the local spec needs apex's
+      ``fused_weight_gradient_mlp_cuda``;
+    * ``masked_softmax_fusion``: Megatron's fused softmax extension (apex), used by the local
+      spec's attention only (TE brings its own attention);
+    * ``persist_layer_norm``: apex's persistent LayerNorm; these models use RMSNorm: off.
+
+    On the CPU every fusion is off: they are CUDA kernels.
+    """
+    if on_cpu:
+        return dict(bias_activation_fusion=False, masked_softmax_fusion=False,
+                    bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+                    apply_rope_fusion=False, persist_layer_norm=False)
+    return dict(
+        bias_activation_fusion=True,
+        bias_dropout_fusion=True,
+        apply_rope_fusion=use_te,
+        gradient_accumulation_fusion=use_te or _module_exists("fused_weight_gradient_mlp_cuda"),
+        masked_softmax_fusion=not use_te and _module_exists("scaled_upper_triang_masked_softmax_cuda"),
+        persist_layer_norm=False,
+    )
+
+
 def transformer_config(model: ModelConfig, *, tensor_model_parallel_size: int = 1,
                        pipeline_model_parallel_size: int = 1, on_cpu: bool | None = None,
-                       **overrides):
-    """Megatron TransformerConfig for ``model``; fusions off on CPU (they need CUDA kernels)."""
+                       use_te: bool | None = None, **overrides):
+    """Megatron TransformerConfig for ``model``: dtype and fusions chosen for the device (see
+    :func:`params_dtype`, :func:`megatron_fusions`); ``overrides`` win."""
     from megatron.core.transformer import TransformerConfig
 
     if on_cpu is None:
         on_cpu = not torch.cuda.is_available()
-    dtype = torch.bfloat16 if model.params_dtype == "bfloat16" else torch.float32
+    if use_te is None:
+        use_te = not on_cpu and have_te()
+    dtype = params_dtype(model, on_cpu=on_cpu)
     kwargs = dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -60,15 +110,7 @@ def transformer_config(model: ModelConfig, *, tensor_model_parallel_size: int = 
         use_cpu_initialization=True,
         init_method_std=0.02,
     )
-    if on_cpu:
-        kwargs.update(
-            bias_activation_fusion=False,
-            masked_softmax_fusion=False,
-            bias_dropout_fusion=False,
-            gradient_accumulation_fusion=False,
-            apply_rope_fusion=False,
-            persist_layer_norm=False,
-        )
+    kwargs.update(megatron_fusions(on_cpu=on_cpu, use_te=use_te))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

@@ -56,6 +56,9 @@ class Groups:
     driver_rank: int = 0
     # Global rank of (tp 0, dp 0) on the last pipeline stage: where step metrics are produced.
     last_stage_rank: int = 0
+    # Where this rank's model, batches and collective buffers live: the current CUDA device when
+    # there is one (NCCL only moves CUDA tensors), the host otherwise (gloo).
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
 
 
 def free_port() -> int:
@@ -80,6 +83,9 @@ def initialize(cfg: ParallelConfig, *, seed: int) -> Groups:
 
         cpu_compat.enable()
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        # One GPU per rank (torchrun's LOCAL_RANK); before any collective or CUDA allocation.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     if not dist.is_initialized():
         rank, world = world_from_env()
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -87,8 +93,6 @@ def initialize(cfg: ParallelConfig, *, seed: int) -> Groups:
             if world > 1:
                 raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is unset: launch with torchrun")
             os.environ["MASTER_PORT"] = str(free_port())
-        if use_cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=timedelta(minutes=cfg.timeout_minutes))
     return init_model_parallel(cfg, seed=seed)
@@ -138,7 +142,15 @@ def current_groups() -> Groups:
         is_first_stage=ps.is_pipeline_first_stage(),
         is_last_stage=ps.is_pipeline_last_stage(),
         last_stage_rank=last_stage_rank,
+        device=current_device(),
     )
+
+
+def current_device() -> torch.device:
+    """The device this rank computes on: ``cuda:<current>`` with CUDA, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def destroy() -> None:

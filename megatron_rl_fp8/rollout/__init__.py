@@ -7,16 +7,19 @@ from megatron_rl_fp8.rollout.base import Completion, RolloutConfig, RolloutEngin
 
 
 def build_engine(cfg: RolloutConfig, hf_cfg, *, pad_token_id: int, eos_token_id: int,
-                 output_dir: str | None = None) -> RolloutEngine:
+                 output_dir: str | None = None, device=None, dtype=None) -> RolloutEngine:
     """The engine named by ``cfg.engine``, ready for its first ``update_weights``.
 
     ``output_dir`` (the run's ``train.output_dir``) is where a server engine keeps its logs and its
-    restart copy of the weights, unless ``rollout.sglang.work_dir`` says otherwise."""
+    restart copy of the weights, unless ``rollout.sglang.work_dir`` says otherwise. ``device`` and
+    ``dtype`` place the in-process engine (the trainer passes its own: the GPU and bf16 on GPU
+    runs); a server engine chooses its own."""
     if cfg.engine == "local":
         from megatron_rl_fp8.rollout.local import LocalEngine
 
+        kw = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
         return LocalEngine(hf_cfg, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
-                           fp8=cfg.fp8)
+                           fp8=cfg.fp8, **kw)
     if cfg.engine == "sglang":
         # No sglang import here: the server runs in its own interpreter (rollout.sglang.python).
         from megatron_rl_fp8.rollout.sglang import SGLangEngine

@@ -25,11 +25,12 @@ from megatron_rl_fp8.sync.quantize import dequantize_stream, is_fp8_weight
 
 class LocalEngine:
     def __init__(self, hf_config, *, pad_token_id: int, eos_token_id: int, dtype=torch.float32,
-                 fp8: RolloutFP8Config | None = None):
+                 fp8: RolloutFP8Config | None = None, device: str | torch.device = "cpu"):
         import transformers
 
+        self.device = torch.device(device)
         self.model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        self.model.eval()
+        self.model.to(self.device).eval()
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.fp8 = fp8 or RolloutFP8Config()
@@ -91,7 +92,11 @@ class LocalEngine:
         for i, p in enumerate(expanded):
             input_ids[i, width - len(p):] = torch.tensor(p)
             attn[i, width - len(p):] = 1
-        with torch.random.fork_rng(devices=[]):
+        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
+        # Seed the generator that samples (the GPU's on GPU) and restore it afterwards, so
+        # rollouts are reproducible and the trainer's random streams are untouched.
+        rng_devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=rng_devices):
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
@@ -104,6 +109,8 @@ class LocalEngine:
         logits = torch.stack(out.logits, dim=1).float()
         t = 1.0 if greedy else temperature
         logp = torch.log_softmax(logits / t, dim=-1).gather(-1, new_tokens[..., None])[..., 0]
+        # One device-to-host copy of the whole rollout.
+        new_tokens, logp = new_tokens.cpu(), logp.cpu()
         completions = []
         for i, p in enumerate(expanded):
             toks = new_tokens[i].tolist()

@@ -101,6 +101,7 @@ def iter_full_params(model, *, tp_group=None, pp_group=None, dst_global_rank: in
     names = _global_names(module)
     params = dict(module.named_parameters())
     local = [(names[n], p) for n, p in params.items() if not _tied_output_duplicate(module, n)]
+    device = next(iter(params.values())).device
 
     def full_on_this_stage(name: str, p: torch.Tensor) -> torch.Tensor:
         if tp_size == 1 or tp_partition_dim(name) is None:
@@ -137,7 +138,8 @@ def iter_full_params(model, *, tp_group=None, pp_group=None, dst_global_rank: in
                 dim = tp_partition_dim(name)
                 if dim is not None:
                     buf_shape[dim] *= tp_size
-                buf = torch.empty(buf_shape, dtype=dtype)
+                # Received on the parameters' device: NCCL moves CUDA tensors only.
+                buf = torch.empty(buf_shape, dtype=dtype, device=device)
                 # The destination's PP group holds the TP-rank-0 rank of every stage: that is src.
                 dist.recv(buf, src=src)
                 yield name, buf

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from megatron_rl_fp8.fp8.config import FP8Config
-from megatron_rl_fp8.fp8.te import megatron_fp8_kwargs, should_emulate
+from megatron_rl_fp8.fp8.te import have_te, megatron_fp8_kwargs, should_emulate
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.fp8 import full_precision, install_fp8_emulation
 from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
@@ -44,16 +44,24 @@ class Actor:
         # (CPU, or fp8.emulate) the local spec with emulated FP8 GEMMs installed after build.
         self.fp8_emulated = should_emulate(self.fp8)
         te_fp8 = {} if self.fp8_emulated or not self.fp8.enabled else megatron_fp8_kwargs(self.fp8)
+        on_cpu = groups.device.type != "cuda"
+        use_te = not on_cpu and not self.fp8_emulated and have_te()
         self.config = transformer_config(
             model_cfg,
             tensor_model_parallel_size=groups.tp_size,
             pipeline_model_parallel_size=groups.pp_size,
+            on_cpu=on_cpu,
+            use_te=use_te,
             **te_fp8,
         )
-        module = build_gpt_model(model_cfg, self.config,
-                                 use_te=False if self.fp8_emulated else None)
+        module = build_gpt_model(model_cfg, self.config, use_te=use_te)
         if self.fp8_emulated:
             install_fp8_emulation(module, self.fp8, model_cfg.num_layers)
+        if groups.device.type == "cuda":
+            # As Megatron's get_model: weights are initialised on the host (so every TP layout
+            # draws the same full matrices), then the module moves to this rank's GPU *before*
+            # the DDP wrap, which allocates its gradient buffers on the parameters' device.
+            module.cuda(groups.device)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
@@ -72,6 +80,15 @@ class Actor:
         self.reset_optimizer()
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.model.no_sync
+
+    def describe(self) -> str:
+        """One line for the run log: size, dtype, device, layout and FP8 path of this rank."""
+        n = sum(p.numel() for p in self.module.parameters())
+        fp8 = ("off" if not self.fp8.enabled else
+               f"{self.fp8.recipe} ({'emulated' if self.fp8_emulated else 'Transformer Engine'})")
+        g = self.groups
+        return (f"{n / 1e6:.2f}M parameters on this rank, {str(self.config.params_dtype)[6:]} on "
+                f"{g.device} (TP={g.tp_size} PP={g.pp_size} DP={g.dp_size}), FP8 {fp8}")
 
     def reset_optimizer(self) -> None:
         """Fresh Adam state (after the SFT warm start, so cached and fresh warm starts agree)."""
@@ -96,8 +113,7 @@ class Actor:
         """Run the schedule; returns the per-micro-batch dicts (last pipeline stage only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        device = self.groups.device
 
         def forward_step(data_iterator, model):
             # Batches are built on the host; the model's device is CUDA on GPU clusters.
@@ -140,7 +156,9 @@ class Actor:
         self.model.train()
         if not self.groups.is_last_stage:
             return None
-        return {k: torch.cat([o[k] for o in out]).cpu() for k in ("logprobs", "entropy")}
+        # Left on the model's device: the loss, the calibration histograms (all-reduced over
+        # NCCL on GPU) and the metrics all consume them there.
+        return {k: torch.cat([o[k] for o in out]) for k in ("logprobs", "entropy")}
 
     def train_step(self, batch: dict[str, torch.Tensor], micro_batch_size: int,
                    token_loss_fn: Callable, *, temperature: float = 1.0

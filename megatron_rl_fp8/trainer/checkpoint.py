@@ -24,10 +24,29 @@ import torch.distributed as dist
 from megatron_rl_fp8.metrics.logger import atomic_write_text, fsync_dir
 
 
+def save_sharded(sharded_state_dict: dict, path: str | Path) -> None:
+    """``dist_checkpointing.save`` (collective) without a helper process that can outlive us.
+
+    Megatron's torch_dist writer hands each rank's write results back through a queue it makes
+    with ``multiprocessing.get_context("spawn").Manager()``: a server process, created at the
+    first save, that is not tied to the trainer and survives a kill -9 of it (two ~330 MB orphans
+    per killed run). Our saves are synchronous: the results are produced and consumed inside this
+    call, in this process, so a thread queue carries them and no server is started. (The writer's
+    forked per-file workers are joined inside the call.) Megatron creates its queue only while the
+    module global is None, so setting it first is all it takes.
+    """
+    import queue
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
+    dist_checkpointing.save(sharded_state_dict, str(path))
+
+
 def save(ckpt_root: str | Path, name: str, sharded_state_dict: dict, trainer_state: dict) -> Path:
     """Collective over all ranks. Returns the final directory."""
-    from megatron.core import dist_checkpointing
-
     root = Path(ckpt_root)
     final = root / name
     tmp = root / (name + ".tmp")
@@ -38,7 +57,7 @@ def save(ckpt_root: str | Path, name: str, sharded_state_dict: dict, trainer_sta
             shutil.rmtree(tmp)
         tmp.mkdir()
     dist.barrier()
-    dist_checkpointing.save(sharded_state_dict, str(tmp))
+    save_sharded(sharded_state_dict, tmp)
     dist.barrier()
     if rank == 0:
         atomic_write_text(tmp / "trainer_state.json", json.dumps(trainer_state, indent=1))

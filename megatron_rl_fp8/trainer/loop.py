@@ -84,6 +84,7 @@ class Trainer:
                              f"tokenizer's {len(self.tokenizer)} tokens")
         self.train_data, self.val_data = build_datasets(cfg.task)
         self.actor = Actor(cfg.model, cfg.optim, self.groups, fp8=cfg.fp8)
+        print_rank0(f"actor: {self.actor.describe()}")
         # Clip bounds in use: nominal until the first calibration, then the EMA of calibrations.
         self.calib = {"lower": 1.0 - cfg.loss.eps_low, "upper": 1.0 + cfg.loss.eps_high, "count": 0}
         self.engine = None
@@ -94,7 +95,8 @@ class Trainer:
                 hf_config(cfg.model, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id),
                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                output_dir=str(self.out_dir),
+                output_dir=str(self.out_dir), device=self.groups.device,
+                dtype=self.actor.config.params_dtype,
             )
         self.logger = MetricsLogger(self.out_dir, enabled=self.is_driver)
         self.step = 0
@@ -177,13 +179,18 @@ class Trainer:
             self.train_data.load_state_dict(data_state)
         return completions, rewards, stats
 
-    def _global_tokens(self, batch: dict, update: int) -> float:
-        """Response tokens of mini-batch ``update`` summed over all DP ranks (known everywhere)."""
+    def _global_count(self, batch: dict, update: int) -> float:
+        """The loss denominator of mini-batch ``update`` over all DP ranks (known everywhere):
+        response tokens for ``loss.agg=token-mean``, sequences with at least one response token
+        for the seq-mean modes (the local denominators of ``aggregate_loss``, made global)."""
         g, n_up = self.groups, self.cfg.train.updates_per_step
         total = 0.0
         for dp_rank in range(g.dp_size):
-            rows = rows_for_rank(batch, dp_rank, g.dp_size)["loss_mask"]
-            total += rows.chunk(n_up)[update].sum().item()
+            mask = rows_for_rank(batch, dp_rank, g.dp_size)["loss_mask"].chunk(n_up)[update]
+            if self.cfg.loss.agg == "token-mean":
+                total += mask.sum().item()
+            else:
+                total += (mask.sum(dim=-1) > 0).sum().item()
         return max(total, 1.0)
 
     # -- calibrated clipping ---------------------------------------------------------------------
@@ -231,7 +238,8 @@ class Trainer:
         """Old logprobs, then ``updates_per_step`` clipped policy-gradient optimizer steps."""
         cfg, g = self.cfg, self.groups
         t0 = time.perf_counter()
-        local = rows_for_rank(batch, g.dp_rank, g.dp_size)
+        # This rank's rows, on its device (collectives on them must use the backend's device).
+        local = {k: v.to(g.device) for k, v in rows_for_rank(batch, g.dp_rank, g.dp_size).items()}
         old = self.actor.compute_logprobs(local, cfg.train.micro_batch_size,
                                           temperature=cfg.rollout.temperature)
         calibrating = self._calibrating(self.step)
@@ -268,18 +276,20 @@ class Trainer:
         extremes: dict[str, float] = {}
         calib_metrics: dict[str, float] = {}
         for u, mini in enumerate(_chunks(local, cfg.train.updates_per_step)):
-            global_tokens = self._global_tokens(batch, u)
+            count = self._global_count(batch, u)
+            counts = ({"global_token_count": count} if loss_cfg.agg == "token-mean"
+                      else {"global_seq_count": count})
             if calibrating and u >= 1:
                 # Update 0 sees pi_theta == pi_old (all ratios 1): calibrate from update 1 on.
                 calib_metrics = self._calibrate(mini)
                 shadow_time += calib_metrics.pop("perf/shadow_time_s")
             clip_low, clip_high = self.calib["lower"], self.calib["upper"]
 
-            def token_loss(mb, logprobs, _g=global_tokens, _lo=clip_low, _hi=clip_high):
+            def token_loss(mb, logprobs, _counts=counts, _lo=clip_low, _hi=clip_high):
                 loss, m = policy_loss(
                     logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
                     clip_low=_lo, clip_high=_hi, clip_c=loss_cfg.clip_c, agg=loss_cfg.agg,
-                    global_token_count=_g, is_correction=loss_cfg.is_correction,
+                    is_correction=loss_cfg.is_correction, **_counts,
                     # Needed only to reweight (TIS/MIS): the trainer reports the rollout mismatch
                     # itself (fp8/), once per step, so the loss need not recompute it.
                     rollout_log_prob=mb["rollout_logprobs"] if loss_cfg.is_correction else None,
@@ -324,11 +334,11 @@ class Trainer:
         result = None
         if g.is_last_stage and g.tp_rank == 0:
             keys = sorted(sums)
-            vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+            vec = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=g.device)
             if g.dp_size > 1:
                 dist.all_reduce(vec, group=g.dp)
                 for k in list(extremes):
-                    t = torch.tensor([extremes[k]], dtype=torch.float64)
+                    t = torch.tensor([extremes[k]], dtype=torch.float64, device=g.device)
                     op = dist.ReduceOp.MAX if k.endswith(_MAX_KEYS) else dist.ReduceOp.MIN
                     dist.all_reduce(t, op=op, group=g.dp)
                     extremes[k] = t.item()
@@ -436,7 +446,8 @@ class Trainer:
                 outs, _, _ = self.actor.train_step(rows_for_rank(batch, g.dp_rank, g.dp_size),
                                                    self.cfg.train.micro_batch_size, nll)
             if outs:
-                local = torch.tensor([sum(o["loss"].item() for o in outs)], dtype=torch.float64)
+                local = torch.tensor([sum(o["loss"].item() for o in outs)], dtype=torch.float64,
+                                     device=g.device)
                 if g.dp_size > 1:
                     dist.all_reduce(local, group=g.dp)
                 loss_value = local.item()

@@ -79,3 +79,23 @@ def test_fp8_calibration_matches_one_rank(reference, fp8_reference, tmp_path, la
     assert ref["rollout/sampling_rounds"] == got["rollout/sampling_rounds"] >= 1
     for key in FP8_KEYS:
         assert math.isclose(got[key], ref[key], rel_tol=1e-4, abs_tol=1e-6), (layout, key)
+
+
+# Every loss aggregation through the trainer. The seq-mean modes divide by the global count of
+# sequences (not tokens) of the mini-batch, so DP=2 must still give the 1-rank loss; and they
+# weight tokens differently from token-mean, so the loss must differ from the reference's.
+@pytest.mark.parametrize("agg", ["seq-mean-token-sum", "seq-mean-token-mean"])
+def test_loss_aggregation_modes_match_one_rank(reference, tmp_path, agg):
+    cache, token_mean = reference
+    runs = {}
+    for world in (1, 2):
+        out = tmp_path / f"dp{world}"
+        metrics = run_distributed(trainer_body, world_size=world,
+                                  args=(SMALL + [f"loss.agg={agg}", f"train.output_dir={out}",
+                                                 f"train.cache_dir={cache}"],))[0]
+        runs[world] = {m["step"]: m for m in metrics}[1]
+    for key in KEYS:
+        assert math.isclose(runs[2][key], runs[1][key], rel_tol=1e-4, abs_tol=1e-6), (agg, key)
+    assert math.isfinite(runs[1]["train/loss"])
+    assert runs[1]["rollout/reward_mean"] == token_mean[1]["rollout/reward_mean"]
+    assert not math.isclose(runs[1]["train/loss"], token_mean[1]["train/loss"], rel_tol=1e-3)

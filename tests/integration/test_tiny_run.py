@@ -1,18 +1,23 @@
-"""The tiny CPU job end to end through the CLI: golden metrics, and kill -9 + restart resumes.
+"""The tiny CPU job end to end through the CLI: what the run must show on any machine, and
+kill -9 + restart resumes to exactly the uninterrupted run.
 
 It runs the full-FP8 variant (examples/tiny_cpu_fp8.yaml: FP8 rollout weights, emulated blockwise
-FP8 training, calibrated clipping every 2 steps), so the golden values pin the whole pipeline and
-the restart must restore the calibrated clip bounds as well as weights, optimizer and data.
+FP8 training, calibrated clipping every 2 steps), so the restart must restore the calibrated clip
+bounds as well as weights, optimizer and data.
 
-Golden values live in tests/assets/tiny_golden.json; regenerate with
-``UPDATE_GOLDEN=1 pytest tests/integration/test_tiny_run.py`` after an intended numerics change.
-fp32 on CPU is deterministic for a fixed torch build and thread count, so the SFT loss and the
-step-0 evaluation must match tightly (1e-5 relative); later steps sample tokens, and a reduction-order
-change upstream may flip one sample, so they get 1e-3 relative (and rewards, being multiples of
-1/rows, exactly one sample's worth).
+Why no golden numbers: the run's values depend on the CPU's BLAS kernels. 100 SFT steps amplify
+the last-bit differences of another reduction order (AVX-512 vs AVX2, Intel vs AMD) into
+percent-level changes (sft/final_loss 1.8243 on one box, 1.8067 on another, each reproducible), and
+sampled rollouts then diverge. So the checks are of two kinds:
+
+* same-run identities, exact: the interrupted and resumed run equals the uninterrupted run
+  computed in the same test session (same machine, same kernels), metric for metric, bit for bit;
+* properties that hold on any machine, with margins far outside the cross-machine spread: SFT
+  learns (loss well below the uniform ln(vocab)), FP8 rollout and FP8 training disagree a little
+  but not a lot (1 < token_mult_prob_error < 1.05), bounds stay inside the safety limits and around
+  1, rewards are multiples of one sample in [0, 1], everything finite.
 """
 
-import json
 import math
 import os
 import signal
@@ -25,15 +30,13 @@ import pytest
 
 from megatron_rl_fp8.metrics.logger import read_metrics
 
-GOLDEN = Path(__file__).resolve().parent.parent / "assets" / "tiny_golden.json"
 ROWS = 8 * 4
+VOCAB = 53  # examples/tiny_cpu.yaml model.vocab_size
 OVERRIDES = [
     "sft.steps=100", "sft.batch_size=32", "train.steps=6", "train.prompts_per_step=8",
     "rollout.n_samples_per_prompt=4", "train.micro_batch_size=16", "train.save_interval=3",
     "train.eval_interval=3", "train.eval_prompts=32", "optim.lr=3e-4", "loss.calib.interval=2",
 ]
-KEYS = ["sft/final_loss", "eval/reward_mean", "rollout/reward_mean", "train/loss", "train/entropy",
-        "train/grad_norm", "fp8/token_mult_prob_error", "calib/lower", "calib/upper"]
 
 
 def _cmd(out: Path, cache: Path) -> list[str]:
@@ -64,29 +67,57 @@ def uninterrupted(tmp_path_factory, cache):
     return {m["step"]: m for m in read_metrics(out)}
 
 
-def _close(a, b, key):
-    if a is None or b is None:
-        return a == b
-    if key.endswith("reward_mean"):
-        return abs(a - b) <= 1.0 / ROWS + 1e-9
-    return math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-6)
+def test_run_learns_and_stays_in_bounds(uninterrupted):
+    from megatron_rl_fp8.loss.calibration import CalibConfig
+
+    assert sorted(uninterrupted) == list(range(7))
+    for step, m in uninterrupted.items():
+        for key, value in m.items():
+            assert value is None or math.isfinite(value), (step, key, value)
+    # SFT from a random init starts near ln(VOCAB) = 3.97 nats/token; 100 steps reach ~1.8 on
+    # every machine seen (1.807-1.824). 0.6 * ln(VOCAB) = 2.38 leaves a wide margin.
+    assert uninterrupted[0]["sft/final_loss"] < 0.6 * math.log(VOCAB)
+    limits = CalibConfig()
+    for step in range(1, 7):
+        m = uninterrupted[step]
+        for key in ("rollout/reward_mean",) + (("eval/reward_mean",) if step % 3 == 0 else ()):
+            assert 0.0 <= m[key] <= 1.0 and abs(m[key] * ROWS - round(m[key] * ROWS)) < 1e-6
+        # Rollout (block-FP8 weights, 1x128 activations) and trainer (emulated blockwise FP8
+        # GEMMs) quantize differently, so they never agree exactly; a few percent would mean a
+        # wrong or stale weight (1.006-1.012 seen).
+        assert 1.0 < m["fp8/token_mult_prob_error"] < 1.05, (step, m["fp8/token_mult_prob_error"])
+        assert 0.0 < m["train/entropy"] < math.log(VOCAB)
+        # Zero when no group of the step has reward variance (all advantages 0).
+        assert m["train/grad_norm"] >= 0
+        assert limits.lower_limits[0] <= m["calib/lower"] <= 1.0 <= m["calib/upper"] \
+            <= limits.upper_limits[1], (step, m["calib/lower"], m["calib/upper"])
 
 
-def test_golden_metrics(uninterrupted):
-    picked = {str(s): {k: uninterrupted[s][k] for k in KEYS if k in uninterrupted[s]}
-              for s in (0, 3, 6)}
-    if os.environ.get("UPDATE_GOLDEN"):
-        GOLDEN.write_text(json.dumps(picked, indent=1, sort_keys=True) + "\n")
-    golden = json.loads(GOLDEN.read_text())
-    assert set(golden) == set(picked)
-    for step, values in golden.items():
-        assert set(values) == set(picked[step]), step
-        for key, want in values.items():
-            got = picked[step][key]
-            if step == "0":
-                assert math.isclose(got, want, rel_tol=1e-5), (step, key, got, want)
-            else:
-                assert _close(got, want, key), (step, key, got, want)
+def _metric_values(m: dict) -> dict:
+    # Timings differ between any two runs; everything else is computed, not measured.
+    return {k: v for k, v in m.items() if not k.startswith("perf/")}
+
+
+def _descendants(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(pids: list[int]) -> list[int]:
+    import psutil
+
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
 
 
 def test_kill_and_restart_resumes_without_duplicates(tmp_path, cache, uninterrupted):
@@ -100,8 +131,14 @@ def test_kill_and_restart_resumes_without_duplicates(tmp_path, cache, uninterrup
             break
         time.sleep(0.05)
     assert proc.poll() is None, "run finished before it could be killed"
+    helpers = _descendants(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    # Nothing the trainer started (e.g. a checkpoint writer's server process) outlives it.
+    deadline = time.time() + 10
+    while _alive(helpers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(helpers), f"processes outlived the killed trainer: {_alive(helpers)}"
     killed_at = [m["step"] for m in read_metrics(out)]
     assert 3 in killed_at
 
@@ -111,8 +148,6 @@ def test_kill_and_restart_resumes_without_duplicates(tmp_path, cache, uninterrup
     metrics = read_metrics(out)
     steps = [m["step"] for m in metrics]
     assert steps == list(range(7)), steps  # nothing lost, nothing duplicated
+    # Same machine, same kernels: the resumed run is the uninterrupted run, bit for bit.
     for m in metrics:
-        ref = uninterrupted[m["step"]]
-        for key in KEYS:
-            if key in ref:
-                assert _close(m.get(key), ref[key], key), (m["step"], key, m.get(key), ref[key])
+        assert _metric_values(m) == _metric_values(uninterrupted[m["step"]]), m["step"]

@@ -1,0 +1,28 @@
+"""The default test run is the CPU suite, and it gives the same verdict on any machine.
+
+Where a GPU is visible, unmarked tests still run on the CPU: they compare against CPU references,
+spawn several ranks that would otherwise share one GPU, and must pass on a GPU box exactly as in
+CI. So CUDA is hidden (``CUDA_VISIBLE_DEVICES=""``) from this process and from every rank and
+subprocess it starts, unless the run selects the ``gpu`` marker (``pytest -m gpu``, as
+``tools/gpu_check.sh`` does): then the GPU tests run on the GPU. Set ``MRF8_TEST_KEEP_CUDA=1`` to
+keep CUDA visible anyway.
+"""
+
+import os
+
+CPU_SUITE_ENV = "MRF8_CPU_SUITE"
+
+
+def _selects_gpu_tests(markexpr: str) -> bool:
+    expr = " ".join(markexpr.split())
+    return "gpu" in expr and "not gpu" not in expr
+
+
+def pytest_configure(config):
+    if os.environ.get("MRF8_TEST_KEEP_CUDA") == "1":
+        return
+    if _selects_gpu_tests(config.getoption("markexpr") or ""):
+        return
+    # Before anything initialises CUDA: torch reads this at its first CUDA call.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ[CPU_SUITE_ENV] = "1"
