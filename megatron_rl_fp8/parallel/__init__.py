@@ -59,6 +59,12 @@ class Groups:
     # Where this rank's model, batches and collective buffers live: the current CUDA device when
     # there is one (NCCL only moves CUDA tensors), the host otherwise (gloo).
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    # This process's global rank.
+    rank: int = 0
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == self.driver_rank
 
 
 def free_port() -> int:
@@ -143,6 +149,7 @@ def current_groups() -> Groups:
         is_last_stage=ps.is_pipeline_last_stage(),
         last_stage_rank=last_stage_rank,
         device=current_device(),
+        rank=dist.get_rank(),
     )
 
 

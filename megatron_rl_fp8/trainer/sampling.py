@@ -1,0 +1,122 @@
+"""The rollout phase: prompts -> completions -> rewards on the driver, shared with every rank.
+
+Global rank 0 (the *driver*) owns the rollout engine: it samples ``rollout.n_samples_per_prompt``
+completions per prompt, scores them with the task's verifiers (plus DAPO overlong shaping when
+configured) and broadcasts (completions, rewards, stats, dataset position) to every rank.
+
+DAPO dynamic sampling: groups whose rewards are all equal carry no advantage signal, so they are
+dropped and more prompts are sampled, up to ``loss.max_sampling_rounds`` rounds, until
+``train.prompts_per_step`` groups remain (short batches are filled with dropped groups). The
+driver's dataset position is then shared, so every rank's dataset stays in step (and resumes).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_rl_fp8.config import RunConfig
+from megatron_rl_fp8.data import PromptDataset, prompt_token_ids
+from megatron_rl_fp8.loss import dynamic_sampling_keep_mask, overlong_reward_penalty
+from megatron_rl_fp8.parallel import Groups
+from megatron_rl_fp8.reward.verifiers import compute_rewards
+from megatron_rl_fp8.rollout.base import Completion
+from megatron_rl_fp8.trainer.collectives import broadcast_object
+
+
+class Sampler:
+    def __init__(self, cfg: RunConfig, groups: Groups, engine, tokenizer, train_data: PromptDataset,
+                 val_data: PromptDataset):
+        self.cfg = cfg
+        self.groups = groups
+        self.engine = engine  # None except on the driver
+        self.tokenizer = tokenizer
+        self.train_data = train_data
+        self.val_data = val_data
+
+    def prompt_ids(self, records) -> list[list[int]]:
+        return [prompt_token_ids(self.tokenizer, r["prompt"], max_prompt_len=self.cfg.task.max_prompt_len)
+                for r in records]
+
+    def decode(self, c: Completion) -> str:
+        ids = [t for t in c.response_ids if t != self.tokenizer.eos_token_id]
+        return self.tokenizer.decode(ids)
+
+    def _sample_round(self, records, step: int, round_: int):
+        """One rollout round on the driver: completions and (shaped) rewards for ``records``."""
+        r, loss_cfg = self.cfg.rollout, self.cfg.loss
+        completions = self.engine.generate(
+            self.prompt_ids(records), n=r.n_samples_per_prompt, max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature, top_p=r.top_p, seed=r.seed + step + round_ * 1_000_003,
+        )
+        answers = [rec["answer"] for rec in records for _ in range(r.n_samples_per_prompt)]
+        rewards = compute_rewards(self.cfg.task.name, [self.decode(c) for c in completions],
+                                  answers, format_weight=self.cfg.reward.format_weight)
+        if loss_cfg.overlong_buffer:
+            lengths = torch.tensor([len(c.response_ids) for c in completions])
+            rewards = rewards + overlong_reward_penalty(
+                lengths, r.max_new_tokens, loss_cfg.overlong_buffer, loss_cfg.overlong_penalty)
+        return completions, rewards
+
+    def _sample_on_driver(self, step: int):
+        r, loss_cfg = self.cfg.rollout, self.cfg.loss
+        n, want = r.n_samples_per_prompt, self.cfg.train.prompts_per_step
+        t0 = time.perf_counter()
+        kept, dropped, all_rewards, all_completions = [], [], [], []
+        rounds = 0
+        while rounds < (loss_cfg.max_sampling_rounds if loss_cfg.dynamic_sampling else 1):
+            completions, rewards = self._sample_round(self.train_data.next_batch(want), step, rounds)
+            rounds += 1
+            all_rewards.append(rewards)
+            all_completions += completions
+            keep = (dynamic_sampling_keep_mask(rewards, n) if loss_cfg.dynamic_sampling
+                    else torch.ones(want, dtype=torch.bool))
+            for gi in range(want):
+                group = (completions[gi * n:(gi + 1) * n], rewards[gi * n:(gi + 1) * n])
+                (kept if keep[gi] else dropped).append(group)
+            if len(kept) >= want:
+                break
+        filled = max(0, want - len(kept))
+        groups = (kept + dropped[:filled])[:want]
+        completions = [c for g in groups for c in g[0]]
+        rewards = torch.cat([g[1] for g in groups])
+        sampled = torch.cat(all_rewards)
+        lengths = torch.tensor([len(c.response_ids) for c in all_completions], dtype=torch.float32)
+        stats = {
+            "rollout/reward_mean": sampled.mean().item(),
+            "rollout/response_len_mean": lengths.mean().item(),
+            "rollout/truncated_frac": sum(not c.finished for c in all_completions)
+            / len(all_completions),
+            "perf/rollout_time_s": time.perf_counter() - t0,
+        }
+        if loss_cfg.dynamic_sampling:
+            stats.update({
+                "rollout/sampling_rounds": float(rounds),
+                "rollout/kept_group_frac": len(kept) / (rounds * want),
+                "rollout/dynamic_fill_frac": filled / want,
+                "rollout/batch_reward_mean": rewards.mean().item(),
+            })
+        return completions, rewards, stats
+
+    def rollout(self, step: int) -> tuple[list[Completion], torch.Tensor, dict]:
+        """(completions, rewards, rollout stats) of RL step ``step`` on every rank (collective)."""
+        payload = None
+        if self.groups.is_driver:
+            payload = (*self._sample_on_driver(step), self.train_data.state_dict())
+        completions, rewards, stats, data_state = broadcast_object(payload, self.groups.driver_rank)
+        if not self.groups.is_driver:
+            self.train_data.load_state_dict(data_state)
+        return completions, rewards, stats
+
+    def evaluate(self) -> dict:
+        """Greedy decoding of ``train.eval_prompts`` held-out prompts (driver only)."""
+        n = min(self.cfg.train.eval_prompts, len(self.val_data))
+        records = [self.val_data[i] for i in range(n)]
+        completions = self.engine.generate(self.prompt_ids(records), n=1, greedy=True,
+                                           max_new_tokens=self.cfg.rollout.max_new_tokens,
+                                           temperature=1.0)
+        rewards = compute_rewards(self.cfg.task.name, [self.decode(c) for c in completions],
+                                  [r["answer"] for r in records])
+        return {"eval/reward_mean": rewards.mean().item(),
+                "eval/response_len_mean": sum(len(c.response_ids) for c in completions) / n}

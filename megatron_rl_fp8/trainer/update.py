@@ -1,0 +1,190 @@
+"""The update phase: old logprobs, then ``train.updates_per_step`` clipped policy-gradient steps.
+
+Each data-parallel rank trains on its contiguous slice of the rollout batch (``rows_for_rank``),
+split into one mini-batch per optimizer step. Losses are normalised by the mini-batch's *global*
+denominator (response tokens for ``loss.agg=token-mean``, sequences for the seq-mean modes, summed
+over every DP rank), so the update does not depend on how rows are split across micro-batches and
+ranks: TP=2, PP=2 or DP=2 give the 1-rank loss.
+
+On calibration steps (``ClipCalibrator.due``) the old logprobs are also computed by the BF16
+shadow pass, and the calibrator resets the clip bounds before every mini-batch after the first
+(update 0 sees pi_theta == pi_old: all ratios 1, nothing to calibrate).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_rl_fp8.config import RunConfig
+from megatron_rl_fp8.loss import policy_loss
+from megatron_rl_fp8.metrics.accumulator import MetricAccumulator
+from megatron_rl_fp8.parallel import Groups
+from megatron_rl_fp8.trainer.actor import Actor
+from megatron_rl_fp8.trainer.batch import rows_for_rank
+from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
+from megatron_rl_fp8.trainer.collectives import broadcast_object
+
+# Policy-loss metrics that combine with max / min instead of a token-weighted mean.
+_MAX_KEYS = ("ratio_max",)
+_MIN_KEYS = ("ratio_min",)
+
+
+def global_loss_count(batch: dict, update: int, *, agg: str, dp_size: int, updates: int) -> float:
+    """The loss denominator of mini-batch ``update`` over all DP ranks (known on every rank):
+    response tokens for ``agg=token-mean``, sequences with at least one response token for the
+    seq-mean modes (the local denominators of ``aggregate_loss``, made global)."""
+    total = 0.0
+    for dp_rank in range(dp_size):
+        mask = rows_for_rank(batch, dp_rank, dp_size)["loss_mask"].chunk(updates)[update]
+        if agg == "token-mean":
+            total += mask.sum().item()
+        else:
+            total += (mask.sum(dim=-1) > 0).sum().item()
+    return max(total, 1.0)
+
+
+def chunks(batch: dict, n: int) -> list[dict]:
+    return [{k: v.chunk(n)[i] for k, v in batch.items()} for i in range(n)]
+
+
+class PolicyUpdate:
+    def __init__(self, cfg: RunConfig, actor: Actor, groups: Groups, calibrator: ClipCalibrator):
+        self.cfg = cfg
+        self.actor = actor
+        self.groups = groups
+        self.calibrator = calibrator
+
+    def _logprobs(self, batch: dict) -> dict | None:
+        return self.actor.compute_logprobs(batch, self.cfg.train.micro_batch_size,
+                                           temperature=self.cfg.rollout.temperature)
+
+    def old_logprobs(self, local: dict, acc: MetricAccumulator, calibrating: bool) -> float:
+        """Fill ``old_logprobs`` (and ``old_logprobs_bf16`` when calibrating) into ``local`` and
+        account the rollout-vs-train mismatch; returns the BF16 shadow time."""
+        old = self._logprobs(local)
+        shadow_time = 0.0
+        if calibrating:
+            ts = time.perf_counter()
+            with self.actor.full_precision():
+                old16 = self._logprobs(local)
+            shadow_time = time.perf_counter() - ts
+            local["old_logprobs_bf16"] = old16["logprobs"] if old16 is not None else \
+                torch.zeros_like(local["rollout_logprobs"])
+        if old is None:  # not the last pipeline stage: no logprobs here
+            local["old_logprobs"] = torch.zeros_like(local["rollout_logprobs"])
+            return shadow_time
+        mask = local["loss_mask"]
+        local["old_logprobs"] = old["logprobs"]
+        # rollout - train: positive when the rollout engine was more confident.
+        diff = (local["rollout_logprobs"] - old["logprobs"]) * mask
+        acc.add("n_tokens", mask.sum().item())
+        acc.add("train/entropy", (old["entropy"] * mask).sum().item())
+        acc.add("fp8/logprob_abs_diff", diff.abs().sum().item())
+        # NeMo RL's metric: mean of exp(|logp_rollout - logp_train|); 1.0 = identical.
+        acc.add("fp8/token_mult_prob_error", (torch.exp(diff.abs()) * mask).sum().item())
+        # KL(rollout || train) from rollout samples, k3 estimator (>= 0, low variance).
+        acc.add("fp8/rollout_train_kl", ((torch.exp(-diff) - 1 + diff) * mask).sum().item())
+        return shadow_time
+
+    def _token_loss(self, counts: dict, clip_low: float, clip_high: float):
+        loss_cfg = self.cfg.loss
+
+        def token_loss(mb, logprobs):
+            loss, m = policy_loss(
+                logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
+                clip_low=clip_low, clip_high=clip_high, clip_c=loss_cfg.clip_c, agg=loss_cfg.agg,
+                is_correction=loss_cfg.is_correction, **counts,
+                # Needed only to reweight (TIS/MIS): the trainer reports the rollout mismatch
+                # itself (fp8/), once per step, so the loss need not recompute it.
+                rollout_log_prob=mb["rollout_logprobs"] if loss_cfg.is_correction else None,
+            )
+            m.pop("rollout_kl_k1", None)
+            m.pop("token_mult_prob_error", None)
+            ntok = mb["loss_mask"].sum()
+            # Weighted sums, so micro-batches and DP ranks combine into token means.
+            return loss, {**{k: v.detach() * ntok for k, v in m.items()}, "_ntok": ntok}
+
+        return token_loss
+
+    @staticmethod
+    def _account(outs: list[dict], acc: MetricAccumulator) -> None:
+        for o in outs:
+            acc.add("train/loss", o["loss"].item())
+            for k, v in o.items():
+                if k in ("loss", "_ntok"):
+                    continue
+                if k.endswith(_MAX_KEYS):
+                    acc.max(k, v.item() / max(o["_ntok"].item(), 1.0))
+                elif k.endswith(_MIN_KEYS):
+                    acc.min(k, v.item() / max(o["_ntok"].item(), 1.0))
+                else:
+                    acc.add("pg/" + k, v.item())
+            acc.add("pg_tokens", o["_ntok"].item())
+
+    def __call__(self, batch: dict, step: int) -> dict:
+        """Old logprobs and the optimizer steps on ``batch`` (the whole, ordered rollout batch);
+        returns this step's ``train/``, ``fp8/``, ``calib/`` and ``perf/`` metrics on the driver."""
+        cfg, g = self.cfg, self.groups
+        t0 = time.perf_counter()
+        # This rank's rows, on its device (collectives on them must use the backend's device).
+        local = {k: v.to(g.device) for k, v in rows_for_rank(batch, g.dp_rank, g.dp_size).items()}
+        acc = MetricAccumulator()
+        calibrating = self.calibrator.due(step)
+        shadow_time = self.old_logprobs(local, acc, calibrating)
+        logprob_time = time.perf_counter() - t0
+
+        n_up = cfg.train.updates_per_step
+        grad_norms = []
+        calib_metrics: dict[str, float] = {}
+        for u, mini in enumerate(chunks(local, n_up)):
+            count = global_loss_count(batch, u, agg=cfg.loss.agg, dp_size=g.dp_size, updates=n_up)
+            counts = ({"global_token_count": count} if cfg.loss.agg == "token-mean"
+                      else {"global_seq_count": count})
+            if calibrating and u >= 1:
+                calib_metrics = self.calibrator.calibrate(
+                    self.actor, mini, g, micro_batch_size=cfg.train.micro_batch_size,
+                    temperature=cfg.rollout.temperature)
+                shadow_time += calib_metrics.pop("perf/shadow_time_s")
+            outs, grad_norm, _ = self.actor.train_step(
+                mini, cfg.train.micro_batch_size, self._token_loss(counts, *self.calibrator.bounds),
+                temperature=cfg.rollout.temperature)
+            grad_norms.append(grad_norm)
+            self._account(outs, acc)
+
+        metrics = self._reduce(acc)
+        if g.is_driver:
+            metrics["train/grad_norm"] = grad_norms[-1]
+            metrics["perf/logprob_time_s"] = logprob_time
+            metrics["perf/update_time_s"] = time.perf_counter() - t0 - logprob_time - shadow_time
+            if cfg.fp8.enabled:
+                metrics["calib/lower"], metrics["calib/upper"] = self.calibrator.bounds
+            if calibrating:
+                metrics.update(calib_metrics)
+                metrics["perf/shadow_time_s"] = shadow_time
+        return metrics
+
+    def _reduce(self, acc: MetricAccumulator) -> dict:
+        """Sum over DP on the last stage, divide into means, hand the result to the driver."""
+        g = self.groups
+        result = None
+        if g.is_last_stage and g.tp_rank == 0:
+            if g.dp_size > 1:
+                acc.all_reduce(g.dp, g.device)
+            total = {k: acc.sums[k] for k in sorted(acc.sums)}
+            n = max(total.pop("n_tokens", 0.0), 1.0)
+            pg_n = max(total.pop("pg_tokens", 0.0), 1.0)
+            result = {}
+            for k, v in total.items():
+                if k == "train/loss":
+                    result[k] = v / self.cfg.train.updates_per_step
+                elif k.startswith("pg/"):
+                    result["train/" + k[3:]] = v / pg_n
+                else:
+                    result[k] = v / n
+            result.update({"train/" + k: v for k, v in {**acc.maxima, **acc.minima}.items()})
+            result["train/response_tokens"] = n
+        if g.last_stage_rank != g.driver_rank:
+            result = broadcast_object(result, g.last_stage_rank)
+        return result if g.is_driver else {}
