@@ -1,5 +1,8 @@
 """``megatron-rl-fp8 train CONFIG.yaml [section.key=value ...]`` (use torchrun for several ranks).
 
+``megatron-rl-fp8 config [CONFIG.yaml] [section.key=value ...]``: every setting of that run with
+its resolved value, its default and its help (``*`` marks values that differ from the default).
+
 ``megatron-rl-fp8 convert hf-to-mcore|mcore-to-hf|export-fp8 ...``: checkpoint conversion
 (same as tools/convert_checkpoint.py; see docs/convert.md).
 """
@@ -31,6 +34,25 @@ def _train(args) -> int:
     return 0
 
 
+def _show_config(args) -> int:
+    from megatron_rl_fp8.config import load_config
+    from megatron_rl_fp8.config_utils import describe_fields
+
+    cfg = load_config(args.config, args.overrides)
+    section = None
+    for doc in describe_fields(cfg):
+        top = doc.path.split(".")[0]
+        if top != section:
+            section = top
+            print(f"\n[{section}]")
+        mark = "*" if doc.value != doc.default else " "
+        default = "" if doc.value == doc.default else f"  (default: {doc.default!r})"
+        print(f"{mark} {doc.path} = {doc.value!r}{default}")
+        if doc.help:
+            print(f"      {doc.help}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-rl-fp8", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -38,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("config", nargs="?", default=None,
                        help="YAML config (default: examples/tiny_cpu.yaml).")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides.")
+    show = sub.add_parser("config", help="Print every setting of a run: resolved value, "
+                                          "default and help.")
+    show.add_argument("config", nargs="?", default=None,
+                      help="YAML config (default: examples/tiny_cpu.yaml).")
+    show.add_argument("overrides", nargs="*", help="section.key=value overrides.")
     sub.add_parser("convert", help="Checkpoint conversion: hf-to-mcore | mcore-to-hf | export-fp8 "
                                    "(`megatron-rl-fp8 convert -h`).")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -51,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "config":
+            return _show_config(args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -134,8 +134,37 @@ def to_dict(obj) -> dict:
     return conv(obj)
 
 
-def help_text(cls) -> dict[str, str]:
-    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+@dataclasses.dataclass
+class FieldDoc:
+    """One leaf field of a config tree, as ``megatron-rl-fp8 config`` shows it."""
+
+    path: str  # dotted, e.g. "loss.calib.interval"
+    value: Any  # resolved (after YAML, base: includes and overrides)
+    default: Any  # the dataclass default
+    help: str
+
+
+def describe_fields(obj, prefix: str = "", default_obj=None) -> list[FieldDoc]:
+    """Every leaf field of the dataclass tree ``obj`` with its resolved value, default and help.
+
+    Sections (nested dataclasses) are walked in declaration order; a section's default is its
+    dataclass built with no arguments, so nested defaults are the ones a user gets by omission.
+    """
+    out = []
+    for f in dataclasses.fields(obj):
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        value = getattr(obj, f.name)
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = getattr(default_obj, f.name, dataclasses.MISSING)
+        if dataclasses.is_dataclass(value):
+            out += describe_fields(value, path, default)
+        else:
+            out.append(FieldDoc(path, value, default, f.metadata.get("help", "")))
+    return out
 
 
 def set_dotted(data: dict, dotted: str, value: Any) -> None:

@@ -113,3 +113,19 @@ def test_calibration_needs_two_updates_per_step():
         load_config(None, ["fp8.recipe=blockwise", "train.updates_per_step=1"]).validate()
     load_config(None, ["fp8.recipe=blockwise", "train.updates_per_step=1",
                        "loss.calib.enabled=false"]).validate()
+
+
+def test_every_setting_has_help_and_the_config_command_shows_it(capsys):
+    from megatron_rl_fp8.cli import main
+    from megatron_rl_fp8.config_utils import describe_fields
+
+    docs = describe_fields(load_config(None, []))
+    assert len(docs) > 80 and all(d.help for d in docs), [d.path for d in docs if not d.help]
+    assert main(["config", "examples/tiny_cpu_fp8.yaml", "optim.lr=3e-4"]) == 0
+    out = capsys.readouterr().out
+    for d in docs:
+        assert f" {d.path} = " in out, d.path
+    assert "* optim.lr = 0.0003  (default: 0.0001)" in out
+    assert "* fp8.recipe = 'blockwise'  (default: 'bf16')" in out
+    assert "  loss.calib.ema_decay = " in out  # nested sections are walked
+    assert main(["config", "examples/tiny_cpu.yaml", "optim.lrr=1"]) == 2
