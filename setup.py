@@ -19,7 +19,7 @@ setup(
         "torch>=2.4",
         "megatron-core>=0.16.1",
         "nvidia-modelopt>=0.47",
-        # modelopt imports these without declaring them (PLATFORM_NOTES).
+        # modelopt imports these without declaring them (docs/platform.md).
         "requests",
         "huggingface_hub",
         # dist_checkpointing.save needs psutil but megatron-core does not declare it.

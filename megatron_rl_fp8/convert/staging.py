@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from megatron_rl_fp8.convert.errors import ConvertError
-from megatron_rl_fp8.metrics.logger import fsync_dir
+from megatron_rl_fp8.utils.fs import fsync_dir
 
 
 def fsync_tree(root: Path) -> None:

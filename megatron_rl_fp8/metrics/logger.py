@@ -13,24 +13,6 @@ import os
 from pathlib import Path
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or new entry in ``path`` durable (the directory's own fsync)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _clean(v):
     v = float(v)
     return v if math.isfinite(v) else None

@@ -1,7 +1,7 @@
 """CPU compatibility layer for Megatron-Core: the only place this project bends Megatron to CPU.
 
 Megatron-Core is written for CUDA. On a CPU-only box (CI, laptops) it works with the gloo backend
-once a handful of CUDA entry points have CPU meanings (see ../shared/PLATFORM_NOTES.md):
+once a handful of CUDA entry points have CPU meanings (docs/platform.md lists them):
 
 * device placement: ``device="cuda"`` / ``torch.cuda.current_device()`` tensors and ``.cuda()``
   calls are redirected to the CPU by a ``TorchFunctionMode`` that rewrites CUDA devices;

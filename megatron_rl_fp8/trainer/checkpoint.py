@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_rl_fp8.metrics.logger import atomic_write_text, fsync_dir
+from megatron_rl_fp8.utils.fs import atomic_write_text, fsync_dir
 
 
 def save_sharded(sharded_state_dict: dict, path: str | Path) -> None:

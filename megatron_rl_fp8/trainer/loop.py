@@ -22,7 +22,7 @@ from megatron_rl_fp8 import parallel
 from megatron_rl_fp8.config import RunConfig
 from megatron_rl_fp8.data import build_datasets, load_tokenizer
 from megatron_rl_fp8.loss import grpo_advantages
-from megatron_rl_fp8.metrics.logger import MetricsLogger, atomic_write_text, print_rank0
+from megatron_rl_fp8.metrics.logger import MetricsLogger, print_rank0
 from megatron_rl_fp8.models.fp8 import weight_quantization_errors
 from megatron_rl_fp8.rollout import build_engine
 from megatron_rl_fp8.sync.gather import iter_full_params
@@ -35,6 +35,7 @@ from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
 from megatron_rl_fp8.trainer.sampling import Sampler
 from megatron_rl_fp8.trainer.update import PolicyUpdate
 from megatron_rl_fp8.trainer.warm_start import warm_start
+from megatron_rl_fp8.utils.fs import atomic_write_text
 
 
 class Trainer:

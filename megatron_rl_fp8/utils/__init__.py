@@ -1,0 +1,1 @@
+"""Small helpers with no ML in them, shared by checkpoints, conversion and logging."""
