@@ -94,7 +94,7 @@ def test_model_config_from_hf_inverts_hf_config(arch, tied):
     mc = ModelConfig(arch=arch, num_layers=3, hidden_size=96, ffn_hidden_size=200,
                      num_attention_heads=6, num_query_groups=3, head_dim=24, vocab_size=77,
                      max_position_embeddings=512, rope_theta=1e6, norm_eps=1e-5,
-                     tie_word_embeddings=tied)
+                     tie_word_embeddings=tied, params_dtype="float32")
     back, notes = model_config_from_hf(hf_config(mc).to_dict(), params_dtype="float32")
     assert back == mc and notes == []
 
