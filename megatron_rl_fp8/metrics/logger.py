@@ -12,6 +12,8 @@ import math
 import os
 from pathlib import Path
 
+from megatron_rl_fp8.utils.fs import atomic_write_text
+
 
 def _clean(v):
     v = float(v)

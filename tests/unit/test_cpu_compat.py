@@ -42,3 +42,14 @@ def test_enable_redirects_cuda_and_disable_restores():
     assert torch.zeros(1).type() == "torch.FloatTensor"
     if was_active:
         cpu_compat.enable()
+
+
+def test_the_cpu_suite_runs_on_the_cpu_even_where_a_gpu_is_visible():
+    # tests/conftest.py hides CUDA from the default (non-gpu) run and everything it spawns, so a
+    # GPU box gives CI's verdict; `pytest -m gpu` keeps the GPU for the GPU tests.
+    import os
+
+    if os.environ.get("MRF8_TEST_KEEP_CUDA") == "1":
+        return
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == ""
+    assert not torch.cuda.is_available()
