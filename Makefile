@@ -46,3 +46,9 @@ test-all: $(STAMP)
 
 clean:
 	rm -rf runs
+
+# On a GPU node: versions, GPU tests, the tiny job in bf16 and full FP8, GEMM and actor benchmarks
+# (docs/gpu.md). Uses .venv if present, else python3; no install (keep the node's CUDA torch).
+.PHONY: gpu-check
+gpu-check:
+	tools/gpu_check.sh $(ARGS)

@@ -338,13 +338,18 @@ def test_fp8_export_logits_within_fp8_error(fp8_export):
 
 
 def test_fp8_export_loads_with_transformers_finegrained_fp8(fp8_export):
-    """transformers' own FP8 reader (FineGrainedFP8). Without CUDA it dequantizes to BF16 on load,
-    and it needs ``accelerate``; its weights must equal our dequantization exactly."""
+    """transformers' own FP8 reader (FineGrainedFP8) must dequantize our export to exactly our
+    dequantization. It needs ``accelerate``. Dequantizing is asked for explicitly: left to itself
+    the loader dequantizes only where no FP8-capable GPU is visible, and elsewhere keeps float8
+    weights (which cannot be compared with bf16). The override also replaces the checkpoint's
+    ``modules_to_not_convert``, so the export's own list is passed along."""
     pytest.importorskip("accelerate", reason="transformers' FP8 loader requires accelerate")
     import transformers
 
     hf, out = fp8_export
-    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    skip = json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    qc = transformers.FineGrainedFP8Config(dequantize=True, modules_to_not_convert=skip)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, quantization_config=qc)
     q = read_hf(out)
     state = model.state_dict()
     for n, t in q.items():

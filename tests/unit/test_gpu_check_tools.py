@@ -1,0 +1,104 @@
+"""The GPU check's pieces run on a CPU box: bench_gemm / bench_actor ``--cpu-smoke`` produce
+tables and JSON that parse, FP8 rows say why they are unavailable, and gpu_check.sh stops early
+with a clear message when there is no CUDA GPU. (On a GPU node the same scripts run for real:
+``make gpu-check``; see docs/gpu.md.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
+
+
+def _run(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _table_rows(stdout: str) -> list[list[str]]:
+    """Cells of the markdown table rows in ``stdout`` (header and separator excluded)."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("|")]
+    assert len(lines) >= 3 and set(lines[1].replace("|", "")) <= set("-: "), stdout
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+
+
+def test_bench_gemm_cpu_smoke(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_gemm
+    finally:
+        sys.path.pop(0)
+    out = _run([sys.executable, "tools/bench_gemm.py", "--cpu-smoke", "--json",
+                str(tmp_path / "gemm.json")])
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "gemm.json").read_text())["rows"]
+    table = _table_rows(out.stdout)
+    assert len(table) == len(rows) == 2 * 6  # two shapes x (bf16, fp32, four FP8 methods)
+    for r in rows:
+        assert r["M"] * r["N"] * r["K"] > 0
+        if r["method"] in ("bf16", "fp32"):
+            assert r["status"] == "ok" and r["tflops"] > 0 and r["vs_bf16"] > 0
+        else:
+            assert r["method"] in bench_gemm.FP8_METHODS
+            assert r["status"].startswith("unavailable") and r["tflops"] is None
+    assert {r["vs_bf16"] for r in rows if r["method"] == "bf16"} == {1.0}
+    # The GPU shapes are the models' published linear shapes (see the module docstring).
+    assert bench_gemm.SHAPES["Qwen3-8B"]["qkv"] == ((32 + 2 * 8) * 128, 4096)
+    assert bench_gemm.SHAPES["Qwen3-32B"]["o"] == (5120, 64 * 128)
+
+
+def test_bench_actor_cpu_smoke(tmp_path):
+    out = _run([sys.executable, "tools/bench_actor.py", "--cpu-smoke", "--peak-tflops", "0.5",
+                "--json", str(tmp_path / "actor.json")])
+    assert out.returncode == 0, out.stderr
+    r = json.loads((tmp_path / "actor.json").read_text())
+    assert (r["rows"], r["seq"], r["micro_batch"], r["layers"]) == (4, 16, 2, 2)
+    assert r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(64 / r["step_s"])
+    assert r["mfu"] == pytest.approx(r["model_tflops"] / 0.5)
+    assert r["peak_mem_gb"] is None  # host memory is not what the GPU column reports
+    (row,) = _table_rows(out.stdout)
+    assert row[0] == "cpu" and float(row[5]) > 0
+    assert "parameters on this rank" in out.stdout
+
+
+def test_actor_flops_match_qwen3_published_sizes():
+    """The FLOP count's parameter arithmetic reproduces Qwen3-1.7B's model card (1.7B, 1.4B
+    non-embedding, tied embeddings); the benchmark unties the output layer: 2.03B."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_actor
+    finally:
+        sys.path.pop(0)
+    mc = bench_actor.model_config(False, 2048)
+    fpt, params = bench_actor.flops_per_token(mc, 2048)
+    assert params == pytest.approx(2.03e9, rel=0.005)
+    tied = dataclasses.replace(mc, tie_word_embeddings=True)
+    _, tied_params = bench_actor.flops_per_token(tied, 2048)
+    embedding = mc.hidden_size * mc.vocab_size
+    assert tied_params == pytest.approx(1.72e9, rel=0.01)
+    assert tied_params - embedding == pytest.approx(1.41e9, rel=0.01)
+    # 6 FLOPs per weight per token, plus attention: 12 * layers * seq * heads * head_dim.
+    assert fpt == pytest.approx(6 * (params - embedding) + 12 * 28 * 2048 * 16 * 128, rel=1e-3)
+
+
+@cpu_only
+def test_gpu_check_stops_clearly_without_a_gpu(tmp_path):
+    env_python = {"PYTHON": sys.executable}
+    out = subprocess.run(["bash", "tools/gpu_check.sh", "--out", str(tmp_path / "o")], cwd=ROOT,
+                         env={**os.environ, **env_python}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "no CUDA GPU" in out.stdout
+    assert "torch " in (tmp_path / "o" / "versions.txt").read_text()
+    assert not (tmp_path / "o" / "runs").exists()  # stopped before the jobs

@@ -1,0 +1,266 @@
+#!/usr/bin/env bash
+# gpu_check.sh: does megatron-rl-fp8 work on this GPU node, and how fast is it?
+#
+#   tools/gpu_check.sh [--out DIR]          (or: make gpu-check)
+#
+# Steps (each logged to DIR/<step>.log; a failed step does not stop the others):
+#   1. versions     python, torch, CUDA, GPU, megatron-core, modelopt, Transformer Engine, ...
+#                   (no CUDA GPU: says so and exits 2 right here)
+#   2. gpu_tests    pytest -m gpu tests/gpu   (FP8 GEMM vs the emulation's Hopper accumulation
+#                   model; TE training steps when TE is installed)
+#   3. tiny_bf16    the tiny job, full precision: examples/tiny_cpu.yaml, 5 RL steps, on the GPU
+#   4. tiny_fp8     the tiny job, full FP8 with calibrated clipping: examples/tiny_cpu_fp8.yaml
+#                   (3 and 4 pass when the job exits 0 and ran 5 steps on CUDA, token_mult_prob_error
+#                   is in [1, 1.1) and the step-5 checkpoint exists, as tests/gpu/test_trainer_gpu.py)
+#   5. bench_gemm   GEMM TFLOP/s: BF16 vs FP8 tensorwise / rowwise / blockwise, Qwen3-8B/32B shapes
+#   6. bench_actor  one-GPU actor step at a 2.0B Qwen3 shape: tokens/s, MFU, peak memory
+# then a summary table (also DIR/summary.md). Exit status 1 if any step failed.
+#
+# Interpreter: $PYTHON if set, else .venv/bin/python if it exists, else python3. The repository
+# is put on PYTHONPATH, so a plain python with the dependencies importable (e.g.
+# PYTHONPATH=/deps:$PWD, no install) works as well as the venv. Designed to finish in under 8
+# minutes on one H200 (GPU_CHECK_BUDGET_S, default 450 s, caps the steps together).
+set -u -o pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT_DIR=${GPU_CHECK_OUT:-gpu_check_out}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
+
+usage() { sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --out) [ $# -ge 2 ] || { echo "--out needs a directory" >&2; exit 2; }; OUT_DIR=$2; shift 2 ;;
+        --out=*) OUT_DIR=${1#--out=}; shift ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON="$ROOT/.venv/bin/python"
+    elif command -v python3 >/dev/null 2>&1; then PYTHON=python3
+    else PYTHON=python
+    fi
+fi
+mkdir -p "$OUT_DIR" || exit 2
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+cd "$ROOT" || exit 2
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+DEADLINE=$((SECONDS + BUDGET_S))
+
+NAMES=() STATUSES=() TIMES=() DETAILS=()
+STEP_RC=0 STEP_SECS=0 STEP_LOG=
+
+# step NAME CAP_SECONDS COMMAND... : run COMMAND with its output in $OUT_DIR/NAME.log, under
+# min(CAP, time left in the budget). Sets STEP_RC (125 = not started, budget spent), STEP_SECS.
+step() {
+    local name=$1 cap=$2 left start
+    shift 2
+    STEP_LOG="$OUT_DIR/$name.log"
+    left=$((DEADLINE - SECONDS))
+    [ "$cap" -lt "$left" ] || cap=$left
+    if [ "$cap" -lt 20 ]; then
+        STEP_RC=125 STEP_SECS=0
+        echo "== $name: skipped, the time budget is spent" | tee "$STEP_LOG"
+        return
+    fi
+    echo "== $name (limit ${cap}s; log $STEP_LOG)"
+    start=$SECONDS
+    timeout --kill-after=10 "$cap" "$@" >"$STEP_LOG" 2>&1
+    STEP_RC=$?
+    STEP_SECS=$((SECONDS - start))
+}
+
+# record NAME DETAIL: add the step's row to the summary, its status from STEP_RC.
+record() {
+    local status
+    case $STEP_RC in
+        0) status=ok ;;
+        124|137) status=FAIL; set -- "$1" "timed out after ${STEP_SECS}s; $2" ;;
+        125) status=FAIL; set -- "$1" "not run: the ${BUDGET_S}s budget was spent" ;;
+        *) status=FAIL ;;
+    esac
+    NAMES+=("$1") STATUSES+=("$status") TIMES+=("$STEP_SECS") DETAILS+=("$2")
+    echo "   $status (${STEP_SECS}s): $2"
+}
+
+last_line() { grep -v '^[[:space:]]*$' "$1" 2>/dev/null | tail -n 1 | cut -c1-160; }
+
+# -- 1. versions -----------------------------------------------------------------------------
+step versions 60 "$PYTHON" - <<'PY'
+import importlib.metadata as md
+import importlib.util
+import platform
+import shutil
+import subprocess
+import sys
+
+def version(dist, module=None):
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        pass
+    if module and importlib.util.find_spec(module) is not None:
+        mod = __import__(module)
+        return getattr(mod, "__version__", "installed (version unknown)")
+    return "not installed"
+
+import torch
+
+rows = [
+    ("python", f"{platform.python_version()} ({sys.executable})"),
+    ("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none: a CPU-only build'})"),
+    ("megatron-core", version("megatron-core", "megatron.core")),
+    ("nvidia-modelopt", version("nvidia-modelopt", "modelopt")),
+    ("transformer-engine", version("transformer-engine", "transformer_engine")),
+    ("transformers", version("transformers")),
+    ("pytest", version("pytest")),
+]
+cuda = torch.cuda.is_available()
+if cuda:
+    p = torch.cuda.get_device_properties(0)
+    rows.append(("gpu", f"{torch.cuda.device_count()} x {p.name}, sm_{p.major}{p.minor}, "
+                        f"{p.total_memory / 2**30:.0f} GiB"))
+if shutil.which("nvidia-smi"):
+    q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                       capture_output=True, text=True)
+    rows.append(("driver", q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip()
+                 else "nvidia-smi failed"))
+for k, v in rows:
+    print(f"{k:20s} {v}")
+sys.exit(0 if cuda else 3)
+PY
+cp "$STEP_LOG" "$OUT_DIR/versions.txt" 2>/dev/null
+sed 's/^/   /' "$STEP_LOG"
+if [ "$STEP_RC" -eq 3 ]; then
+    echo
+    echo "no CUDA GPU: torch.cuda.is_available() is False for $PYTHON."
+    echo "This check needs a GPU node (a CUDA build of torch and a visible device);"
+    echo "on a CPU box run 'make test' instead. Stopped after the versions step."
+    exit 2
+fi
+GPU=$(grep '^gpu ' "$STEP_LOG" | sed 's/^gpu *//')
+TORCH=$(grep '^torch ' "$STEP_LOG" | sed 's/^torch *//')
+record versions "${GPU:-no GPU}; torch ${TORCH:-?}"
+
+# -- 2. GPU tests ----------------------------------------------------------------------------
+if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
+    # tests/gpu/test_trainer_gpu.py runs the tiny job in bf16 and full FP8 through the CLI: steps
+    # 3 and 4 below run the same jobs (checking the same things, outputs kept), so not twice.
+    step gpu_tests 180 "$PYTHON" -m pytest -q -s -rs -m gpu tests/gpu \
+        --ignore=tests/gpu/test_trainer_gpu.py
+    detail=$(grep -E '^[0-9]+ (passed|failed|skipped|error)|^=+ .*(passed|failed|skipped|error)' \
+        "$STEP_LOG" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ *$//')
+    record gpu_tests "${detail:-$(last_line "$STEP_LOG")}"
+    grep -h '^_scaled_mm(' "$STEP_LOG" | sed 's/^/   /'
+else
+    STEP_RC=1 STEP_SECS=0
+    record gpu_tests "pytest is not importable by $PYTHON (pip install pytest)"
+fi
+
+# -- 3, 4. the tiny job in bf16 and in full FP8 ------------------------------------------------
+# A fresh output dir each time: the trainer resumes from an existing one.
+rm -rf "$OUT_DIR/runs"
+summarize_run() {  # summarize_run RUN_DIR LOG STEPS: one line; exit 1 if the run looks wrong
+    "$PYTHON" - "$@" <<'PY'
+import json, math, sys
+from pathlib import Path
+run, log, want = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+lines = []
+if (run / "metrics.jsonl").exists():
+    lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
+steps = [r["step"] for r in lines if any(k.startswith("train/") for k in r)]
+mult = [r["fp8/token_mult_prob_error"] for r in lines
+        if r["step"] >= 1 and isinstance(r.get("fp8/token_mult_prob_error"), float)]
+reward = [r["eval/reward_mean"] for r in lines if "eval/reward_mean" in r]
+actor = [l for l in log.read_text(errors="replace").splitlines() if l.startswith("actor: ")]
+latest = run / "checkpoints" / "latest"
+parts = [f"{len(steps)} steps"]
+if mult:
+    parts.append(f"fp8/token_mult_prob_error last {mult[-1]:.5f} max {max(mult):.5f}")
+if reward:
+    parts.append(f"eval/reward_mean {reward[-1]:.3f}")
+if actor:  # "actor: 2.1M parameters on this rank, bfloat16 on cuda:0 (TP=1 ...), FP8 off"
+    where = actor[-1].split(" on this rank, ")[-1]
+    parts.append(where.split(" (")[0] + ", FP8 " + where.split(", FP8 ")[-1])
+problems = []
+if len(steps) != want:
+    problems.append(f"expected {want} steps")
+if not actor or " on cuda" not in actor[-1]:
+    problems.append("the actor did not run on the GPU")
+if not mult or not all(math.isfinite(m) and 1.0 <= m < 1.1 for m in mult):
+    problems.append("token_mult_prob_error missing or outside [1, 1.1)")
+if not latest.exists() or latest.read_text().strip() != f"iter_{want:07d}":
+    problems.append(f"no checkpoint at step {want}")
+print("; ".join(parts + [f"PROBLEM: {p}" for p in problems]))
+sys.exit(1 if problems else 0)
+PY
+}
+TINY_ARGS=(train.steps=5 sft.steps=50 train.eval_interval=5 train.save_interval=5
+           "train.cache_dir=$OUT_DIR/cache")
+step tiny_bf16 120 "$PYTHON" -m megatron_rl_fp8 train examples/tiny_cpu.yaml "${TINY_ARGS[@]}" \
+    "train.output_dir=$OUT_DIR/runs/tiny_bf16"
+detail=$(summarize_run "$OUT_DIR/runs/tiny_bf16" "$STEP_LOG" 5) || [ "$STEP_RC" -ne 0 ] || STEP_RC=1
+[ "$STEP_RC" -eq 0 ] || detail="$(last_line "$STEP_LOG") | $detail"
+record tiny_bf16 "$detail"
+
+# Calibrate every 2 steps so the BF16 shadow pass runs within the 5 steps.
+step tiny_fp8 120 "$PYTHON" -m megatron_rl_fp8 train examples/tiny_cpu_fp8.yaml "${TINY_ARGS[@]}" \
+    loss.calib.interval=2 "train.output_dir=$OUT_DIR/runs/tiny_fp8"
+detail=$(summarize_run "$OUT_DIR/runs/tiny_fp8" "$STEP_LOG" 5) || [ "$STEP_RC" -ne 0 ] || STEP_RC=1
+[ "$STEP_RC" -eq 0 ] || detail="$(last_line "$STEP_LOG") | $detail"
+record tiny_fp8 "$detail"
+
+# -- 5, 6. benchmarks --------------------------------------------------------------------------
+step bench_gemm 120 "$PYTHON" tools/bench_gemm.py --json "$OUT_DIR/bench_gemm.json"
+detail=$("$PYTHON" - "$OUT_DIR/bench_gemm.json" <<'PY' 2>/dev/null
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+out = []
+for method in dict.fromkeys(r["method"] for r in rows):
+    ok = [r for r in rows if r["method"] == method and r["tflops"] is not None]
+    if not ok:
+        out.append(f"{method} {next(r['status'] for r in rows if r['method'] == method)}")
+    elif method == "bf16":
+        out.append(f"bf16 {min(r['tflops'] for r in ok):.0f}-{max(r['tflops'] for r in ok):.0f} TFLOP/s")
+    else:
+        out.append(f"{method.removeprefix('fp8_')} x{min(r['vs_bf16'] for r in ok):.2f}-"
+                   f"{max(r['vs_bf16'] for r in ok):.2f}")
+print("; ".join(out))
+PY
+)
+record bench_gemm "${detail:-$(last_line "$STEP_LOG")}"
+grep '^|' "$STEP_LOG" >"$OUT_DIR/bench_gemm.md" 2>/dev/null
+
+step bench_actor 150 "$PYTHON" tools/bench_actor.py --json "$OUT_DIR/bench_actor.json"
+detail=$("$PYTHON" - "$OUT_DIR/bench_actor.json" <<'PY' 2>/dev/null
+import json, sys
+r = json.load(open(sys.argv[1]))
+mfu = f"MFU {r['mfu']:.1%}" if r["mfu"] is not None else "MFU ? (no --peak-tflops for this GPU)"
+print(f"{r['params_b']:.2f}B, {r['rows']}x{r['seq']} tokens: {r['step_s']:.2f} s/step, "
+      f"{r['tokens_per_s']:.0f} tokens/s, {mfu}, peak {r['peak_mem_gb']:.1f} GB")
+PY
+)
+record bench_actor "${detail:-$(last_line "$STEP_LOG")}"
+grep '^|' "$STEP_LOG" >"$OUT_DIR/bench_actor.md" 2>/dev/null
+
+# -- summary -----------------------------------------------------------------------------------
+{
+    echo "# gpu_check $(date -u +%Y-%m-%dT%H:%MZ): ${GPU:-GPU ?}"
+    echo
+    echo "| step | status | s | detail |"
+    echo "|---|---|---:|---|"
+    for i in "${!NAMES[@]}"; do
+        echo "| ${NAMES[$i]} | ${STATUSES[$i]} | ${TIMES[$i]} | ${DETAILS[$i]//|/\\|} |"
+    done
+    echo
+    echo "Total ${SECONDS}s. Logs, run outputs and benchmark JSON: $OUT_DIR"
+} | tee "$OUT_DIR/summary.md"
+if [ -s "$OUT_DIR/bench_gemm.md" ]; then echo; cat "$OUT_DIR/bench_gemm.md"; fi
+if [ -s "$OUT_DIR/bench_actor.md" ]; then echo; cat "$OUT_DIR/bench_actor.md"; fi
+
+for s in "${STATUSES[@]}"; do
+    [ "$s" = ok ] || exit 1
+done
+exit 0
