@@ -7,10 +7,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
+from megatron_rl_fp8.config_utils import field
 from megatron_rl_fp8.data.arithmetic import DEFAULT_TRAIN_PATH, DEFAULT_VAL_PATH
 from megatron_rl_fp8.data.dataset import SUPPORTED_SUFFIXES, PromptDataset
 
@@ -23,34 +24,32 @@ class TaskConfig:
 
     name: TaskName = field(
         default="arithmetic",
-        metadata={"help": "Task; picks the reward verifier (megatron_rl_fp8.reward.VERIFIERS)."},
+        help="Task; picks the reward verifier (megatron_rl_fp8.reward.VERIFIERS).",
     )
     train_path: str | None = field(
         default=None,
-        metadata={"help": "Train prompts (.jsonl or .parquet); None = the shipped train.jsonl."},
+        help="Train prompts (.jsonl or .parquet); None = the shipped train.jsonl.",
     )
     val_path: str | None = field(
         default=None,
-        metadata={"help": "Held-out prompts (.jsonl or .parquet); None = the shipped val.jsonl."},
+        help="Held-out prompts (.jsonl or .parquet); None = the shipped val.jsonl.",
     )
     prompt_field: str = field(
-        default="prompt", metadata={"help": "Name of the prompt field in the files."}
+        default="prompt", help="Name of the prompt field in the files.",
     )
     answer_field: str = field(
-        default="answer", metadata={"help": "Name of the reference-answer field in the files."}
+        default="answer", help="Name of the reference-answer field in the files.",
     )
     max_prompt_len: int = field(
         default=16,
-        metadata={"help": "Max prompt tokens including <bos> (shipped prompts need at most 9)."},
+        help="Max prompt tokens including <bos> (shipped prompts need at most 9).",
     )
     max_response_len: int = field(
         default=8,
-        metadata={
-            "help": "Max generated tokens including <eos> (shipped answers need at most 5)."
-        },
+        help="Max generated tokens including <eos> (shipped answers need at most 5).",
     )
     seed: int = field(
-        default=0, metadata={"help": "Seed of the epoch-wise shuffle of the train prompts."}
+        default=0, help="Seed of the epoch-wise shuffle of the train prompts.",
     )
 
     def __post_init__(self) -> None:

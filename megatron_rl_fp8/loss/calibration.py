@@ -43,12 +43,13 @@ clip is not part of the balance (it touches only extreme ratios); "clipped below
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
 
-from megatron_rl_fp8.loss.histogram import bin_index, hist_inverse_mass, hist_mass_below
+from megatron_rl_fp8.config_utils import field
+from megatron_rl_fp8.loss.histogram import hist_inverse_mass, hist_mass_below
 
 Strategy = Literal["balance", "shift"]
 
@@ -77,42 +78,42 @@ class CalibConfig:
 
     enabled: bool = field(
         default=True,
-        metadata={"help": "Calibrate the FP8 clip bounds against a BF16 shadow forward. Only "
-                          "meaningful when training runs in FP8."},
+        help="Calibrate the FP8 clip bounds against a BF16 shadow forward. Only "
+             "meaningful when training runs in FP8.",
     )
     interval: int = field(
         default=20,
-        metadata={"help": "Calibrate every this many optimizer steps (each calibration costs one "
-                          "BF16 shadow forward of pi_old and pi_theta)."},
+        help="Calibrate every this many optimizer steps (each calibration costs one "
+             "BF16 shadow forward of pi_old and pi_theta).",
     )
     strategy: Strategy = field(
         default="balance",
-        metadata={"help": "Upper-bound rule: 'balance' matches BF16's positive/negative update "
-                          "balance; 'shift' keeps the nominal log-width of the clip interval."},
+        help="Upper-bound rule: 'balance' matches BF16's positive/negative update "
+             "balance; 'shift' keeps the nominal log-width of the clip interval.",
     )
     bins: int = field(
         default=DEFAULT_BINS,
-        metadata={"help": "Histogram bins over log_ratio_range; the bound resolution is "
-                          "(hi - lo) / bins in log ratio (4096 over (-2, 2): ~0.1% in ratio)."},
+        help="Histogram bins over log_ratio_range; the bound resolution is "
+             "(hi - lo) / bins in log ratio (4096 over (-2, 2): ~0.1% in ratio).",
     )
     log_ratio_range: tuple[float, float] = field(
         default=DEFAULT_LOG_RATIO_RANGE,
-        metadata={"help": "(lo, hi) log-ratio range of the histograms; values outside are "
-                          "clamped into the edge bins. Must contain the safety limits."},
+        help="(lo, hi) log-ratio range of the histograms; values outside are "
+             "clamped into the edge bins. Must contain the safety limits.",
     )
     ema_decay: float = field(
         default=0.5,
-        metadata={"help": "Weight of the previous bounds when smoothing a new calibration "
-                          "(0 = use each calibration as is)."},
+        help="Weight of the previous bounds when smoothing a new calibration "
+             "(0 = use each calibration as is).",
     )
     lower_limits: tuple[float, float] = field(
         default=DEFAULT_LOWER_LIMITS,
-        metadata={"help": "(min, max) allowed calibrated lower ratio bound; max < 1 so that an "
-                          "unchanged token (r = 1) is never clipped."},
+        help="(min, max) allowed calibrated lower ratio bound; max < 1 so that an "
+             "unchanged token (r = 1) is never clipped.",
     )
     upper_limits: tuple[float, float] = field(
         default=DEFAULT_UPPER_LIMITS,
-        metadata={"help": "(min, max) allowed calibrated upper ratio bound; min > 1."},
+        help="(min, max) allowed calibrated upper ratio bound; min > 1.",
     )
 
     def __post_init__(self) -> None:
@@ -484,6 +485,7 @@ def exact_calibrated_clip_bounds(
         if target >= float(cum[-1]):
             upper = max(nominal_upper, math.exp(float(x8[pos].max())))
         else:
-            k = int(torch.searchsorted(cum, torch.tensor([target], dtype=cum.dtype, device=cum.device)))
+            target_t = torch.tensor([target], dtype=cum.dtype, device=cum.device)
+            k = int(torch.searchsorted(cum, target_t))
             upper = math.exp(float(x8[pos][order][k]))
     return lower, _clamp(upper, upper_limits)

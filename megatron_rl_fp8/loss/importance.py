@@ -26,11 +26,12 @@ are not part of the policy being optimised.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from megatron_rl_fp8.config_utils import field
 from megatron_rl_fp8.loss.masked import masked_mean
 
 ISLevel = Literal["token", "sequence", "geometric"]
@@ -48,25 +49,25 @@ class ISCorrectionConfig:
 
     level: ISLevel = field(
         default="token",
-        metadata={"help": "Granularity of the weight: 'token', 'sequence' (product over the "
-                          "response) or 'geometric' (geometric mean over the response)."},
+        help="Granularity of the weight: 'token', 'sequence' (product over the "
+             "response) or 'geometric' (geometric mean over the response).",
     )
     mode: ISMode = field(
         default="truncate",
-        metadata={"help": "'truncate' clamps weights above at `cap` (TIS); 'mask' zeroes weights "
-                          "outside [mask_low, mask_high] (MIS)."},
+        help="'truncate' clamps weights above at `cap` (TIS); 'mask' zeroes weights "
+             "outside [mask_low, mask_high] (MIS).",
     )
     cap: float = field(
         default=2.0,
-        metadata={"help": "Upper clamp of the weight in 'truncate' mode (TIS uses ~2)."},
+        help="Upper clamp of the weight in 'truncate' mode (TIS uses ~2).",
     )
     mask_low: float = field(
         default=0.5,
-        metadata={"help": "Smallest weight kept in 'mask' mode."},
+        help="Smallest weight kept in 'mask' mode.",
     )
     mask_high: float = field(
         default=2.0,
-        metadata={"help": "Largest weight kept in 'mask' mode."},
+        help="Largest weight kept in 'mask' mode.",
     )
 
     def __post_init__(self) -> None:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from megatron_rl_fp8.config_utils import field
 from megatron_rl_fp8.data.tokenizer import EOS_TOKEN, PAD_TOKEN
 
 Verifier = Callable[[str, str], float]
@@ -131,10 +132,8 @@ class RewardConfig:
 
     format_weight: float = field(
         default=0.0,
-        metadata={
-            "help": "Weight of the format bonus added to correctness (0 = off, the default). "
-            "Reward = correct + format_weight * well_formed."
-        },
+        help="Weight of the format bonus added to correctness (0 = off, the default). "
+             "Reward = correct + format_weight * well_formed.",
     )
 
     def __post_init__(self) -> None:
