@@ -5,7 +5,7 @@
 * :mod:`.advantages`   GRPO advantages, DAPO dynamic sampling and overlong penalty;
 * :mod:`.histogram`    fixed-bin histograms and quantiles read from them;
 * :mod:`.calibration`  calibrated clipping for FP8 (the only place that may all-reduce, over a
-                       process group passed in by the caller).
+                       process group passed in by the caller); its knobs in :mod:`.calib_config`.
 
 Nothing here imports Megatron, and ``torch.distributed`` is imported only inside
 :func:`calibrated_clip_bounds` when a group is given, so CPU unit tests reach every function.
@@ -22,7 +22,6 @@ from megatron_rl_fp8.loss.calibration import (
     build_calibration_histogram,
     calibrated_clip_bounds,
     ema_bounds,
-    exact_calibrated_clip_bounds,
 )
 from megatron_rl_fp8.loss.histogram import hist_mass_below, hist_quantile, histogram
 from megatron_rl_fp8.loss.importance import ISCorrectionConfig, importance_weights
@@ -38,7 +37,6 @@ __all__ = [
     "calibrated_clip_bounds",
     "dynamic_sampling_keep_mask",
     "ema_bounds",
-    "exact_calibrated_clip_bounds",
     "grpo_advantages",
     "hist_mass_below",
     "hist_quantile",

@@ -32,7 +32,7 @@ the nominal bounds, which are known before any data is seen, so exact sums repla
 One all-reduce (SUM) over the data-parallel (x context-parallel) group merges them; traffic is
 ``8 * (4 * bins + 7)`` bytes, independent of tokens and ranks. Reading the bounds is then a pure
 function of the merged tensor (:func:`bounds_from_histogram`), so every rank gets identical bounds.
-:func:`exact_calibrated_clip_bounds` computes the same thing from raw tokens (O(tokens)) and exists
+``tests/calib_reference.py`` computes the same thing from raw tokens (O(tokens)) and exists
 as the reference for tests.
 
 Conventions: tokens with A == 0 or mask 0 are ignored (they get no policy gradient); the PPO dual
@@ -43,20 +43,24 @@ clip is not part of the balance (it touches only extreme ratios); "clipped below
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from megatron_rl_fp8.config_utils import field
+from megatron_rl_fp8.loss.calib_config import (
+    DEFAULT_BINS,
+    DEFAULT_LOG_RATIO_RANGE,
+    DEFAULT_LOWER_LIMITS,
+    DEFAULT_UPPER_LIMITS,
+    CalibConfig,
+    Strategy,
+    _check_eps,
+    check_solver_args,
+)
 from megatron_rl_fp8.loss.histogram import hist_inverse_mass, hist_mass_below
 
-Strategy = Literal["balance", "shift"]
-
-DEFAULT_BINS = 4096
-DEFAULT_LOG_RATIO_RANGE = (-2.0, 2.0)
-DEFAULT_LOWER_LIMITS = (0.5, 0.999)
-DEFAULT_UPPER_LIMITS = (1.001, 3.0)
+__all__ = ["CalibConfig", "bounds_from_histogram", "build_calibration_histogram",
+           "calibrated_clip_bounds", "check_solver_args", "ema_bounds"]
 
 # Exact scalar sums packed after the four histograms, in this order.
 _SCALARS = (
@@ -70,111 +74,6 @@ _SCALARS = (
 )
 NUM_SCALARS = len(_SCALARS)
 _EXACT_FLOAT32_COUNT = 1 << 24  # float32 represents every integer count below this exactly
-
-
-@dataclass(kw_only=True)
-class CalibConfig:
-    """Calibrated clipping knobs. The trainer owns the state (previous bounds, step counter)."""
-
-    enabled: bool = field(
-        default=True,
-        help="Calibrate the FP8 clip bounds against a BF16 shadow forward. Only "
-             "meaningful when training runs in FP8.",
-    )
-    interval: int = field(
-        default=20,
-        help="Calibrate every this many optimizer steps (each calibration costs one "
-             "BF16 shadow forward of pi_old and pi_theta).",
-    )
-    strategy: Strategy = field(
-        default="balance",
-        help="Upper-bound rule: 'balance' matches BF16's positive/negative update "
-             "balance; 'shift' keeps the nominal log-width of the clip interval.",
-    )
-    bins: int = field(
-        default=DEFAULT_BINS,
-        help="Histogram bins over log_ratio_range; the bound resolution is "
-             "(hi - lo) / bins in log ratio (4096 over (-2, 2): ~0.1% in ratio).",
-    )
-    log_ratio_range: tuple[float, float] = field(
-        default=DEFAULT_LOG_RATIO_RANGE,
-        help="(lo, hi) log-ratio range of the histograms; values outside are "
-             "clamped into the edge bins. Must contain the safety limits.",
-    )
-    ema_decay: float = field(
-        default=0.5,
-        help="Weight of the previous bounds when smoothing a new calibration "
-             "(0 = use each calibration as is).",
-    )
-    lower_limits: tuple[float, float] = field(
-        default=DEFAULT_LOWER_LIMITS,
-        help="(min, max) allowed calibrated lower ratio bound; max < 1 so that an "
-             "unchanged token (r = 1) is never clipped.",
-    )
-    upper_limits: tuple[float, float] = field(
-        default=DEFAULT_UPPER_LIMITS,
-        help="(min, max) allowed calibrated upper ratio bound; min > 1.",
-    )
-
-    def __post_init__(self) -> None:
-        self.log_ratio_range = tuple(self.log_ratio_range)
-        self.lower_limits = tuple(self.lower_limits)
-        self.upper_limits = tuple(self.upper_limits)
-        if self.interval < 1:
-            raise ValueError(f"CalibConfig.interval={self.interval!r} must be >= 1 "
-                             "(calibrate every `interval` steps; 20 is the paper's default).")
-        if self.ema_decay < 0 or self.ema_decay >= 1:
-            raise ValueError(f"CalibConfig.ema_decay={self.ema_decay!r} must lie in [0, 1); "
-                             "use 0 to disable smoothing.")
-        check_solver_args(strategy=self.strategy, bins=self.bins,
-                          log_ratio_range=self.log_ratio_range, lower_limits=self.lower_limits,
-                          upper_limits=self.upper_limits, owner="CalibConfig.")
-
-    def solver_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for :func:`calibrated_clip_bounds` taken from this config."""
-        d = asdict(self)
-        return {k: d[k] for k in ("strategy", "bins", "log_ratio_range", "lower_limits",
-                                  "upper_limits")}
-
-
-def check_solver_args(
-    *,
-    strategy: str,
-    bins: int,
-    log_ratio_range: tuple[float, float],
-    lower_limits: tuple[float, float],
-    upper_limits: tuple[float, float],
-    owner: str = "",
-) -> None:
-    """Validate the calibration solver arguments; errors name ``owner + field``."""
-    if strategy not in ("balance", "shift"):
-        raise ValueError(f"{owner}strategy={strategy!r} is not supported; use 'balance' "
-                         "(default) or 'shift'.")
-    if not isinstance(bins, int) or bins < 16:
-        raise ValueError(f"{owner}bins={bins!r} must be an int >= 16 (4096 is a good default).")
-    lo, hi = log_ratio_range
-    if not lo < 0 < hi:
-        raise ValueError(f"{owner}log_ratio_range={log_ratio_range!r} must satisfy lo < 0 < hi "
-                         "(e.g. (-2.0, 2.0)); it is a range of log ratios.")
-    min_l, max_l = lower_limits
-    if not 0 < min_l <= max_l < 1:
-        raise ValueError(f"{owner}lower_limits={lower_limits!r} must satisfy "
-                         "0 < min <= max < 1 (e.g. (0.5, 0.999)).")
-    min_u, max_u = upper_limits
-    if not 1 < min_u <= max_u:
-        raise ValueError(f"{owner}upper_limits={upper_limits!r} must satisfy 1 < min <= max "
-                         "(e.g. (1.001, 3.0)).")
-    if math.log(min_l) <= lo or math.log(max_u) >= hi:
-        raise ValueError(f"{owner}log_ratio_range={log_ratio_range!r} must strictly contain the "
-                         f"log of the limits (lower_limits={lower_limits!r}, "
-                         f"upper_limits={upper_limits!r}); widen the range or tighten the limits.")
-
-
-def _check_eps(eps_low: float, eps_high: float) -> None:
-    if not 0 < eps_low < 1 or not eps_high > 0:
-        raise ValueError(f"eps_low={eps_low!r}, eps_high={eps_high!r} must satisfy "
-                         "0 < eps_low < 1 and eps_high > 0 (the nominal bounds are "
-                         "1 - eps_low and 1 + eps_high).")
 
 
 def ema_bounds(
@@ -435,57 +334,3 @@ def calibrated_clip_bounds(
         packed, eps_low, eps_high, strategy=strategy, bins=bins, log_ratio_range=log_ratio_range,
         lower_limits=lower_limits, upper_limits=upper_limits)
     return (lower, upper, stats) if return_stats else (lower, upper)
-
-
-@torch.no_grad()
-def exact_calibrated_clip_bounds(
-    fp8_log_ratio: torch.Tensor,
-    bf16_log_ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    *,
-    strategy: Strategy = "balance",
-    lower_limits: tuple[float, float] = DEFAULT_LOWER_LIMITS,
-    upper_limits: tuple[float, float] = DEFAULT_UPPER_LIMITS,
-) -> tuple[float, float]:
-    """Reference for tests: the same bounds from raw tokens, exactly (O(tokens), one process).
-
-    Uses ``torch.quantile`` for the lower bound and a sorted cumulative sum for the balance; the
-    edge-case rules are those of :func:`bounds_from_histogram`, with token values in place of bin
-    edges.
-    """
-    x8, x16, adv, neg, pos = _token_views(fp8_log_ratio, bf16_log_ratio, advantages, mask)
-    x8, x16, abs_a = x8.double(), x16.double(), adv.abs().double()
-    log_lower, log_upper = math.log1p(-eps_low), math.log1p(eps_high)
-    nominal_lower, nominal_upper = 1.0 - eps_low, 1.0 + eps_high
-
-    neg_x8 = x8[neg]
-    if neg_x8.numel() == 0:
-        lower = nominal_lower
-    else:
-        q = float((x16[neg] < log_lower).double().mean())
-        lower = (min(nominal_lower, math.exp(float(neg_x8.min()))) if q == 0
-                 else math.exp(float(torch.quantile(neg_x8, q))))
-    lower = _clamp(lower, lower_limits)
-
-    w8 = abs_a * torch.exp(x8)
-    w16 = abs_a * torch.exp(x16)
-    bf16_neg_unclipped = float(w16[neg & (x16 >= log_lower)].sum())
-    if strategy == "shift":
-        upper = lower * nominal_upper / nominal_lower
-    elif not bool(pos.any()) or bf16_neg_unclipped == 0:
-        upper = nominal_upper
-    else:
-        balance = float(w16[pos & (x16 <= log_upper)].sum()) / bf16_neg_unclipped
-        target = balance * float(w8[neg & (x8 >= math.log(lower))].sum())
-        order = torch.argsort(x8[pos])
-        cum = torch.cumsum(w8[pos][order], dim=0)
-        if target >= float(cum[-1]):
-            upper = max(nominal_upper, math.exp(float(x8[pos].max())))
-        else:
-            target_t = torch.tensor([target], dtype=cum.dtype, device=cum.device)
-            k = int(torch.searchsorted(cum, target_t))
-            upper = math.exp(float(x8[pos][order][k]))
-    return lower, _clamp(upper, upper_limits)

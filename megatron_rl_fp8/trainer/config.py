@@ -6,7 +6,7 @@ import dataclasses
 from typing import Literal, Optional
 
 from megatron_rl_fp8.config_utils import field
-from megatron_rl_fp8.loss.calibration import CalibConfig
+from megatron_rl_fp8.loss.calib_config import CalibConfig
 from megatron_rl_fp8.loss.importance import ISCorrectionConfig
 
 
