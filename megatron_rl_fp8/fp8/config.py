@@ -102,7 +102,7 @@ class FP8Config:
         help="Emulation only: how FP8 GEMMs accumulate. 'fp32' sums in float32 (exact up "
              "to float32 rounding; the default). 'hopper' models Hopper FP8 tensor cores, whose "
              "accumulator keeps only accum_mantissa_bits and is promoted to float32 every "
-             "accum_chunk elements of K (see fp8/emulation.py). Real GPUs (TE) always do what "
+             "accum_chunk elements of K (see fp8/accumulation.py). Real GPUs (TE) always do what "
              "their hardware does; this changes only the emulated GEMMs.",
     )
     accum_chunk: int = field(

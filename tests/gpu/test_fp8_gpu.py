@@ -69,7 +69,7 @@ def test_emulated_per_tensor_gemm_matches_scaled_mm(fast_accum):
        RMS error more than 30x below the hardware's.
     """
     from megatron_rl_fp8.fp8 import quantize_operand, quantize_per_tensor
-    from megatron_rl_fp8.fp8.emulation import accumulation_error_bound, hopper_matmul
+    from megatron_rl_fp8.fp8.accumulation import accumulation_error_bound, hopper_matmul
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the accumulation model is Hopper's (sm_90); Ada and Blackwell tensor cores "
