@@ -51,8 +51,9 @@ class SGLangConfig:
         600.0, help="Seconds one HTTP call (a whole rollout batch, one weight bucket) may take "
                     "before the server is declared hung and restarted.")
     max_restarts: int = field(
-        2, help="Server restarts (each followed by reloading the last synced weights) allowed "
-                "per rollout call before the run fails with the server log.")
+        2, help="Server relaunches (each from the last complete synced weights) allowed per "
+                "engine call -- one rollout or one weight sync, and counting relaunches that die "
+                "in startup -- before the run fails with the server log.")
     random_seed: int = field(0, help="SGLang --random-seed.")
     env: dict[str, str] = field(default_factory=dict,
                                 help="Extra environment variables for the server process.")

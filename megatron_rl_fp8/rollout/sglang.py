@@ -23,9 +23,25 @@ Life of the server:
   the last to ``"<v>"`` (then the KV/radix cache is flushed and ``/model_info`` is read back).
   Every ``/generate`` answer carries the version(s) that produced it; a completion whose version is
   not the engine's current one is an error, so a half-applied sync can never be served unnoticed.
-* Failures: a transport error mid-sync restarts the server from the (complete) disk copy of the new
-  version; a crash, a hang past ``request_timeout_s`` or a wrong version during ``generate``
-  restarts the server and retries the whole request, at most ``max_restarts`` times per call.
+* Failures: wherever the engine meets a dead, hung or confused server -- ``generate``, the begin of
+  a sync (``/update_weight_version``, ``/begin_weight_update``), the push of a bucket, the end of a
+  sync (``/end_weight_update``, ``/update_weight_version``, ``/flush_cache``), the disk update, the
+  version check (``/model_info``) -- it kills what is left of the server and launches a fresh one
+  from the last complete disk copy, checks the version it reports, and goes on (a rollout is
+  retried; a sync is finished, since that copy *is* the new version). A sync always consumes its
+  whole stream first: the trainer's gather is a collective. Relaunches, including ones that die
+  during startup, are bounded by ``max_restarts`` per call; then :class:`SGLangServerError` names
+  the setting and the server log. ``weight_version()`` is -1 whenever no server verifiably serves
+  the synced weights (during a sync, after a failure).
+* Process lifetime: the server runs under a tiny guard process (``_GUARD``) in a process group of
+  its own. The guard kills that whole group when the trainer dies (Linux parent-death signal, and
+  a once-a-second parent check everywhere), and when the server's main process exits. SGLang's
+  scheduler/detokenizer arm their own parent-death signal only after ~20 s of imports, so without
+  the guard a trainer killed during startup would leak them. ``kill -9 -- -$(cat
+  <work_dir>/server.pid)`` stops everything.
+* Fault injection (testing only): ``MRF8_SGLANG_FAULT=<point>[@<n>][,...]`` or the engine's
+  ``fault_hook`` attribute SIGKILLs the server at named points (:data:`FAULT_POINTS`), so tests
+  exercise every recovery path deterministically. Unset, it costs one attribute check per point.
 
 Numerics: SGLang's returned logprob of a sampled token is log softmax(logits / T) at the sampling
 temperature T (log of the probabilities it sampled from; with top_p < 1 these are the
@@ -47,11 +63,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -62,6 +80,12 @@ from megatron_rl_fp8.sync.quantize import SCALE_SUFFIX
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+FAULT_ENV = "MRF8_SGLANG_FAULT"
+# Where the engine calls its fault hook, in the order a run meets them. ``startup``: right after a
+# (re)launch, before the server is healthy; the rest: just before the server call(s) they name.
+FAULT_POINTS = ("startup", "generate", "begin_update", "push", "end_update", "disk_update",
+                "check_version")
+
 
 class SGLangServerError(RuntimeError):
     """The SGLang server failed, or answered something the engine cannot accept."""
@@ -69,6 +93,157 @@ class SGLangServerError(RuntimeError):
 
 class _ServerGone(SGLangServerError):
     """The server died, hung or answered for the wrong weights: restart it and retry."""
+
+
+# The guard: the process the engine actually starts (with the server's python, stdlib only). It
+# leads the server's process group, runs `sglang.launch_server` as its child and kills the whole
+# group (itself included) when (a) the trainer dies, however it dies, or (b) the server's main
+# process exits. SGLang's own children arm their parent-death signal only after their imports
+# (~20 s on CPU), so (b) is what keeps a crash during startup from leaking them. Parent death is
+# seen twice over: PR_SET_PDEATHSIG (Linux; instant) and a once-a-second getppid() check
+# (everywhere). PDEATHSIG also fires when only the trainer *thread* that launched the guard exits,
+# so the handler re-checks getppid() before acting. Linux also gets PDEATHSIG=SIGKILL on the
+# server's main process itself, set in a preexec_fn here (safe: the guard has one thread), not in
+# the multi-threaded trainer.
+_GUARD = r"""# mrf8-sglang-guard: see _GUARD in megatron_rl_fp8/rollout/sglang.py
+import ctypes, os, signal, subprocess, sys, time
+trainer, cmd = int(sys.argv[1]), sys.argv[2:]
+
+def kill_group(*_):
+    os.killpg(0, signal.SIGKILL)
+
+def on_parent_signal(*_):
+    if os.getppid() != trainer:
+        kill_group()
+
+def arm(sig):
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+
+signal.signal(signal.SIGUSR1, on_parent_signal)
+signal.signal(signal.SIGTERM, kill_group)
+arm(signal.SIGUSR1)
+if os.getppid() != trainer:  # the trainer died before prctl
+    kill_group()
+server = subprocess.Popen(cmd, preexec_fn=lambda: arm(signal.SIGKILL))
+while server.poll() is None:
+    time.sleep(1)
+    if os.getppid() != trainer:
+        kill_group()
+print(f"[mrf8 guard] server exited with code {server.returncode}; killing its process group",
+      flush=True)
+kill_group()
+"""
+
+
+def spawn_guarded(cmd: list[str], *, python: str, stdout, env: dict[str, str] | None = None,
+                  cwd: str | os.PathLike | None = None) -> subprocess.Popen:
+    """Start ``cmd`` under the guard (``_GUARD``, run by ``python``) in a new session and process
+    group, whose id is the returned process's pid. The group dies with this process, and when
+    ``cmd``'s own process exits."""
+    return subprocess.Popen([python, "-c", _GUARD, str(os.getpid()), *cmd], stdout=stdout,
+                            stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+
+
+def parse_fault_spec(spec: str) -> dict[str, set[int]]:
+    """``"push@2,generate"`` -> ``{"push": {2}, "generate": {1}}`` (point -> 1-based occurrences)."""
+    plan: dict[str, set[int]] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        point, _, nth = item.partition("@")
+        if point not in FAULT_POINTS or not (nth == "" or nth.isdigit() and int(nth) >= 1):
+            raise ValueError(f"{FAULT_ENV}={spec!r}: {item!r} is not <point>[@<n>] with n >= 1 and "
+                             f"point one of {', '.join(FAULT_POINTS)}")
+        plan.setdefault(point, set()).add(int(nth or 1))
+    return plan
+
+
+class KillServerAt:
+    """TESTING ONLY: a ``fault_hook`` that SIGKILLs the engine's server at chosen points.
+
+    ``KillServerAt(engine, "begin_update")`` kills at the first ``begin_update`` the engine meets
+    after this object is installed, ``"push@3"`` at the third push, ``"generate,startup@1"`` at the
+    first rollout and then during the first relaunch. Occurrences count per point, from
+    installation. The kill takes the whole process group and waits until it is gone, so the very
+    next server call fails the way a crash makes it fail. Production runs never install one; the
+    engine installs one only when ``MRF8_SGLANG_FAULT`` is set (read once, at construction).
+    """
+
+    def __init__(self, engine: SGLangEngine, spec: str):
+        self.engine = engine
+        self.plan = parse_fault_spec(spec)
+        self.seen: dict[str, int] = {}
+        self.fired: list[str] = []  # "point@n" of every kill, for tests to assert on
+
+    def __call__(self, point: str) -> None:
+        n = self.seen[point] = self.seen.get(point, 0) + 1
+        if n in self.plan.get(point, ()):
+            self.fired.append(f"{point}@{n}")
+            self.engine.kill_server()
+
+
+def server_group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``. Linux reads /proc; elsewhere the
+    answer is ``[pgid]`` while any member can still be signalled, else ``[]``."""
+    if not Path("/proc/self/stat").exists():
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue  # exited while we looked
+        # Fields after the parenthesised command name: state, ppid, pgrp, ...
+        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+        if int(pgrp) == pgid and state not in "ZX":
+            pids.append(int(entry.name))
+    return pids
+
+
+def _kill_group(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGKILL ``proc``'s process group, reap ``proc``, and wait (bounded) for the rest to go.
+
+    SIGKILL, not a graceful SIGTERM: the server holds nothing worth saving (its weights are on disk)
+    and SGLang answers SIGTERM on its children with a crash report that sleeps 5 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + timeout
+    while server_group_pids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def pick_port(low: int = 15000, high: int = 22000) -> int:
+    """A free TCP port for a server that binds it only later (uvicorn binds ~20-40 s after launch).
+
+    Not from the kernel's ephemeral range (32768+, where ``bind(0)`` ports come from): every
+    outgoing connection takes its local port there, and one of them took a server's port during
+    its startup in testing (the server then hung instead of exiting). Not SGLang's own range
+    either (22000-29999, where it picks its NCCL port). Random with a private generator: the
+    trainer seeds the global one, and two runs on one host must not pick alike."""
+    import random
+    import socket
+
+    for port in random.Random().sample(range(low, high), 64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    from megatron_rl_fp8.parallel import free_port
+
+    return free_port()
 
 
 def resolve_python(cfg: SGLangConfig) -> str:
@@ -162,7 +337,9 @@ class _Http:
             if e.code >= 500:
                 raise _ServerGone(f"{path}: HTTP {e.code}: {detail}") from e
             raise SGLangServerError(f"{path}: HTTP {e.code}: {detail}") from e
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        except TimeoutError as e:  # a hung server: it is relaunched like a dead one
+            raise _ServerGone(f"{path}: no answer within {timeout:g} s") from e
+        except (urllib.error.URLError, ConnectionError, OSError) as e:
             raise _ServerGone(f"{path}: {e}") from e
         try:
             return json.loads(body) if body else None
@@ -204,15 +381,25 @@ class SGLangEngine:
         self.work_dir = Path(work).expanduser().resolve()
         self.weights_root = self.work_dir / "weights"
         self.weights_root.mkdir(parents=True, exist_ok=True)
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | None = None  # the guard, leader of the server's group
         self._port: int | None = None
         self._http: _Http | None = None
         self._group = None  # (process group, name) of the distributed transport
         self._launches = 0
-        self._version = -1
         self._weights_dir: Path | None = None  # last complete synced weights (restart source)
+        self._synced = -1  # the version in _weights_dir
+        self._version = -1  # the version the running server was verified to serve; -1 = none
+        self._restarts_left = self.cfg.max_restarts  # reset at every generate / update_weights
         self.stats: dict[str, float] = {"restarts": 0, "update_seconds": 0.0, "buckets": 0}
         self.bucket_times: list[tuple[int, float]] = []  # (bytes, seconds) per pushed bucket
+        # TESTING ONLY: called with a FAULT_POINTS name at each of those points (see KillServerAt).
+        # None in real runs, which then pay one attribute check per point.
+        self.fault_hook: Callable[[str], None] | None = None
+        spec = os.environ.get(FAULT_ENV, "")
+        if spec:
+            self.fault_hook = KillServerAt(self, spec)
+            print(f"[sglang] {FAULT_ENV}={spec!r}: the server will be SIGKILLed at these points "
+                  "(fault injection, for tests only)", file=sys.stderr, flush=True)
 
     # -- process ---------------------------------------------------------------------------------
     @property
@@ -226,10 +413,8 @@ class SGLangEngine:
         return f"http://{self.cfg.host}:{self._port}"
 
     def _launch(self, model_path: Path, version: str) -> None:
-        from megatron_rl_fp8.parallel import free_port
-
         self._launches += 1
-        port = self.cfg.port or free_port()
+        port = self.cfg.port or pick_port()
         cmd = server_command(self.cfg, python=self.python, model_path=model_path, port=port,
                              device=self.device, dtype=self.serve_dtype,
                              fp8_checkpoint=self.fp8_checkpoint, weight_version=version)
@@ -243,33 +428,33 @@ class SGLangEngine:
         log = open(self.log_path, "w")
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        # Own session: the server forks scheduler/detokenizer processes; kill the whole group.
-        self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                      start_new_session=True, cwd=self.work_dir)
+        self._proc = spawn_guarded(cmd, python=self.python, stdout=log, env=env,
+                                   cwd=self.work_dir)
         log.close()
-        # Operators (and the recovery test) find the live server here.
+        # Operators (and tests) find the live server here: `kill -9 -- -<pgid>` stops all of it.
         (self.work_dir / "server.pid").write_text(f"{self._proc.pid}\n")
         self._port = port
         self._http = _Http(self.url)
         self._group = None
+        self._fault("startup")
         self._wait_healthy()
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise SGLangServerError(
-                    f"SGLang server exited with code {self._proc.returncode} during startup; "
-                    f"see {self.log_path}:\n{self._log_tail()}")
+                raise _ServerGone(f"SGLang server exited during startup; see {self.log_path}")
+            if "error while attempting to bind" in self._log_tail(50):
+                # uvicorn could not bind the port; SGLang 0.5.23 then hangs instead of exiting.
+                raise _ServerGone(f"SGLang server could not bind port {self._port}; see "
+                                  f"{self.log_path}")
             try:
                 self._http.call("/health", timeout=5)
                 return
             except SGLangServerError:
                 time.sleep(0.5)
-        self._kill()
-        raise SGLangServerError(
-            f"SGLang server not healthy after rollout.sglang.startup_timeout_s="
-            f"{self.cfg.startup_timeout_s}s; see {self.log_path}:\n{self._log_tail()}")
+        raise _ServerGone(f"SGLang server not healthy after rollout.sglang.startup_timeout_s="
+                          f"{self.cfg.startup_timeout_s}s; see {self.log_path}")
 
     def _log_tail(self, n: int = 30) -> str:
         try:
@@ -277,40 +462,82 @@ class SGLangEngine:
         except OSError:
             return "(no log)"
 
+    def _alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
     def _kill(self) -> None:
-        self._destroy_group()
+        """Stop the server (its whole process group) and forget it; it serves nothing after."""
         proc, self._proc = self._proc, None
-        self._port = None
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=15)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=15)
+        self._port, self._http, self._version = None, None, -1
+        if proc is not None:
+            _kill_group(proc)
+        self._destroy_group()  # after the kill: nothing can be waiting on the dead peer
+
+    def kill_server(self) -> None:
+        """SIGKILL the server's whole process group and wait until it is gone, without telling
+        the engine, as a crash would: the next server call fails and recovers. For fault
+        injection (KillServerAt) and tests."""
+        if self._proc is not None:
+            _kill_group(self._proc)
 
     def server_pid(self) -> int | None:
-        """PID of the server's main process (tests kill it to check recovery)."""
+        """The running server's process-group id (the guard's pid; also ``<work_dir>/server.pid``)."""
         return self._proc.pid if self._proc is not None else None
 
     def restart(self) -> None:
         """Kill the server and start a fresh one serving the last complete synced weights."""
         if self._weights_dir is None:
             raise SGLangServerError("cannot restart the SGLang server: no weights were synced yet")
-        self.stats["restarts"] += 1
-        self._kill()
-        self._launch(self._weights_dir, str(self._version))
-        self._check_version(str(self._version))
+        self._restarts_left = self.cfg.max_restarts
+        self._relaunch(None, "restart()")
+
+    def _relaunch(self, cause: Exception | None, during: str) -> None:
+        """Replace the server by a fresh one on the last complete disk copy, verified to report
+        that copy's version.
+
+        Every launch but the engine's very first counts against this call's ``max_restarts``,
+        including relaunches that die or hang during startup or report another version: those
+        are retried within the bound, then the call fails with one clear error."""
+        error = cause
+        while True:
+            if self._launches:
+                if self._restarts_left <= 0:
+                    self._give_up(during, error)
+                self._restarts_left -= 1
+                self.stats["restarts"] += 1
+                used = self.cfg.max_restarts - self._restarts_left
+                print(f"[sglang] {during}: {_first_line(error)}; relaunching the server on weight "
+                      f"version {self._synced} (restart {used} of rollout.sglang.max_restarts="
+                      f"{self.cfg.max_restarts}; previous log {self.log_path})",
+                      file=sys.stderr, flush=True)
+            self._kill()
+            try:
+                self._launch(self._weights_dir, str(self._synced))
+                self._check_version(str(self._synced))
+            except SGLangServerError as e:
+                error = e
+                continue
+            self._version = self._synced
+            return
+
+    def _give_up(self, during: str, error: Exception | None) -> None:
+        self._kill()  # nothing half-alive stays behind; the next call starts from the disk copy
+        n = self.cfg.max_restarts
+        raise SGLangServerError(
+            f"SGLang server failed during {during} and {n} restart(s) did not bring it back "
+            f"(rollout.sglang.max_restarts={n}); last error: {_first_line(error)}; server log: "
+            f"{self.log_path}\n{self._log_tail()}") from error
+
+    def _fault(self, point: str) -> None:
+        if self.fault_hook is not None:  # testing only; see KillServerAt
+            self.fault_hook(point)
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        version: int) -> None:
         t0 = time.perf_counter()
+        self._restarts_left = self.cfg.max_restarts
         final = self.weights_root / f"v{version}"
         partial = self.weights_root / f"v{version}.partial"
         shutil.rmtree(partial, ignore_errors=True)
@@ -319,49 +546,62 @@ class SGLangEngine:
         stream = rollout_stream(named_tensors, self.fp8, dequantize_to=dequantize_to)
         if self.fp8_checkpoint and self.fp8.weight_quant == "per_tensor":
             stream = _per_tensor_scale_names(stream)
-        push = self._proc is not None and self._proc.poll() is None and \
-            self.cfg.transport != "disk"
-        push_error: Exception | None = None
-        self._version = -1  # until the new version is complete and verified
+        # Update in place only a server verified to serve the last synced version; otherwise
+        # (first sync, a server lost since, an earlier sync that failed) launch one from the copy.
+        serving = self._alive() and self._synced >= 0 and self._version == self._synced
+        push = serving and self.cfg.transport != "disk"
+        self._version = -1  # no version is vouched for until the check below
+        failure: SGLangServerError | None = None  # the first server call of this sync that failed
         try:
             if push:
-                self._begin_update(version)
+                failure = self._attempt(self._begin_update, version)
             names: list[tuple[str, str]] = []
             for bucket in iter_buckets(stream, int(self.cfg.bucket_mb * MB)):
                 shard = f"model-{bucket.index:05d}.safetensors"
                 _save_shard(bucket, partial / shard)
                 names += [(n, shard) for n in bucket.names]
-                if push and push_error is None:
-                    try:
-                        tb = time.perf_counter()
-                        self._push_bucket(bucket)
-                        self.bucket_times.append((bucket.nbytes, time.perf_counter() - tb))
-                    except SGLangServerError as e:
-                        # Keep consuming the stream (the trainer's collectives need it and the
-                        # disk copy must be complete); the server restarts from disk below.
-                        push_error = e
-            if push and push_error is None:
-                self._end_update(version)
+                # After a failure the stream is still consumed to its end: the trainer's gather is
+                # a collective, and the disk copy the server restarts from must be complete.
+                if push and failure is None:
+                    failure = self._attempt(self._push_bucket, bucket)
+            if push and failure is None:
+                failure = self._attempt(self._end_update, version)
         except BaseException:
+            # The stream itself failed: no new version. The server may hold part of it, but
+            # weight_version() is -1, so the next call relaunches it from the last complete copy.
             shutil.rmtree(partial, ignore_errors=True)
             raise
         self._write_checkpoint_files(partial, dict(names))
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
-        previous, self._weights_dir = self._weights_dir, final
-        self._version = version
-        if self._proc is None or self._proc.poll() is not None or push_error is not None:
-            # First sync (start from these weights), dead server, or a failed push: a fresh
-            # server on the complete new version is the only state we accept.
-            self.stats["restarts"] += self._proc is not None
-            self._kill()
-            self._launch(final, str(version))
-        elif self.cfg.transport == "disk":
-            self._update_from_disk(final, version)
-        self._check_version(str(version))
+        previous, self._weights_dir, self._synced = self._weights_dir, final, version
+        if serving and failure is None:
+            if self.cfg.transport == "disk":
+                failure = self._attempt(self._update_from_disk, final, version)
+            if failure is None:
+                failure = self._attempt(self._check_version, str(version))
+        if serving and failure is None:
+            self._version = version
+        else:
+            # A fresh server on the complete new copy is the only state accepted after a failure.
+            if failure is None and self._launches:
+                failure = _ServerGone("no server was serving the last synced weights when "
+                                      "the sync began")
+            self._relaunch(failure, f"the weight update to version {version}")
         if previous is not None and previous != final:
             shutil.rmtree(previous, ignore_errors=True)
         self.stats["update_seconds"] = time.perf_counter() - t0
+
+    def _attempt(self, call: Callable[..., Any], *args) -> SGLangServerError | None:
+        """One server call of a sync; its failure is returned, not raised, so the sync goes on and
+        ends with a relaunch. Any SGLangServerError counts, not only a dead server: after a
+        refused update call the server's weights are unknown, and a fresh server on the complete
+        copy is right whatever happened (each one is reported on stderr)."""
+        try:
+            call(*args)
+            return None
+        except SGLangServerError as e:
+            return e
 
     def _write_checkpoint_files(self, path: Path, weight_map: dict[str, str]) -> None:
         config = self.hf_config.to_dict()
@@ -376,12 +616,14 @@ class SGLangEngine:
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
     def _begin_update(self, version: int) -> None:
+        self._fault("begin_update")
         http, t = self._http, self.cfg.request_timeout_s
         http.ok("/update_weight_version", {"new_version": f"{version}-partial",
                                            "abort_all_requests": True}, timeout=t)
         http.ok("/begin_weight_update", {}, timeout=t)
 
     def _end_update(self, version: int) -> None:
+        self._fault("end_update")
         http, t = self._http, self.cfg.request_timeout_s
         http.ok("/end_weight_update", {}, timeout=t)
         http.ok("/update_weight_version", {"new_version": str(version),
@@ -391,19 +633,22 @@ class SGLangEngine:
             raise SGLangServerError(f"/flush_cache failed after the weight update: {out}")
 
     def _update_from_disk(self, path: Path, version: int) -> None:
+        self._fault("disk_update")
         self._http.ok("/update_weights_from_disk",
                       {"model_path": str(path), "weight_version": str(version),
                        "abort_all_requests": True, "flush_cache": True},
                       timeout=self.cfg.request_timeout_s)
 
     def _check_version(self, expected: str) -> None:
+        self._fault("check_version")
         info = self._http.call("/model_info", timeout=self.cfg.request_timeout_s)
         got = info.get("weight_version") if isinstance(info, dict) else None
         if got != expected:
-            raise SGLangServerError(f"SGLang server reports weight version {got!r} after the "
-                                    f"update, expected {expected!r}")
+            raise _ServerGone(f"SGLang server reports weight version {got!r}, expected "
+                              f"{expected!r}")
 
     def _push_bucket(self, bucket: Bucket) -> None:
+        self._fault("push")
         if self.cfg.transport == "tensor":
             self._push_tensor(bucket)
         else:
@@ -413,7 +658,6 @@ class SGLangEngine:
     def _push_tensor(self, bucket: Bucket) -> None:
         import base64
         import io
-
         from multiprocessing.reduction import ForkingPickler
 
         import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
@@ -454,43 +698,50 @@ class SGLangEngine:
     def _ensure_group(self):
         if self._group is not None:
             return self._group
-        from megatron_rl_fp8.parallel import free_port
-
         name = f"mrf8_weight_sync_{os.getpid()}_{self._launches}"
-        port = free_port()
+        port = pick_port()
         world = 1 + self.cfg.tp_size
         backend = "nccl" if self.device == "cuda" else "gloo"
+        timeout = self.cfg.request_timeout_s
         payload = {"master_address": self.cfg.host, "master_port": port, "rank_offset": 1,
                    "world_size": world, "group_name": name, "backend": backend}
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            reply = pool.submit(self._http.ok, "/init_weights_update_group", payload,
-                                timeout=self.cfg.request_timeout_s)
-            pg = new_sender_group(self.cfg.host, port, world, name, backend,
-                                  timeout_s=self.cfg.request_timeout_s)
-            reply.result()
-        self._group = (pg, name)
+        # Our side joins in a daemon thread while the HTTP call makes the server join; the reply
+        # comes only once both sides are in. If the call fails instead (server gone), the
+        # rendezvous can never complete: it is left to time out in its thread, not waited for.
+        joined: dict[str, Any] = {}
+
+        def join():
+            try:
+                joined["pg"] = new_sender_group(self.cfg.host, port, world, name, backend,
+                                                timeout_s=timeout)
+            except Exception as e:  # noqa: BLE001 - reported by the caller below
+                joined["error"] = e
+
+        thread = threading.Thread(target=join, name="mrf8-sglang-weight-group", daemon=True)
+        thread.start()
+        self._http.ok("/init_weights_update_group", payload, timeout=timeout)
+        thread.join(timeout)
+        if "pg" not in joined:
+            raise _ServerGone(f"the weight-sync group with the SGLang server did not form: "
+                              f"{joined.get('error', 'timed out')}")
+        self._group = (joined["pg"], name)
         return self._group
 
     def _destroy_group(self) -> None:
+        """Drop our side of the distributed transport's group (the server's side dies with it)."""
         group, self._group = self._group, None
         if group is None:
             return
-        if self._http is not None and self._proc is not None and self._proc.poll() is None:
-            try:
-                self._http.call("/destroy_weights_update_group", {"group_name": group[1]},
-                                timeout=10)
-            except SGLangServerError:
-                pass
         try:
             torch.distributed.destroy_process_group(group[0])
         except (RuntimeError, ValueError, KeyError):
-            pass
+            pass  # already torn down by a failed collective: nothing left to free
 
     def weight_version(self) -> int:
         return self._version
 
     def health(self) -> bool:
-        if self._proc is None or self._proc.poll() is not None:
+        if not self._alive():
             return False
         try:
             self._http.call("/health", timeout=10)
@@ -508,7 +759,7 @@ class SGLangEngine:
     def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int,
                  temperature: float, top_p: float = 1.0, seed: int = 0,
                  greedy: bool = False) -> list[Completion]:
-        if self._version < 0 or self._weights_dir is None:
+        if self._weights_dir is None:
             raise SGLangServerError("SGLang engine has no complete weights; call update_weights "
                                     "(the trainer's sync_weights) before generate")
         rows = [p for p in prompts for _ in range(n)]
@@ -524,11 +775,13 @@ class SGLangEngine:
             "return_logprob": True,
             "logprob_start_len": -1,
         }
-        last_error: Exception | None = None
-        for attempt in range(self.cfg.max_restarts + 1):
-            if attempt:
-                self.restart()
+        self._restarts_left = self.cfg.max_restarts
+        while True:  # ends: each pass returns, or relaunches within the bound, or raises
             try:
+                if not (self._alive() and self._version == self._synced):
+                    raise _ServerGone("no server was serving the synced weights when the rollout "
+                                      "began")
+                self._fault("generate")
                 answers = self._http.call("/generate", request, timeout=self.cfg.request_timeout_s)
                 if not isinstance(answers, list) or len(answers) != len(rows):
                     raise _ServerGone(f"/generate returned {type(answers).__name__} for "
@@ -537,11 +790,7 @@ class SGLangEngine:
                                          expected_version=str(self._version))
                         for p, a in zip(rows, answers)]
             except _ServerGone as e:
-                last_error = e
-        raise SGLangServerError(
-            f"SGLang rollout failed after {self.cfg.max_restarts} restart(s) "
-            f"(rollout.sglang.max_restarts); last error: {last_error}; server log: "
-            f"{self.log_path}\n{self._log_tail()}") from last_error
+                self._relaunch(e, "a rollout")
 
 
 def new_sender_group(host: str, port: int, world_size: int, group_name: str, backend: str, *,
@@ -607,3 +856,9 @@ def _per_tensor_scale_names(named):
         if name.endswith("weight" + SCALE_SUFFIX):
             name = name[: -len(SCALE_SUFFIX)] + "_scale"
         yield name, t
+
+
+def _first_line(error: Exception | None) -> str:
+    if error is None:
+        return "restart requested"
+    return (str(error).splitlines() or [repr(error)])[0]

@@ -1,8 +1,9 @@
 """The tiny job trains with SGLang as its rollout engine, syncing weights every step.
 
-* TP=1 through the CLI; the SGLang server is killed (SIGKILL) mid-run: the engine restarts it from
-  the last synced weights, the run finishes every step, and rollout logprobs still agree with the
-  trainer's recomputation.
+* TP=1 through the CLI, with ``MRF8_SGLANG_FAULT=begin_update``: the server is SIGKILLed where CI
+  saw runs die (after a rollout, as the next weight sync begins). The engine relaunches it from
+  the complete disk copy of the new version, the run finishes every step, rollout logprobs still
+  agree with the trainer's recomputation, and no server process outlives the run.
 * TP=2 (two gloo ranks, driver rank owns the server): sharded weights reach SGLang intact.
 
 ``token_mult_prob_error`` = mean exp(|logp_rollout - logp_train|): both sides are fp32 with
@@ -10,15 +11,14 @@ the same weights, so it stays within 1e-3 of 1 (a wrong or stale weight gives >>
 """
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from megatron_rl_fp8.metrics.logger import read_metrics
+from megatron_rl_fp8.rollout.sglang import FAULT_ENV, server_group_pids
 from tests.dist_utils import run_distributed
 from tests.trainer_utils import SMALL, trainer_body
 
@@ -32,31 +32,25 @@ def _sglang_args(py, work):
 
 
 def test_tiny_run_survives_a_killed_server(sglang_py, tmp_path):
+    # steps=2: sync 0 launches the server, step 1's sync meets the fault (relaunch), step 2's
+    # rollout and the final evaluation run on the relaunched server.
     out, work = tmp_path / "run", tmp_path / "sglang"
     cmd = [sys.executable, "-m", "megatron_rl_fp8", "train", "examples/tiny_cpu.yaml", *SMALL,
-           "train.steps=4", "train.eval_interval=2", f"train.output_dir={out}",
+           "train.steps=2", "train.eval_interval=2", f"train.output_dir={out}",
            f"train.cache_dir={tmp_path / 'cache'}", *_sglang_args(sglang_py, work)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.setdefault("OMP_NUM_THREADS", "2")
-    log = open(tmp_path / "train.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    killed = None
-    deadline = time.time() + 900
-    while proc.poll() is None and time.time() < deadline:
-        steps = [m["step"] for m in read_metrics(out)] if (out / "metrics.jsonl").exists() else []
-        if killed is None and 1 in steps:
-            killed = int((work / "server.pid").read_text())
-            os.kill(killed, signal.SIGKILL)
-        time.sleep(0.2)
-    if proc.poll() is None:
-        proc.kill()
-    log.close()
-    assert proc.wait() == 0, (tmp_path / "train.log").read_text()[-3000:]
-    assert killed is not None, "the run finished before the server could be killed"
-    assert int((work / "server.pid").read_text()) != killed
-    assert (work / "server-2.log").exists()  # a second server was launched
+    env[FAULT_ENV] = "begin_update"
+    with open(tmp_path / "train.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            timeout=900, check=False).returncode
+    text = (tmp_path / "train.log").read_text()
+    assert rc == 0, text[-3000:]
+    assert "weight update to version 1: /update_weight_version" in text, text[-3000:]
+    assert (work / "server-2.log").exists() and not (work / "server-3.log").exists()
+    assert server_group_pids(int((work / "server.pid").read_text())) == []  # exit took it along
     metrics = read_metrics(out)
-    assert [m["step"] for m in metrics] == list(range(5))
+    assert [m["step"] for m in metrics] == [0, 1, 2]
     _assert_rollout_matches_trainer(metrics)
     assert "eval/reward_mean" in metrics[-1]
 

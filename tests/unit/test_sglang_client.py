@@ -1,5 +1,9 @@
 """The SGLang engine's client side without a server: config validation, the launch command,
-request building, answer parsing (version checks), and the shared-memory bucket layout."""
+request building, answer parsing (version checks), the shared-memory bucket layout, the fault
+injection hook, and the guard that keeps a server from outliving its trainer."""
+
+import sys
+import time
 
 import pytest
 import torch
@@ -9,12 +13,18 @@ from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.rollout import build_engine
 from megatron_rl_fp8.rollout.base import RolloutConfig, SGLangConfig
 from megatron_rl_fp8.rollout.sglang import (
+    FAULT_ENV,
+    KillServerAt,
+    SGLangEngine,
     SGLangServerError,
     _flatten,
+    _Http,
     _ServerGone,
     parse_completion,
+    parse_fault_spec,
     sampling_params,
     server_command,
+    server_group_pids,
 )
 
 
@@ -115,10 +125,161 @@ def test_flatten_copies_into_one_buffer_per_dtype():
 
 
 def test_missing_server_python_names_the_field_and_the_fix(tmp_path):
-    from megatron_rl_fp8.sync.hf_mapping import hf_config
     from megatron_rl_fp8.models.config import ModelConfig
+    from megatron_rl_fp8.sync.hf_mapping import hf_config
 
     cfg = RolloutConfig(engine="sglang", sglang=SGLangConfig(python=str(tmp_path / "nope"),
                                                              work_dir=str(tmp_path / "w")))
     with pytest.raises(FileNotFoundError, match="rollout.sglang.python.*install_sglang_cpu"):
         build_engine(cfg, hf_config(ModelConfig(vocab_size=53)), pad_token_id=0, eos_token_id=2)
+
+
+# -- fault injection, process lifetime (no SGLang needed: the guard runs any command) -----------
+
+def test_fault_spec_parses_points_and_occurrences_and_names_the_variable_on_error():
+    assert parse_fault_spec("push@3, generate,push") == {"push": {1, 3}, "generate": {1}}
+    assert parse_fault_spec("") == {}
+    for bad in ("push@0", "pushh", "push@x", "generate@-1"):
+        with pytest.raises(ValueError, match=f"{FAULT_ENV}.*begin_update"):
+            parse_fault_spec(bad)
+
+
+def test_kill_server_at_counts_occurrences_per_point():
+    class Engine:
+        kills = 0
+
+        def kill_server(self):
+            self.kills += 1
+
+    eng = Engine()
+    hook = KillServerAt(eng, "push@2,generate")
+    for point in ("push", "generate", "push", "push", "generate", "check_version"):
+        hook(point)
+    assert hook.fired == ["generate@1", "push@2"] and eng.kills == 2
+
+
+def _engine_cfg(tmp_path, transport="disk", **kw):
+    # Not the tensor transport: building that engine switches this whole test process to torch's
+    # file_system sharing strategy.
+    from megatron_rl_fp8.models.config import ModelConfig
+    from megatron_rl_fp8.sync.hf_mapping import hf_config
+
+    cfg = RolloutConfig(engine="sglang", sglang=SGLangConfig(
+        python="", work_dir=str(tmp_path), transport=transport, **kw))
+    return cfg, hf_config(ModelConfig(vocab_size=53))
+
+
+def test_fault_env_installs_the_hook_once_and_unset_costs_nothing(tmp_path, monkeypatch):
+    cfg, hf = _engine_cfg(tmp_path)
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    assert SGLangEngine(cfg, hf, pad_token_id=0, eos_token_id=2).fault_hook is None
+    monkeypatch.setenv(FAULT_ENV, "begin_update@2")
+    hook = SGLangEngine(cfg, hf, pad_token_id=0, eos_token_id=2).fault_hook
+    assert isinstance(hook, KillServerAt) and hook.plan == {"begin_update": {2}}
+    monkeypatch.setenv(FAULT_ENV, "nowhere")
+    with pytest.raises(ValueError, match=FAULT_ENV):
+        SGLangEngine(cfg, hf, pad_token_id=0, eos_token_id=2)
+
+
+def test_weight_group_fails_fast_when_the_server_is_gone(tmp_path):
+    # The private group's rendezvous waits up to request_timeout_s for the server to join; a dead
+    # server must be noticed from the refused HTTP call instead.
+    from megatron_rl_fp8.parallel import free_port
+
+    cfg, hf = _engine_cfg(tmp_path, transport="distributed", request_timeout_s=60)
+    eng = SGLangEngine(cfg, hf, pad_token_id=0, eos_token_id=2)
+    eng._http = _Http(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(_ServerGone, match="init_weights_update_group"):
+        eng._ensure_group()
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_hung_server_counts_as_gone():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # accepts, never answers
+        port = listener.getsockname()[1]
+        with pytest.raises(_ServerGone, match="no answer within 0.5 s"):
+            _Http(f"http://127.0.0.1:{port}").call("/generate", {}, timeout=0.5)
+
+
+# A stand-in server: its main process starts a grandchild that, like SGLang's scheduler during
+# its imports, has no parent-death signal, then sleeps argv[1] seconds and exits with code 3.
+_TREE = ("import subprocess, sys, time; subprocess.Popen(['sleep', '600']); "
+         "time.sleep(float(sys.argv[1])); sys.exit(3)")
+# A trainer: launches the tree through spawn_guarded (from a thread that then ends, when asked:
+# PR_SET_PDEATHSIG fires on that thread's exit too, which the guard must ignore), prints the
+# group id, then waits to be killed.
+_TRAINER = """
+import sys, threading, time
+from megatron_rl_fp8.rollout.sglang import spawn_guarded
+box = []
+def launch():
+    box.append(spawn_guarded([sys.executable, '-c', sys.argv[1], sys.argv[2]],
+                             python=sys.executable, stdout=sys.stderr))
+if sys.argv[3] == 'thread':
+    t = threading.Thread(target=launch); t.start(); t.join()
+else:
+    launch()
+print(box[0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _start_trainer(server_seconds: float, launch_from: str):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-c", _TRAINER, _TREE, str(server_seconds),
+                             launch_from], stdout=subprocess.PIPE, text=True, cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    return proc, int(proc.stdout.readline())
+
+
+def _wait_gone(pgid: int, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while server_group_pids(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server_group_pids(pgid)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_server_group_dies_with_a_sigkilled_trainer_even_launched_from_an_ended_thread():
+    trainer, pgid = _start_trainer(600, "thread")
+    try:
+        deadline = time.monotonic() + 10
+        while len(server_group_pids(pgid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # guard, stand-in server, its grandchild
+        time.sleep(1.5)  # past the guard's first parent check: the ended thread did not kill it
+        assert len(server_group_pids(pgid)) == 3
+        trainer.kill()
+        trainer.wait()
+        assert _wait_gone(pgid, 5) == []
+    finally:
+        trainer.kill()
+        _kill_pg(pgid)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_server_group_dies_when_the_server_main_process_exits():
+    trainer, pgid = _start_trainer(1, "main")
+    try:
+        assert _wait_gone(pgid, 10) == []  # the grandchild too, although it ignores its parent
+    finally:
+        trainer.kill()
+        trainer.wait()
+        _kill_pg(pgid)
+
+
+def _kill_pg(pgid):
+    import os
+    import signal
+
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
