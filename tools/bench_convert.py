@@ -62,7 +62,7 @@ def make_checkpoint(path: Path, args) -> int:
     from safetensors.torch import save_file
 
     from megatron_rl_fp8.models.config import ModelConfig
-    from megatron_rl_fp8.sync.hf_mapping import expected_hf_shapes, hf_config
+    from megatron_rl_fp8.models.hf_mapping import expected_hf_shapes, hf_config
 
     mc = ModelConfig(arch="qwen3", num_layers=args.layers, hidden_size=args.hidden,
                      ffn_hidden_size=args.ffn or int(2.75 * args.hidden),

@@ -101,8 +101,8 @@ def bench_train(models: list[str], rows: int, seq: int, iters: int) -> None:
 
 def bench_rollout(models: list[str], prompts: int, new_tokens: int, iters: int) -> None:
     from megatron_rl_fp8.fp8 import RolloutFP8Config
+    from megatron_rl_fp8.models.hf_mapping import hf_config
     from megatron_rl_fp8.rollout.local import LocalEngine
-    from megatron_rl_fp8.sync.hf_mapping import hf_config
     from megatron_rl_fp8.sync.quantize import quantize_for_rollout
 
     print(f"## Rollout ({prompts} prompts x {new_tokens} new tokens, in-process engine)\n")

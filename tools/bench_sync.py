@@ -19,8 +19,8 @@ import torch
 
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.models.config import ModelConfig
+from megatron_rl_fp8.models.hf_mapping import expected_hf_names
 from megatron_rl_fp8.sync.buckets import ExportStats, export_for_rollout
-from megatron_rl_fp8.sync.hf_mapping import expected_hf_names
 
 # name -> (hidden, layers, ffn, heads, groups, vocab); the exact parameter count is printed per row.
 SHAPES = {
@@ -38,7 +38,7 @@ def model_config(hidden, layers, ffn, heads, groups, vocab) -> ModelConfig:
 
 def random_mcore_state(mc: ModelConfig) -> dict[str, torch.Tensor]:
     """Full Megatron (local spec) BF16 state dict with random values."""
-    from megatron_rl_fp8.sync.hf_mapping import hf_state_to_mcore
+    from megatron_rl_fp8.models.hf_mapping import hf_state_to_mcore
 
     d, h = mc.kv_channels, mc.hidden_size
     shapes = {}
@@ -100,9 +100,9 @@ def bench_export(state: dict[str, torch.Tensor], mc: ModelConfig, bucket_mb: flo
 def bench_sglang(state, mc: ModelConfig, bucket_mb: float, transports, python: str) -> list[dict]:
     import tempfile
 
+    from megatron_rl_fp8.models.hf_mapping import hf_config, mcore_state_to_hf
     from megatron_rl_fp8.rollout.base import RolloutConfig, SGLangConfig
     from megatron_rl_fp8.rollout.sglang import SGLangEngine
-    from megatron_rl_fp8.sync.hf_mapping import hf_config, mcore_state_to_hf
 
     rows = []
     with tempfile.TemporaryDirectory() as work:

@@ -1,7 +1,7 @@
 """Checkpoint conversion: Hugging Face <-> Megatron dist checkpoints, and FP8 export for serving.
 
 Three commands (``tools/convert_checkpoint.py`` / ``megatron-rl-fp8 convert``), one mapping
-(``sync.hf_mapping``, shared with weight sync):
+(``models.hf_mapping``, shared with weight sync):
 
 * ``hf_to_mcore``: safetensors (memory-mapped) -> ``dist_checkpointing`` torch_dist checkpoint in
   the trainer's layout. Fused tensors (QKV, gate/up) are written as row blocks straight from the

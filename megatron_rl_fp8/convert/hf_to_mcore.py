@@ -19,11 +19,14 @@ import torch
 from megatron_rl_fp8.convert import mcore_io
 from megatron_rl_fp8.convert.errors import ConvertError
 from megatron_rl_fp8.convert.hf_io import HFCheckpoint
+from megatron_rl_fp8.convert.plan import hf_to_mcore_plan
 from megatron_rl_fp8.convert.progress import Meter, summary_line
 from megatron_rl_fp8.convert.staging import check_output, staged_output
 from megatron_rl_fp8.models.config import ModelConfig
-from megatron_rl_fp8.sync.hf_mapping import (
-    MappingError, expected_hf_shapes, hf_to_mcore_plan, model_config_from_hf,
+from megatron_rl_fp8.models.hf_mapping import (
+    MappingError,
+    expected_hf_shapes,
+    model_config_from_hf,
 )
 
 

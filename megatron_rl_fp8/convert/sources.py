@@ -13,8 +13,12 @@ import torch
 
 from megatron_rl_fp8.convert.errors import ConvertError
 from megatron_rl_fp8.convert.hf_io import HFCheckpoint, OutTensor, read_config
-from megatron_rl_fp8.sync.hf_mapping import (
-    MappingError, expected_hf_names, expected_hf_shapes, hf_to_mcore_plan, mcore_to_hf,
+from megatron_rl_fp8.convert.plan import hf_to_mcore_plan
+from megatron_rl_fp8.models.hf_mapping import (
+    MappingError,
+    expected_hf_names,
+    expected_hf_shapes,
+    mcore_to_hf,
     model_config_from_hf,
 )
 

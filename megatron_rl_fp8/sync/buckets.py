@@ -28,7 +28,7 @@ import torch
 
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.models.config import ModelConfig
-from megatron_rl_fp8.sync.hf_mapping import mcore_state_to_hf
+from megatron_rl_fp8.models.hf_mapping import mcore_state_to_hf
 from megatron_rl_fp8.sync.quantize import (
     SCALE_SUFFIX,
     dequantize_stream,

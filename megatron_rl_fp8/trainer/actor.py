@@ -33,8 +33,11 @@ def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -
 class Actor:
     def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, groups: Groups,
                  fp8: FP8Config | None = None):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig
 
         self.model_cfg = model_cfg

@@ -24,9 +24,9 @@ from megatron_rl_fp8.data import build_datasets, load_tokenizer
 from megatron_rl_fp8.loss import grpo_advantages
 from megatron_rl_fp8.metrics.logger import MetricsLogger, print_rank0
 from megatron_rl_fp8.models.fp8 import weight_quantization_errors
+from megatron_rl_fp8.models.hf_mapping import hf_config, mcore_state_to_hf
 from megatron_rl_fp8.rollout import build_engine
 from megatron_rl_fp8.sync.gather import iter_full_params
-from megatron_rl_fp8.sync.hf_mapping import hf_config, mcore_state_to_hf
 from megatron_rl_fp8.sync.quantize import quantize_for_rollout
 from megatron_rl_fp8.trainer import checkpoint
 from megatron_rl_fp8.trainer.actor import Actor

@@ -7,7 +7,6 @@
   too, so the GPU configuration is built here and must compute what the unfused model computes.
 """
 
-import pytest
 import torch
 
 from megatron_rl_fp8.models.config import ModelConfig

@@ -16,9 +16,9 @@ def _body(rank, world, arch, tp, rope_scaling_factor=None, shape=(3, 12)):
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
+    from megatron_rl_fp8.models.hf_mapping import hf_config, mcore_state_to_hf
     from megatron_rl_fp8.models.logprobs import token_entropy, token_logprobs
     from megatron_rl_fp8.sync.gather import iter_full_params
-    from megatron_rl_fp8.sync.hf_mapping import hf_config, mcore_state_to_hf
 
     g = parallel.initialize(parallel.ParallelConfig(tensor_model_parallel_size=tp), seed=3)
     mc = ModelConfig(arch=arch, vocab_size=50, tie_word_embeddings=arch == "llama",
@@ -78,7 +78,7 @@ def _inv_freq_body(rank, world):
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
-    from megatron_rl_fp8.sync.hf_mapping import hf_config
+    from megatron_rl_fp8.models.hf_mapping import hf_config
 
     parallel.initialize(parallel.ParallelConfig(), seed=3)
     out = []

@@ -28,6 +28,7 @@ import torch
 
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.models.config import ModelConfig
+from megatron_rl_fp8.models.hf_mapping import hf_config
 from megatron_rl_fp8.rollout.base import RolloutConfig, SGLangConfig
 from megatron_rl_fp8.rollout.local import LocalEngine
 from megatron_rl_fp8.rollout.sglang import (
@@ -36,7 +37,6 @@ from megatron_rl_fp8.rollout.sglang import (
     SGLangServerError,
     server_group_pids,
 )
-from megatron_rl_fp8.sync.hf_mapping import hf_config
 from megatron_rl_fp8.sync.quantize import quantize_for_rollout
 
 pytestmark = pytest.mark.sglang

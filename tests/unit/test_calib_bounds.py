@@ -14,7 +14,6 @@ from megatron_rl_fp8.loss import (
     calibrated_clip_bounds,
     ema_bounds,
 )
-
 from tests.calib_reference import exact_calibrated_clip_bounds
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28

@@ -16,11 +16,15 @@ import pytest
 import torch
 
 from megatron_rl_fp8.convert import ConvertError, export_fp8, hf_to_mcore, mcore_to_hf
+from megatron_rl_fp8.convert.plan import assemble_pieces, hf_to_mcore_plan
 from megatron_rl_fp8.fp8.quantize import dequantize_blockwise
 from megatron_rl_fp8.models.config import ModelConfig
-from megatron_rl_fp8.sync.hf_mapping import (
-    MappingError, assemble_pieces, expected_hf_shapes, hf_config, hf_state_to_mcore,
-    hf_to_mcore_plan, model_config_from_hf,
+from megatron_rl_fp8.models.hf_mapping import (
+    MappingError,
+    expected_hf_shapes,
+    hf_config,
+    hf_state_to_mcore,
+    model_config_from_hf,
 )
 
 ARCHS = ("llama", "qwen2", "qwen3")

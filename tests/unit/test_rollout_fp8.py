@@ -5,8 +5,8 @@ import torch
 
 from megatron_rl_fp8.fp8 import RolloutFP8Config, dequantize_blockwise, fake_quant_groups
 from megatron_rl_fp8.models.config import ModelConfig
+from megatron_rl_fp8.models.hf_mapping import hf_config
 from megatron_rl_fp8.rollout.local import LocalEngine
-from megatron_rl_fp8.sync.hf_mapping import hf_config
 from megatron_rl_fp8.sync.quantize import (
     dequantize_stream,
     is_fp8_weight,

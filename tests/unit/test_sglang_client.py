@@ -126,7 +126,7 @@ def test_flatten_copies_into_one_buffer_per_dtype():
 
 def test_missing_server_python_names_the_field_and_the_fix(tmp_path):
     from megatron_rl_fp8.models.config import ModelConfig
-    from megatron_rl_fp8.sync.hf_mapping import hf_config
+    from megatron_rl_fp8.models.hf_mapping import hf_config
 
     cfg = RolloutConfig(engine="sglang", sglang=SGLangConfig(python=str(tmp_path / "nope"),
                                                              work_dir=str(tmp_path / "w")))
@@ -162,7 +162,7 @@ def _engine_cfg(tmp_path, transport="disk", **kw):
     # Not the tensor transport: building that engine switches this whole test process to torch's
     # file_system sharing strategy.
     from megatron_rl_fp8.models.config import ModelConfig
-    from megatron_rl_fp8.sync.hf_mapping import hf_config
+    from megatron_rl_fp8.models.hf_mapping import hf_config
 
     cfg = RolloutConfig(engine="sglang", sglang=SGLangConfig(
         python="", work_dir=str(tmp_path), transport=transport, **kw))

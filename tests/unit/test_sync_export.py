@@ -17,6 +17,7 @@ import torch
 
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.models.config import ModelConfig
+from megatron_rl_fp8.models.hf_mapping import hf_state_to_mcore
 from megatron_rl_fp8.sync.buckets import (
     ExportStats,
     export_for_rollout,
@@ -24,7 +25,6 @@ from megatron_rl_fp8.sync.buckets import (
     rollout_stream,
     tensor_bytes,
 )
-from megatron_rl_fp8.sync.hf_mapping import hf_state_to_mcore, mcore_state_to_hf
 from megatron_rl_fp8.sync.quantize import SCALE_SUFFIX, dequantize_stream, is_fp8_weight
 from tests.dist_utils import run_distributed
 
@@ -35,7 +35,7 @@ MODEL = dict(arch="qwen3", num_layers=2, hidden_size=256, ffn_hidden_size=384,
 def _hf_state(mc: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     import transformers
 
-    from megatron_rl_fp8.sync.hf_mapping import hf_config
+    from megatron_rl_fp8.models.hf_mapping import hf_config
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config(mc), dtype=torch.float32)
@@ -146,8 +146,13 @@ def _det_full(name: str, shape, vocab_size: int) -> torch.Tensor:
 def _export_body(rank, world, tp, pp, model_kw):
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
-    from megatron_rl_fp8.sync.gather import _global_names, iter_full_params, split_tp_shard, \
-        tp_partition_dim, unwrap
+    from megatron_rl_fp8.sync.gather import (
+        _global_names,
+        iter_full_params,
+        split_tp_shard,
+        tp_partition_dim,
+        unwrap,
+    )
 
     g = parallel.initialize(parallel.ParallelConfig(tensor_model_parallel_size=tp,
                                                     pipeline_model_parallel_size=pp), seed=1)

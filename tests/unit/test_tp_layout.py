@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from megatron_rl_fp8.models.config import ModelConfig
-from megatron_rl_fp8.sync.gather import merge_tp_shards, split_tp_shard, tp_partition_dim
-from megatron_rl_fp8.sync.hf_mapping import (
+from megatron_rl_fp8.models.hf_mapping import (
     MappingError,
     expected_hf_names,
     hf_state_to_mcore,
     mcore_to_hf,
 )
+from megatron_rl_fp8.sync.gather import merge_tp_shards, split_tp_shard, tp_partition_dim
 
 
 @pytest.mark.parametrize("name, shape", [
