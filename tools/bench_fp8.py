@@ -103,7 +103,7 @@ def bench_rollout(models: list[str], prompts: int, new_tokens: int, iters: int) 
     from megatron_rl_fp8.fp8 import RolloutFP8Config
     from megatron_rl_fp8.models.hf_mapping import hf_config
     from megatron_rl_fp8.rollout.local import LocalEngine
-    from megatron_rl_fp8.sync.quantize import quantize_for_rollout
+    from megatron_rl_fp8.sync.buckets import rollout_buckets
 
     print(f"## Rollout ({prompts} prompts x {new_tokens} new tokens, in-process engine)\n")
     print("| model | rollout weights | generate ms | vs bf16 | weight sync ms |")
@@ -121,7 +121,7 @@ def bench_rollout(models: list[str], prompts: int, new_tokens: int, iters: int) 
             fp8 = RolloutFP8Config(weight_quant=quant)
             engine = LocalEngine(cfg, pad_token_id=0, eos_token_id=2, fp8=fp8)
             sync = _time(lambda: engine.update_weights(
-                quantize_for_rollout(weights.items(), fp8), version=1), iters)
+                rollout_buckets(weights.items(), fp8, **engine.export_options), version=1), iters)
             gen = _time(lambda: engine.generate(prompt_ids, n=1, max_new_tokens=new_tokens,
                                                 temperature=1.0, seed=0), iters)
             base = base or gen

@@ -100,7 +100,7 @@ def bench_export(state: dict[str, torch.Tensor], mc: ModelConfig, bucket_mb: flo
 def bench_sglang(state, mc: ModelConfig, bucket_mb: float, transports, python: str) -> list[dict]:
     import tempfile
 
-    from megatron_rl_fp8.models.hf_mapping import hf_config, mcore_state_to_hf
+    from megatron_rl_fp8.models.hf_mapping import hf_config
     from megatron_rl_fp8.rollout.base import RolloutConfig, SGLangConfig
     from megatron_rl_fp8.rollout.sglang import SGLangEngine
 
@@ -112,13 +112,15 @@ def bench_sglang(state, mc: ModelConfig, bucket_mb: float, transports, python: s
         eng = SGLangEngine(cfg, hf_config(mc), pad_token_id=0, eos_token_id=2)
         try:
             t0 = time.perf_counter()
-            eng.update_weights(mcore_state_to_hf(state.items(), mc), version=0)
+            eng.update_weights(export_for_rollout(state.items(), mc, eng.fp8, **eng.export_options),
+                               version=0)
             rows.append({"transport": "first sync (write + launch)", "s": time.perf_counter() - t0})
             for v, transport in enumerate(transports, start=1):
                 eng.cfg.transport = transport
                 eng.bucket_times.clear()
                 t0 = time.perf_counter()
-                eng.update_weights(mcore_state_to_hf(state.items(), mc), version=v)
+                eng.update_weights(
+                    export_for_rollout(state.items(), mc, eng.fp8, **eng.export_options), version=v)
                 total = time.perf_counter() - t0
                 pushed = sum(b for b, _ in eng.bucket_times)
                 per = [s for _, s in eng.bucket_times]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Literal, Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Iterable, Literal, Protocol, runtime_checkable
 
 from megatron_rl_fp8.config_utils import field
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
+
+if TYPE_CHECKING:
+    from megatron_rl_fp8.sync.buckets import Bucket
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -149,9 +150,14 @@ class RolloutEngine(Protocol):
                  greedy: bool = False) -> list[Completion]:
         """Sample ``n`` completions per prompt, grouped: result[i * n + j] is prompt i, sample j."""
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                       version: int) -> None:
-        """Load new weights (HF names, full tensors), then serve only that version."""
+    @property
+    def export_options(self) -> dict:
+        """How this engine wants its weights exported: ``bucket_mb`` and ``dequantize_to``,
+        keyword arguments of ``sync.buckets.export_for_rollout``."""
+
+    def update_weights(self, buckets: Iterable[Bucket], *, version: int) -> None:
+        """Load new weights (buckets of HF-named full tensors, as ``export_for_rollout`` makes
+        them), then serve only that version."""
 
     def weight_version(self) -> int: ...
 

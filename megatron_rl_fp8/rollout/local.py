@@ -20,6 +20,7 @@ import torch
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.fp8.quantize import fake_quant_groups
 from megatron_rl_fp8.rollout.base import Completion
+from megatron_rl_fp8.sync.buckets import Bucket
 from megatron_rl_fp8.sync.quantize import dequantize_stream, is_fp8_weight
 
 
@@ -49,12 +50,19 @@ class LocalEngine:
                 module.register_forward_pre_hook(hook)
 
     # -- weights -------------------------------------------------------------------------------
+    @property
+    def export_options(self) -> dict:
+        # FP8 weights arrive as codes + scales and are dequantized here, on load, exactly as a
+        # W8A8 server would read them; buckets only bound the size of one message.
+        return {"bucket_mb": 512, "dequantize_to": None}
+
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+    def update_weights(self, buckets: Iterable[Bucket], *, version: int) -> None:
         params = dict(self.model.named_parameters())
         seen = set()
         dtype = next(iter(params.values())).dtype
-        for name, tensor in dequantize_stream(named_tensors, block=self.fp8.weight_block, dtype=dtype):
+        named = (nt for bucket in buckets for nt in bucket.tensors)
+        for name, tensor in dequantize_stream(named, block=self.fp8.weight_block, dtype=dtype):
             if name not in params:
                 raise KeyError(f"engine has no parameter {name!r}; the HF mapping and model disagree")
             if params[name].shape != tensor.shape:

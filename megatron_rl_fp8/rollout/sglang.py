@@ -2,9 +2,10 @@
 their HTTP API, and pushes every weight sync into them.
 
 How it fits the trainer: :class:`SGLangEngine` implements the same ``RolloutEngine`` protocol as the
-in-process ``LocalEngine``; the trainer's ``sync_weights`` streams HF-named tensors (FP8 codes +
-``_scale_inv`` when ``rollout.fp8`` is on) into :meth:`SGLangEngine.update_weights` and its
-``rollout`` calls :meth:`SGLangEngine.generate`. Nothing else is needed from the trainer.
+in-process ``LocalEngine``; the trainer's ``sync_weights`` streams the buckets of
+``sync.buckets.export_for_rollout`` (HF names; FP8 codes + ``_scale_inv`` when ``rollout.fp8`` is
+on, or their values in the serving dtype where the server has no FP8 GEMMs: ``export_options``)
+into :meth:`SGLangEngine.update_weights`, and its rollout calls :meth:`SGLangEngine.generate`.
 
 Life of the server:
 
@@ -74,7 +75,7 @@ from typing import Any
 import torch
 
 from megatron_rl_fp8.rollout.base import Completion, RolloutConfig, SGLangConfig
-from megatron_rl_fp8.sync.buckets import MB, Bucket, iter_buckets, rollout_stream
+from megatron_rl_fp8.sync.buckets import Bucket
 from megatron_rl_fp8.sync.quantize import SCALE_SUFFIX
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -534,18 +535,22 @@ class SGLangEngine:
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                       version: int) -> None:
+    @property
+    def export_options(self) -> dict:
+        """Buckets of ``rollout.sglang.bucket_mb``; without FP8 GEMMs (CPU) the FP8-rounded
+        weights are sent in the serving dtype."""
+        return {"bucket_mb": self.cfg.bucket_mb,
+                "dequantize_to": None if self.fp8_checkpoint else _DTYPES[self.serve_dtype]}
+
+    def update_weights(self, buckets: Iterable[Bucket], *, version: int) -> None:
         t0 = time.perf_counter()
         self._restarts_left = self.cfg.max_restarts
         final = self.weights_root / f"v{version}"
         partial = self.weights_root / f"v{version}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        dequantize_to = None if self.fp8_checkpoint else _DTYPES[self.serve_dtype]
-        stream = rollout_stream(named_tensors, self.fp8, dequantize_to=dequantize_to)
         if self.fp8_checkpoint and self.fp8.weight_quant == "per_tensor":
-            stream = _per_tensor_scale_names(stream)
+            buckets = (Bucket(b.index, list(_per_tensor_scale_names(b.tensors))) for b in buckets)
         # Update in place only a server verified to serve the last synced version; otherwise
         # (first sync, a server lost since, an earlier sync that failed) launch one from the copy.
         serving = self._alive() and self._synced >= 0 and self._version == self._synced
@@ -556,7 +561,7 @@ class SGLangEngine:
             if push:
                 failure = self._attempt(self._begin_update, version)
             names: list[tuple[str, str]] = []
-            for bucket in iter_buckets(stream, int(self.cfg.bucket_mb * MB)):
+            for bucket in buckets:
                 shard = f"model-{bucket.index:05d}.safetensors"
                 _save_shard(bucket, partial / shard)
                 names += [(n, shard) for n in bucket.names]

@@ -95,15 +95,29 @@ def export_for_rollout(full_params: Iterable[tuple[str, torch.Tensor]], model: M
                        fp8: RolloutFP8Config, *, bucket_mb: float = 512,
                        dequantize_to: torch.dtype | None = None,
                        stats: ExportStats | None = None) -> Iterator[Bucket]:
-    """Buckets of HF-named tensors as the rollout engine should load them.
+    """The export path of every weight sync: Megatron-named full tensors -> engine buckets.
 
     ``full_params`` is the (Megatron name, full tensor) stream of ``sync.gather.iter_full_params``
-    (or any full state dict's items). With ``fp8.enabled`` the transformer linears arrive as e4m3
-    codes + ``_scale_inv``; ``dequantize_to`` turns them back into that dtype (servers without FP8
-    kernels still serve the FP8-rounded weights), and casts every other tensor to it too.
+    (or any full state dict's items). The trainer's ``sync_weights``, ``tools/bench_sync.py`` and
+    the tests all call this one function, with the engine's ``export_options`` (its bucket size,
+    and ``dequantize_to`` for servers without FP8 kernels).
+    """
+    return rollout_buckets(mcore_state_to_hf(full_params, model), fp8, bucket_mb=bucket_mb,
+                           dequantize_to=dequantize_to, stats=stats)
+
+
+def rollout_buckets(hf_named: Iterable[tuple[str, torch.Tensor]], fp8: RolloutFP8Config, *,
+                    bucket_mb: float = 512, dequantize_to: torch.dtype | None = None,
+                    stats: ExportStats | None = None) -> Iterator[Bucket]:
+    """Buckets of HF-named tensors as the rollout engine should load them (the second half of
+    :func:`export_for_rollout`, for weights that already have HF names).
+
+    With ``fp8.enabled`` the transformer linears arrive as e4m3 codes + ``_scale_inv``;
+    ``dequantize_to`` turns them back into that dtype (servers without FP8 kernels still serve the
+    FP8-rounded weights), and casts every other tensor to it too.
     """
     stats = stats if stats is not None else ExportStats()
-    stream = rollout_stream(mcore_state_to_hf(full_params, model), fp8, dequantize_to=dequantize_to)
+    stream = rollout_stream(hf_named, fp8, dequantize_to=dequantize_to)
     buckets = iter_buckets(_timed(stream, stats), int(bucket_mb * MB))
     while True:
         t0 = time.perf_counter()

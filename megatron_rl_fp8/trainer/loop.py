@@ -24,10 +24,10 @@ from megatron_rl_fp8.data import build_datasets, load_tokenizer
 from megatron_rl_fp8.loss import grpo_advantages
 from megatron_rl_fp8.metrics.logger import MetricsLogger, print_rank0
 from megatron_rl_fp8.models.fp8 import weight_quantization_errors
-from megatron_rl_fp8.models.hf_mapping import hf_config, mcore_state_to_hf
+from megatron_rl_fp8.models.hf_mapping import hf_config
 from megatron_rl_fp8.rollout import build_engine
+from megatron_rl_fp8.sync.buckets import export_for_rollout
 from megatron_rl_fp8.sync.gather import iter_full_params
-from megatron_rl_fp8.sync.quantize import quantize_for_rollout
 from megatron_rl_fp8.trainer import checkpoint
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.batch import build_rl_batch, order_for_updates
@@ -74,17 +74,19 @@ class Trainer:
         self.step = 0
 
     def sync_weights(self, version: int) -> float:
-        """Megatron shards -> full HF tensors -> engine. Collective over the DP-rank-0 replica."""
+        """Megatron shards -> full tensors -> the export path (``sync.buckets.export_for_rollout``:
+        HF names, rollout FP8, buckets) -> engine. Collective over the DP-rank-0 replica."""
         t0 = time.perf_counter()
         if self.groups.dp_rank == 0:
             full = iter_full_params(self.actor.model, tp_group=self.groups.tp,
                                     pp_group=self.groups.pp, dst_global_rank=self.groups.driver_rank)
-            hf = quantize_for_rollout(mcore_state_to_hf(full, self.cfg.model), self.cfg.rollout.fp8)
+            options = self.engine.export_options if self.is_driver else {}
+            buckets = export_for_rollout(full, self.cfg.model, self.cfg.rollout.fp8, **options)
             if self.is_driver:
-                self.engine.update_weights(hf, version=version)
+                self.engine.update_weights(buckets, version=version)
             else:
                 # Drive the gather's collectives; non-driver ranks receive nothing.
-                collections.deque(hf, maxlen=0)
+                collections.deque(buckets, maxlen=0)
         dist.barrier()
         return time.perf_counter() - t0
 

@@ -37,6 +37,7 @@ from megatron_rl_fp8.rollout.sglang import (
     SGLangServerError,
     server_group_pids,
 )
+from megatron_rl_fp8.sync.buckets import rollout_buckets
 from megatron_rl_fp8.sync.quantize import quantize_for_rollout
 
 pytestmark = pytest.mark.sglang
@@ -64,6 +65,11 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _buckets(eng, named):
+    """HF-named weights as the engine takes them: the export path's buckets, with its options."""
+    return rollout_buckets(named, eng.fp8, **eng.export_options)
+
+
 def _engine(py, tmp, transport, **kw) -> SGLangEngine:
     cfg = RolloutConfig(fp8=FP8, sglang=SGLangConfig(
         python=py, transport=transport, work_dir=str(tmp), bucket_mb=0.25,
@@ -74,7 +80,7 @@ def _engine(py, tmp, transport, **kw) -> SGLangEngine:
 def _local(sd, version):
     # Same FP8 weights, no activation quantization: the weights-only numerics of SGLang on CPU.
     eng = LocalEngine(_hf_cfg(), pad_token_id=0, eos_token_id=2, fp8=RolloutFP8Config())
-    eng.update_weights(quantize_for_rollout(sd.items(), FP8), version=version)
+    eng.update_weights(_buckets(eng, quantize_for_rollout(sd.items(), FP8)), version=version)
     return eng
 
 
@@ -101,7 +107,7 @@ def test_tensor_transport_greedy_matches_local_engine_across_syncs(tensor_engine
     eng = tensor_engine
     for version in (0, 1):  # 0 starts the server from disk, 1 goes through the transport
         sd = _weights(seed=version)
-        eng.update_weights(quantize_for_rollout(sd.items(), FP8), version=version)
+        eng.update_weights(_buckets(eng, quantize_for_rollout(sd.items(), FP8)), version=version)
         assert eng.weight_version() == version and eng.health()
         _assert_greedy_match(eng, sd, version)
     assert eng.stats["buckets"] > 1  # the second sync really went through several buckets
@@ -149,7 +155,7 @@ def _sync_through_fault(eng, version, spec, restarts=1):
     pgid, before = eng.server_pid(), eng.stats["restarts"]
     eng.fault_hook = hook = _Recorder(eng, spec)
     try:
-        eng.update_weights(quantize_for_rollout(sd.items(), FP8), version=version)
+        eng.update_weights(_buckets(eng, quantize_for_rollout(sd.items(), FP8)), version=version)
         _assert_greedy_match(eng, sd, version)
     finally:
         eng.fault_hook = None
@@ -197,7 +203,8 @@ def test_disk_and_distributed_transports_match_local_engine_and_recover(tensor_e
             eng.cfg.transport = transport
             version += 1
             sd = _weights(seed=version)
-            eng.update_weights(quantize_for_rollout(sd.items(), FP8), version=version)
+            eng.update_weights(_buckets(eng, quantize_for_rollout(sd.items(), FP8)),
+                               version=version)
             _assert_greedy_match(eng, sd, version)
             pushed, buckets = eng.stats["buckets"] - buckets, eng.stats["buckets"]
             assert pushed > 1 if transport == "distributed" else pushed == 0
@@ -205,7 +212,8 @@ def test_disk_and_distributed_transports_match_local_engine_and_recover(tensor_e
         _sync_through_fault(eng, version + 1, "disk_update")
         # A distributed push fails on a group whose peer died (gloo notices at once).
         eng.cfg.transport = "distributed"
-        eng.update_weights(quantize_for_rollout(_weights(seed=version + 2).items(), FP8),
+        eng.update_weights(
+            _buckets(eng, quantize_for_rollout(_weights(seed=version + 2).items(), FP8)),
                            version=version + 2)  # forms the group on the relaunched server
         _sync_through_fault(eng, version + 3, "push@2")
     finally:
@@ -243,7 +251,8 @@ def test_a_server_that_cannot_bind_its_port_fails_fast_with_a_clear_error(sglang
         try:
             with pytest.raises(SGLangServerError, match=rf"max_restarts=0\); last error: .*"
                                                         rf"could not bind port {port}"):
-                eng.update_weights(quantize_for_rollout(_weights(0).items(), FP8), version=0)
+                eng.update_weights(_buckets(eng, quantize_for_rollout(_weights(0).items(), FP8)),
+                                   version=0)
         finally:
             eng.shutdown()
     assert time.monotonic() - t0 < 120
@@ -254,9 +263,9 @@ def test_a_server_that_cannot_bind_its_port_fails_fast_with_a_clear_error(sglang
 _TRAINER = """
 import sys
 from megatron_rl_fp8.sync.quantize import quantize_for_rollout
-from tests.sglang.test_engine import FP8, _engine, _weights
+from tests.sglang.test_engine import FP8, _buckets, _engine, _weights
 eng = _engine(sys.argv[1], sys.argv[2], "tensor")
-eng.update_weights(quantize_for_rollout(_weights(0).items(), FP8), version=0)
+eng.update_weights(_buckets(eng, quantize_for_rollout(_weights(0).items(), FP8)), version=0)
 print("serving", flush=True)
 sys.stdin.read()  # until killed
 """

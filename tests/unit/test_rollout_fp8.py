@@ -7,6 +7,7 @@ from megatron_rl_fp8.fp8 import RolloutFP8Config, dequantize_blockwise, fake_qua
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.hf_mapping import hf_config
 from megatron_rl_fp8.rollout.local import LocalEngine
+from megatron_rl_fp8.sync.buckets import rollout_buckets
 from megatron_rl_fp8.sync.quantize import (
     dequantize_stream,
     is_fp8_weight,
@@ -90,7 +91,7 @@ def _engine(fp8):
 def test_engine_loads_fp8_weights_and_quantizes_linear_inputs():
     state = _hf_state()
     engine = _engine(BLOCKWISE)
-    engine.update_weights(quantize_for_rollout(state.items(), BLOCKWISE), version=3)
+    engine.update_weights(rollout_buckets(state.items(), BLOCKWISE), version=3)
     assert engine.weight_version() == 3
     params = dict(engine.model.named_parameters())
     codes, scale = (t for n, t in quantize_for_rollout(
@@ -123,8 +124,8 @@ def test_engine_loads_fp8_weights_and_quantizes_linear_inputs():
 def test_fp8_engine_logprobs_close_to_bf16():
     state = _hf_state()
     ref, fp8 = _engine(RolloutFP8Config()), _engine(BLOCKWISE)
-    ref.update_weights(state.items(), version=0)
-    fp8.update_weights(quantize_for_rollout(state.items(), BLOCKWISE), version=0)
+    ref.update_weights(rollout_buckets(state.items(), RolloutFP8Config()), version=0)
+    fp8.update_weights(rollout_buckets(state.items(), BLOCKWISE), version=0)
     prompts = [[1, 10, 11, 12], [1, 20, 21]]
     a = ref.generate(prompts, n=1, max_new_tokens=4, temperature=1.0, greedy=True)
     ids = torch.tensor([prompts[0] + a[0].response_ids])
