@@ -15,6 +15,7 @@ on any rank fails the test with that rank's traceback.
 from __future__ import annotations
 
 import os
+import pickle
 import traceback
 
 import torch.multiprocessing as mp
@@ -34,7 +35,10 @@ def _worker(rank, world_size, port, fn, args, queue):
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        out = fn(rank, world_size, *args)
+        # By value (plain pickle): a multiprocessing queue would pass tensors as shared-memory
+        # file descriptors that the parent fetches from this process *after* it may have exited
+        # (EOFError in the parent, at random, depending on which side is faster).
+        out = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, "ok", out))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
@@ -59,7 +63,7 @@ def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break
