@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= examples/tiny_cpu.yaml
 
-.PHONY: install install-sglang run test test-portable test-sglang test-all clean
+.PHONY: install install-sglang run lint test test-portable test-sglang test-all clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ install: $(STAMP)
 
 run: $(STAMP)
 	$(PY) -m megatron_rl_fp8 train $(CONFIG) $(ARGS)
+
+# ruff (pinned in the [dev] extra, configured in pyproject.toml): the same checks as
+# .pre-commit-config.yaml; CI runs this before the tests.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -35,7 +35,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "sglang": ["sglang"],
         # accelerate: transformers needs it to read FP8 checkpoints (a conversion test does).
-        "dev": ["pytest", "pytest-timeout", "accelerate", "ruff"],
+        "dev": ["pytest", "pytest-timeout", "accelerate", "ruff==0.17.6"],
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
     },

@@ -57,16 +57,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-rl-fp8", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="Run RL training from a YAML config.")
-    train.add_argument("config", nargs="?", default=None,
-                       help="YAML config (default: examples/tiny_cpu.yaml).")
+    train.add_argument(
+        "config", nargs="?", default=None, help="YAML config (default: examples/tiny_cpu.yaml)."
+    )
     train.add_argument("overrides", nargs="*", help="section.key=value overrides.")
-    show = sub.add_parser("config", help="Print every setting of a run: resolved value, "
-                                          "default and help.")
-    show.add_argument("config", nargs="?", default=None,
-                      help="YAML config (default: examples/tiny_cpu.yaml).")
+    show = sub.add_parser(
+        "config", help="Print every setting of a run: resolved value, default and help."
+    )
+    show.add_argument(
+        "config", nargs="?", default=None, help="YAML config (default: examples/tiny_cpu.yaml)."
+    )
     show.add_argument("overrides", nargs="*", help="section.key=value overrides.")
-    sub.add_parser("convert", help="Checkpoint conversion: hf-to-mcore | mcore-to-hf | export-fp8 "
-                                   "(`megatron-rl-fp8 convert -h`).")
+    sub.add_parser(
+        "convert",
+        help="Checkpoint conversion: hf-to-mcore | mcore-to-hf | export-fp8 "
+        "(`megatron-rl-fp8 convert -h`).",
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["convert"]:  # its own parser owns every argument after the word
         from megatron_rl_fp8.convert.cli import main as convert_main

@@ -32,14 +32,16 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig, help="Prompts and length limits.")
     reward: RewardConfig = field(default_factory=RewardConfig, help="Reward shaping.")
     rollout: RolloutConfig = field(default_factory=RolloutConfig, help="Sampling.")
-    fp8: FP8Config = field(default_factory=FP8Config,
-                           help="FP8 training: recipe of the actor's linear layers (bf16 = off).")
+    fp8: FP8Config = field(
+        default_factory=FP8Config,
+        help="FP8 training: recipe of the actor's linear layers (bf16 = off).",
+    )
     optim: OptimConfig = field(default_factory=OptimConfig, help="Optimizer.")
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig, help="Policy loss.")
     sft: SFTConfig = field(default_factory=SFTConfig, help="Supervised warm start.")
     train: TrainConfig = field(default_factory=TrainConfig, help="Loop shape and outputs.")
 
-    def validate(self, world_size: int = 1) -> "RunConfig":
+    def validate(self, world_size: int = 1) -> RunConfig:
         """Cross-section rules; raises ConfigError naming the fields involved."""
         p, m, t = self.parallel, self.model, self.train
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
@@ -51,8 +53,10 @@ class RunConfig:
             )
         dp = world_size // (tp * pp)
         if m.num_layers % pp:
-            raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by "
-                              f"parallel.pipeline_model_parallel_size={pp}")
+            raise ConfigError(
+                f"model.num_layers={m.num_layers} is not divisible by "
+                f"parallel.pipeline_model_parallel_size={pp}"
+            )
         if m.num_attention_heads % tp or m.num_query_groups % tp:
             raise ConfigError(
                 f"model.num_attention_heads={m.num_attention_heads} and model.num_query_groups="
@@ -60,8 +64,10 @@ class RunConfig:
                 f"parallel.tensor_model_parallel_size={tp}"
             )
         if m.ffn_hidden_size % tp:
-            raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by "
-                              f"parallel.tensor_model_parallel_size={tp}")
+            raise ConfigError(
+                f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by "
+                f"parallel.tensor_model_parallel_size={tp}"
+            )
         rows = t.prompts_per_step * self.rollout.n_samples_per_prompt
         per_update = rows // t.updates_per_step
         if rows % t.updates_per_step or per_update % (dp * t.micro_batch_size):
@@ -82,8 +88,10 @@ class RunConfig:
                 "calibrate; raise train.updates_per_step or set loss.calib.enabled=false"
             )
         if self.loss.overlong_buffer > self.rollout.max_new_tokens:
-            raise ConfigError(f"loss.overlong_buffer={self.loss.overlong_buffer} exceeds "
-                              f"rollout.max_new_tokens={self.rollout.max_new_tokens}")
+            raise ConfigError(
+                f"loss.overlong_buffer={self.loss.overlong_buffer} exceeds "
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens}"
+            )
         longest = self.task.max_prompt_len + self.rollout.max_new_tokens
         if longest > m.max_position_embeddings:
             raise ConfigError(
@@ -98,7 +106,9 @@ class RunConfig:
 
 def parse_override(text: str) -> tuple[str, object]:
     if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. train.steps=5)")
+        raise ConfigError(
+            f"override {text!r} must look like section.key=value (e.g. train.steps=5)"
+        )
     key, raw = text.split("=", 1)
     value = yaml.safe_load(raw)
     if isinstance(value, str):
@@ -113,7 +123,9 @@ def parse_override(text: str) -> tuple[str, object]:
 def _deep_merge(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = (
+            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
     return out
 
 

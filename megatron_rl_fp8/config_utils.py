@@ -50,7 +50,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 return _coerce(value, opt, path)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {tp}")
+        raise ConfigError(
+            errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {tp}"
+        )
     if origin is Literal:
         if value not in get_args(tp):
             raise ConfigError(f"{path}: {value!r} is not {_type_name(tp)}")

@@ -49,8 +49,11 @@ def exact_calibrated_clip_bounds(
         lower = nominal_lower
     else:
         q = float((x16[neg] < log_lower).double().mean())
-        lower = (min(nominal_lower, math.exp(float(neg_x8.min()))) if q == 0
-                 else math.exp(float(torch.quantile(neg_x8, q))))
+        lower = (
+            min(nominal_lower, math.exp(float(neg_x8.min())))
+            if q == 0
+            else math.exp(float(torch.quantile(neg_x8, q)))
+        )
     lower = _clamp(lower, lower_limits)
 
     w8 = abs_a * torch.exp(x8)

@@ -39,13 +39,29 @@ def model_config(cpu_smoke: bool, seq: int):
     from megatron_rl_fp8.models.config import ModelConfig
 
     if cpu_smoke:
-        return ModelConfig(arch="qwen3", num_layers=2, hidden_size=64, ffn_hidden_size=128,
-                           num_attention_heads=4, num_query_groups=2, vocab_size=128,
-                           max_position_embeddings=seq)
-    return ModelConfig(arch="qwen3", num_layers=28, hidden_size=2048, ffn_hidden_size=6144,
-                       num_attention_heads=16, num_query_groups=8, head_dim=128,
-                       vocab_size=151936, max_position_embeddings=seq, params_dtype="bfloat16",
-                       tie_word_embeddings=False)
+        return ModelConfig(
+            arch="qwen3",
+            num_layers=2,
+            hidden_size=64,
+            ffn_hidden_size=128,
+            num_attention_heads=4,
+            num_query_groups=2,
+            vocab_size=128,
+            max_position_embeddings=seq,
+        )
+    return ModelConfig(
+        arch="qwen3",
+        num_layers=28,
+        hidden_size=2048,
+        ffn_hidden_size=6144,
+        num_attention_heads=16,
+        num_query_groups=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=seq,
+        params_dtype="bfloat16",
+        tie_word_embeddings=False,
+    )
 
 
 def flops_per_token(mc, seq: int) -> tuple[float, int]:
@@ -78,8 +94,10 @@ def run(args) -> dict:
     from megatron_rl_fp8.trainer.config import OptimConfig
 
     if not args.cpu_smoke and not torch.cuda.is_available():
-        raise SystemExit("no CUDA GPU: bench_actor measures a GPU training step (use --cpu-smoke "
-                         "to test the script on CPU)")
+        raise SystemExit(
+            "no CUDA GPU: bench_actor measures a GPU training step (use --cpu-smoke "
+            "to test the script on CPU)"
+        )
     mc = model_config(args.cpu_smoke, args.seq)
     groups = parallel.initialize(parallel.ParallelConfig(), seed=1)
     try:
@@ -88,10 +106,14 @@ def run(args) -> dict:
         build_s = time.perf_counter() - t0
         print(actor.describe(), flush=True)
         # Batches stay on the host, as the trainer builds them; the actor moves each micro-batch.
-        ids = torch.randint(4, mc.vocab_size, (args.rows, args.seq),
-                            generator=torch.Generator().manual_seed(0))
-        batch = {"input_ids": ids, "labels": ids.roll(-1, 1),
-                 "loss_mask": torch.ones(args.rows, args.seq)}
+        ids = torch.randint(
+            4, mc.vocab_size, (args.rows, args.seq), generator=torch.Generator().manual_seed(0)
+        )
+        batch = {
+            "input_ids": ids,
+            "labels": ids.roll(-1, 1),
+            "loss_mask": torch.ones(args.rows, args.seq),
+        }
         tokens = args.rows * args.seq
 
         def nll(mb, logprobs):
@@ -111,8 +133,7 @@ def run(args) -> dict:
         if groups.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         seconds = statistics.median(step() for _ in range(args.steps))
-        peak_mem = (torch.cuda.max_memory_allocated() / 1e9
-                    if groups.device.type == "cuda" else None)
+        peak_mem = torch.cuda.max_memory_allocated() / 1e9 if groups.device.type == "cuda" else None
     finally:
         parallel.destroy()
 
@@ -121,11 +142,19 @@ def run(args) -> dict:
     achieved = fpt * tokens / seconds / 1e12
     return {
         "device": torch.cuda.get_device_name() if groups.device.type == "cuda" else "cpu",
-        "params_b": params / 1e9, "layers": mc.num_layers, "hidden": mc.hidden_size,
-        "fp8_recipe": args.fp8_recipe, "rows": args.rows, "seq": args.seq,
-        "micro_batch": args.micro_batch, "build_s": build_s, "step_s": seconds,
-        "tokens_per_s": tokens / seconds, "model_tflops": achieved,
-        "peak_tflops": peak, "mfu": achieved / peak if peak else None,
+        "params_b": params / 1e9,
+        "layers": mc.num_layers,
+        "hidden": mc.hidden_size,
+        "fp8_recipe": args.fp8_recipe,
+        "rows": args.rows,
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "build_s": build_s,
+        "step_s": seconds,
+        "tokens_per_s": tokens / seconds,
+        "model_tflops": achieved,
+        "peak_tflops": peak,
+        "mfu": achieved / peak if peak else None,
         "peak_mem_gb": peak_mem,
     }
 
@@ -133,14 +162,16 @@ def run(args) -> dict:
 def markdown(r: dict) -> str:
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "- (pass --peak-tflops)"
     mem = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "- (CPU)"
-    return "\n".join([
-        "| device | params | recipe | rows x seq (mb) | s/step | tokens/s | TFLOP/s | MFU | "
-        "peak GB |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|",
-        f"| {r['device']} | {_params(r['params_b'])} | {r['fp8_recipe']} | "
-        f"{r['rows']} x {r['seq']} ({r['micro_batch']}) | {r['step_s']:.3f} | "
-        f"{r['tokens_per_s']:.0f} | {r['model_tflops']:.3g} | {mfu} | {mem} |",
-    ])
+    return "\n".join(
+        [
+            "| device | params | recipe | rows x seq (mb) | s/step | tokens/s | TFLOP/s | MFU | "
+            "peak GB |",
+            "|---|---:|---|---|---:|---:|---:|---:|---:|",
+            f"| {r['device']} | {_params(r['params_b'])} | {r['fp8_recipe']} | "
+            f"{r['rows']} x {r['seq']} ({r['micro_batch']}) | {r['step_s']:.3f} | "
+            f"{r['tokens_per_s']:.0f} | {r['model_tflops']:.3g} | {mfu} | {mem} |",
+        ]
+    )
 
 
 def _params(billions: float) -> str:
@@ -149,18 +180,27 @@ def _params(billions: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="a 2-layer model, 4 rows x 16 tokens, on the CPU: tests the script")
+    p.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="a 2-layer model, 4 rows x 16 tokens, on the CPU: tests the script",
+    )
     p.add_argument("--rows", type=int, help="sequences per step (default 8; smoke 4)")
     p.add_argument("--seq", type=int, help="tokens per sequence (default 2048; smoke 16)")
     p.add_argument("--micro-batch", type=int, default=2, help="rows per micro-batch")
     p.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    p.add_argument("--fp8-recipe", default="bf16",
-                   help="FP8Config.recipe of the actor (bf16 = off; FP8 runs through Transformer "
-                        "Engine when installed, else the emulation, which measures nothing useful)")
-    p.add_argument("--peak-tflops", type=float,
-                   help="the GPU's dense BF16 peak for MFU (default: 989 on H100/H200)")
+    p.add_argument(
+        "--fp8-recipe",
+        default="bf16",
+        help="FP8Config.recipe of the actor (bf16 = off; FP8 runs through Transformer "
+        "Engine when installed, else the emulation, which measures nothing useful)",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="the GPU's dense BF16 peak for MFU (default: 989 on H100/H200)",
+    )
     p.add_argument("--json", type=Path, help="also write the result to this JSON file")
     args = p.parse_args(argv)
     args.rows = args.rows or (4 if args.cpu_smoke else 8)

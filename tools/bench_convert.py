@@ -64,10 +64,17 @@ def make_checkpoint(path: Path, args) -> int:
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.models.hf_mapping import expected_hf_shapes, hf_config
 
-    mc = ModelConfig(arch="qwen3", num_layers=args.layers, hidden_size=args.hidden,
-                     ffn_hidden_size=args.ffn or int(2.75 * args.hidden),
-                     num_attention_heads=args.hidden // 128, num_query_groups=max(1, args.hidden // 512),
-                     head_dim=128, vocab_size=args.vocab, params_dtype="bfloat16")
+    mc = ModelConfig(
+        arch="qwen3",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn or int(2.75 * args.hidden),
+        num_attention_heads=args.hidden // 128,
+        num_query_groups=max(1, args.hidden // 512),
+        head_dim=128,
+        vocab_size=args.vocab,
+        params_dtype="bfloat16",
+    )
     path.mkdir(parents=True)
     cfg = hf_config(mc).to_dict()
     cfg["torch_dtype"] = "bfloat16"
@@ -104,7 +111,9 @@ def copy_tree(src: Path, dst: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--ffn", type=int, default=0, help="default 2.75 x hidden")
@@ -122,8 +131,10 @@ def main() -> None:
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench_convert_"))
     try:
         nbytes = make_checkpoint(root / "hf", args)
-        print(f"checkpoint: {nbytes / 1e9:.3f} GB BF16 safetensors, hidden {args.hidden}, "
-              f"{args.layers} layers, in {root}")
+        print(
+            f"checkpoint: {nbytes / 1e9:.3f} GB BF16 safetensors, hidden {args.hidden}, "
+            f"{args.layers} layers, in {root}"
+        )
         rows = []
 
         def timed(label, fn):
@@ -135,10 +146,16 @@ def main() -> None:
 
         timed("copy (shutil.copyfile + fsync)", lambda: copy_tree(root / "hf", root / "copy"))
         timed("hf-to-mcore", lambda: hf_to_mcore(root / "hf", root / "mcore", progress=False))
-        timed("mcore-to-hf", lambda: mcore_to_hf(root / "mcore", root / "back",
-                                                 hf_config_dir=root / "hf", progress=False))
-        timed("export-fp8 (from HF)", lambda: export_fp8(root / "fp8", hf_dir=root / "hf",
-                                                          progress=False))
+        timed(
+            "mcore-to-hf",
+            lambda: mcore_to_hf(
+                root / "mcore", root / "back", hf_config_dir=root / "hf", progress=False
+            ),
+        )
+        timed(
+            "export-fp8 (from HF)",
+            lambda: export_fp8(root / "fp8", hf_dir=root / "hf", progress=False),
+        )
         copy_gbs = rows[0][2]
         print("| step | seconds | GB/s | vs copy | peak anon MB |")
         print("|---|---:|---:|---:|---:|")

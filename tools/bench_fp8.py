@@ -30,8 +30,8 @@ import torch
 RECIPES = ("bf16", "tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise", "mxfp8")
 MODELS = {
     # name: (layers, hidden, ffn, heads, query groups)
-    "tiny": (2, 128, 512, 4, 2),     # examples/tiny_cpu.yaml
-    "small": (4, 512, 1536, 8, 4),   # ~17M parameters
+    "tiny": (2, 128, 512, 4, 2),  # examples/tiny_cpu.yaml
+    "small": (4, 512, 1536, 8, 4),  # ~17M parameters
 }
 
 
@@ -58,9 +58,16 @@ def _model_cfg(name: str):
     from megatron_rl_fp8.models.config import ModelConfig
 
     layers, hidden, ffn, heads, groups = MODELS[name]
-    return ModelConfig(arch="qwen3", num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn,
-                       num_attention_heads=heads, num_query_groups=groups, vocab_size=53,
-                       max_position_embeddings=64)
+    return ModelConfig(
+        arch="qwen3",
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        vocab_size=53,
+        max_position_embeddings=64,
+    )
 
 
 def bench_train(models: list[str], rows: int, seq: int, iters: int) -> None:
@@ -82,18 +89,22 @@ def bench_train(models: list[str], rows: int, seq: int, iters: int) -> None:
     for name in models:
         base = None
         for recipe in RECIPES:
-            actor = Actor(_model_cfg(name), OptimConfig(lr=1e-6), groups, fp8=FP8Config(recipe=recipe))
-            step = _time(lambda: actor.train_step(batch, rows, nll), iters)
-            fwd = _time(lambda: actor.compute_logprobs(batch, rows), iters)
+            actor = Actor(
+                _model_cfg(name), OptimConfig(lr=1e-6), groups, fp8=FP8Config(recipe=recipe)
+            )
+            step = _time(lambda a=actor: a.train_step(batch, rows, nll), iters)
+            fwd = _time(lambda a=actor: a.compute_logprobs(batch, rows), iters)
 
-            def shadow():
-                with actor.full_precision():
-                    actor.compute_logprobs(batch, rows)
+            def shadow(a=actor):
+                with a.full_precision():
+                    a.compute_logprobs(batch, rows)
 
             shadow_t = _time(shadow, iters)
             base = base or step
-            print(f"| {name} | {recipe} | {step * 1e3:.1f} | {step / base:.2f} | {fwd * 1e3:.1f} "
-                  f"| {shadow_t * 1e3:.1f} | {shadow_t / fwd:.2f} |")
+            print(
+                f"| {name} | {recipe} | {step * 1e3:.1f} | {step / base:.2f} | {fwd * 1e3:.1f} "
+                f"| {shadow_t * 1e3:.1f} | {shadow_t / fwd:.2f} |"
+            )
             del actor
     parallel.destroy()
     print()
@@ -114,16 +125,26 @@ def bench_rollout(models: list[str], prompts: int, new_tokens: int, iters: int) 
         torch.manual_seed(0)
         import transformers
 
-        weights = {n: p.detach().clone() for n, p in
-                   transformers.AutoModelForCausalLM.from_config(cfg).named_parameters()}
+        weights = {
+            n: p.detach().clone()
+            for n, p in transformers.AutoModelForCausalLM.from_config(cfg).named_parameters()
+        }
         base = None
         for quant in ("bf16", "blockwise"):
             fp8 = RolloutFP8Config(weight_quant=quant)
             engine = LocalEngine(cfg, pad_token_id=0, eos_token_id=2, fp8=fp8)
-            sync = _time(lambda: engine.update_weights(
-                rollout_buckets(weights.items(), fp8, **engine.export_options), version=1), iters)
-            gen = _time(lambda: engine.generate(prompt_ids, n=1, max_new_tokens=new_tokens,
-                                                temperature=1.0, seed=0), iters)
+            sync = _time(
+                lambda e=engine, f=fp8, w=weights: e.update_weights(
+                    rollout_buckets(w.items(), f, **e.export_options), version=1
+                ),
+                iters,
+            )
+            gen = _time(
+                lambda e=engine: e.generate(
+                    prompt_ids, n=1, max_new_tokens=new_tokens, temperature=1.0, seed=0
+                ),
+                iters,
+            )
             base = base or gen
             print(f"| {name} | {quant} | {gen * 1e3:.1f} | {gen / base:.2f} | {sync * 1e3:.1f} |")
     print()
@@ -133,19 +154,25 @@ def bench_quantize(sizes: list[int], iters: int, pow2_scale: bool) -> None:
     from megatron_rl_fp8.fp8 import quantize_blockwise
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"## quantize_blockwise vs clone (bf16 input, {device}, "
-          f"{torch.get_num_threads()} threads)\n")
-    print("| shape | bytes (bf16) | clone ms | clone GB/s | quantize ms | quantize GB/s "
-          "| quantize / clone time |")
+    print(
+        f"## quantize_blockwise vs clone (bf16 input, {device}, "
+        f"{torch.get_num_threads()} threads)\n"
+    )
+    print(
+        "| shape | bytes (bf16) | clone ms | clone GB/s | quantize ms | quantize GB/s "
+        "| quantize / clone time |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     for n in sizes:
         w = torch.randn(n, n, device=device, dtype=torch.bfloat16)
         nbytes = w.numel() * w.element_size()
-        t_clone = _time(lambda: w.clone(), iters)
-        t_quant = _time(lambda: quantize_blockwise(w, pow2_scale=pow2_scale), iters)
-        print(f"| {n}x{n} | {nbytes / 2**20:.0f} MiB | {t_clone * 1e3:.2f} "
-              f"| {nbytes / t_clone / 1e9:.2f} | {t_quant * 1e3:.2f} "
-              f"| {nbytes / t_quant / 1e9:.2f} | {t_quant / t_clone:.1f}x |")
+        t_clone = _time(lambda w=w: w.clone(), iters)
+        t_quant = _time(lambda w=w: quantize_blockwise(w, pow2_scale=pow2_scale), iters)
+        print(
+            f"| {n}x{n} | {nbytes / 2**20:.0f} MiB | {t_clone * 1e3:.2f} "
+            f"| {nbytes / t_clone / 1e9:.2f} | {t_quant * 1e3:.2f} "
+            f"| {nbytes / t_quant / 1e9:.2f} | {t_quant / t_clone:.1f}x |"
+        )
         del w
     print()
 
@@ -162,8 +189,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pow2-scale", action="store_true", help="power-of-two weight scales")
     p.add_argument("--skip", nargs="*", default=[], choices=["train", "rollout", "quantize"])
     args = p.parse_args(argv)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{'CUDA' if torch.cuda.is_available() else 'CPU (FP8 emulated)'}\n")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{'CUDA' if torch.cuda.is_available() else 'CPU (FP8 emulated)'}\n"
+    )
     if "train" not in args.skip:
         bench_train(args.models, args.rows, args.seq, args.iters)
     if "rollout" not in args.skip:

@@ -50,10 +50,18 @@ import torch
 M_TOKENS = 8192
 SHAPES: dict[str, dict[str, tuple[int, int]]] = {
     # model: {linear: (N, K)}; qkv N = (heads + 2 * kv_heads) * head_dim, o K = heads * head_dim
-    "Qwen3-8B": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
-                 "down": (4096, 12288)},
-    "Qwen3-32B": {"qkv": (10240, 5120), "o": (5120, 8192), "gate_up": (51200, 5120),
-                  "down": (5120, 25600)},
+    "Qwen3-8B": {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (24576, 4096),
+        "down": (4096, 12288),
+    },
+    "Qwen3-32B": {
+        "qkv": (10240, 5120),
+        "o": (5120, 8192),
+        "gate_up": (51200, 5120),
+        "down": (5120, 25600),
+    },
 }
 SMOKE_M = 256
 SMOKE_SHAPES = {"tiny": {"qkv": (384, 256), "down": (256, 512)}}
@@ -66,8 +74,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()  # timing needs the kernels finished
 
 
-def _median_seconds(fn: Callable[[], object], device: torch.device, iters: int,
-                    warmup: int) -> float:
+def _median_seconds(
+    fn: Callable[[], object], device: torch.device, iters: int, warmup: int
+) -> float:
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -99,8 +108,9 @@ def _quant_blocks(t: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tenso
     return codes, scale.view(r // rows, k // 128)
 
 
-def _fp8_gemm(method: str, x: torch.Tensor, w: torch.Tensor
-              ) -> tuple[Callable[[], torch.Tensor], torch.Tensor] | str:
+def _fp8_gemm(
+    method: str, x: torch.Tensor, w: torch.Tensor
+) -> tuple[Callable[[], torch.Tensor], torch.Tensor] | str:
     """(gemm closure, float32 reference from the dequantized operands), or why unavailable."""
     m, k = x.shape
     n = w.shape[0]
@@ -109,15 +119,19 @@ def _fp8_gemm(method: str, x: torch.Tensor, w: torch.Tensor
         wq, sw = _quant_tensor(w)
         fast = method == "fp8_tensorwise_fast"
         ref = (xq.float() * sx) @ (wq.float() * sw).t()
-        return (lambda: torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw,
-                                         out_dtype=torch.bfloat16, use_fast_accum=fast)), ref
+        return (
+            lambda: torch._scaled_mm(
+                xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16, use_fast_accum=fast
+            )
+        ), ref
     if method == "fp8_rowwise":
         xq, sx = _quant_rows(x)  # (M, 1)
         wq, sw = _quant_rows(w)  # (N, 1) -> (1, N)
         ref = (xq.float() * sx) @ (wq.float() * sw).t()
         sw_t = sw.t()
-        return (lambda: torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw_t,
-                                         out_dtype=torch.bfloat16)), ref
+        return (
+            lambda: torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw_t, out_dtype=torch.bfloat16)
+        ), ref
     if method == "fp8_blockwise":
         fn = getattr(torch.nn.functional, "scaled_mm", None)
         kinds = getattr(torch.nn.functional, "ScalingType", None)
@@ -125,23 +139,33 @@ def _fp8_gemm(method: str, x: torch.Tensor, w: torch.Tensor
             return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm"
         if torch.cuda.get_device_capability() < (9, 0):
             return "blockwise FP8 GEMMs need sm_90+"
-        xq, sx = _quant_blocks(x, 1)     # (M, K/128)
-        wq, sw = _quant_blocks(w, 128)   # (N/128, K/128), contiguous
-        ref = (xq.float().view(m, k // 128, 128) * sx[..., None]).view(m, k) @ \
-            (wq.float().view(n // 128, 128, k // 128, 128)
-             * sw[:, None, :, None]).view(n, k).t()
+        xq, sx = _quant_blocks(x, 1)  # (M, K/128)
+        wq, sw = _quant_blocks(w, 128)  # (N/128, K/128), contiguous
+        ref = (xq.float().view(m, k // 128, 128) * sx[..., None]).view(m, k) @ (
+            wq.float().view(n // 128, 128, k // 128, 128) * sw[:, None, :, None]
+        ).view(n, k).t()
         scale_a = sx.t().contiguous().t()  # column-major (M, K/128)
-        scale_b = sw.t()                   # a view, as torch 2.11 wants it
-        return (lambda: fn(xq, wq.t(), scale_a, kinds.BlockWise1x128, scale_b,
-                           kinds.BlockWise128x128, output_dtype=torch.bfloat16)), ref
+        scale_b = sw.t()  # a view, as torch 2.11 wants it
+        return (
+            lambda: fn(
+                xq,
+                wq.t(),
+                scale_a,
+                kinds.BlockWise1x128,
+                scale_b,
+                kinds.BlockWise128x128,
+                output_dtype=torch.bfloat16,
+            )
+        ), ref
     raise ValueError(f"unknown method {method!r}")
 
 
 def run(cpu_smoke: bool, iters: int, warmup: int) -> list[dict]:
     device = torch.device("cpu" if cpu_smoke else "cuda")
     if not cpu_smoke and not torch.cuda.is_available():
-        raise SystemExit("no CUDA GPU: bench_gemm measures GPU GEMMs (use --cpu-smoke to test "
-                         "the script on CPU)")
+        raise SystemExit(
+            "no CUDA GPU: bench_gemm measures GPU GEMMs (use --cpu-smoke to test the script on CPU)"
+        )
     shapes, m = (SMOKE_SHAPES, SMOKE_M) if cpu_smoke else (SHAPES, M_TOKENS)
     fp8_reason = None
     if cpu_smoke:
@@ -160,9 +184,18 @@ def run(cpu_smoke: bool, iters: int, warmup: int) -> list[dict]:
                 flops = 2.0 * m * n * k
                 base = None
                 for method in methods:
-                    row = {"model": model, "linear": linear, "M": m, "N": n, "K": k,
-                           "method": method, "tflops": None, "vs_bf16": None,
-                           "max_err": None, "status": "ok"}
+                    row = {
+                        "model": model,
+                        "linear": linear,
+                        "M": m,
+                        "N": n,
+                        "K": k,
+                        "method": method,
+                        "tflops": None,
+                        "vs_bf16": None,
+                        "max_err": None,
+                        "status": "ok",
+                    }
                     if method in ("bf16", "fp32"):
                         dtype = torch.bfloat16 if method == "bf16" else torch.float32
                         a, b = x.to(dtype), w.to(dtype).t()
@@ -190,28 +223,34 @@ def run(cpu_smoke: bool, iters: int, warmup: int) -> list[dict]:
                     if base:
                         row["vs_bf16"] = row["tflops"] / base
                     if ref is not None:
-                        row["max_err"] = ((out.float() - ref).abs().max()
-                                          / ref.abs().max()).item()
+                        row["max_err"] = ((out.float() - ref).abs().max() / ref.abs().max()).item()
                     rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | linear | M x N x K | method | TFLOP/s | vs bf16 | max err | status |",
-             "|---|---|---|---|---:|---:|---:|---|"]
+    lines = [
+        "| model | linear | M x N x K | method | TFLOP/s | vs bf16 | max err | status |",
+        "|---|---|---|---|---:|---:|---:|---|",
+    ]
     for r in rows:
         tf = f"{r['tflops']:.3g}" if r["tflops"] is not None else "-"
         ratio = f"{r['vs_bf16']:.2f}" if r["vs_bf16"] is not None else "-"
         err = f"{r['max_err']:.2%}" if r["max_err"] is not None else "-"
-        lines.append(f"| {r['model']} | {r['linear']} | {r['M']}x{r['N']}x{r['K']} | "
-                     f"{r['method']} | {tf} | {ratio} | {err} | {r['status']} |")
+        lines.append(
+            f"| {r['model']} | {r['linear']} | {r['M']}x{r['N']}x{r['K']} | "
+            f"{r['method']} | {tf} | {ratio} | {err} | {r['status']} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="tiny shapes on the CPU (bf16 / fp32 only): tests the script, not a GPU")
+    p.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="tiny shapes on the CPU (bf16 / fp32 only): tests the script, not a GPU",
+    )
     p.add_argument("--iters", type=int, default=20, help="timed runs per GEMM (median)")
     p.add_argument("--warmup", type=int, default=5, help="untimed runs first")
     p.add_argument("--json", type=Path, help="also write the rows to this JSON file")
@@ -223,8 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(rows))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"device": _device_name(args.cpu_smoke), "rows": rows},
-                                        indent=1))
+        args.json.write_text(
+            json.dumps({"device": _device_name(args.cpu_smoke), "rows": rows}, indent=1)
+        )
     failed = [r for r in rows if r["status"].startswith("failed")]
     return 1 if failed else 0
 

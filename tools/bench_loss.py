@@ -46,8 +46,14 @@ def make_batch(b: int, t: int, seed: int = 0) -> dict[str, torch.Tensor]:
     neg = (adv < 0)[:, None].expand(b, t)
     fp8_lr = bf16_lr + 0.05 * torch.randn(b, t, generator=g) - 0.05 * neg
     mask = torch.rand(b, t, generator=g) < 0.9
-    return {"old": old, "log_prob": old + fp8_lr, "fp8_lr": fp8_lr, "bf16_lr": bf16_lr,
-            "adv": adv, "mask": mask}
+    return {
+        "old": old,
+        "log_prob": old + fp8_lr,
+        "fp8_lr": fp8_lr,
+        "bf16_lr": bf16_lr,
+        "adv": adv,
+        "mask": mask,
+    }
 
 
 def interleaved_medians(fns: list, repeats: int) -> list[float]:
@@ -65,14 +71,16 @@ def interleaved_medians(fns: list, repeats: int) -> list[float]:
 
 def loss_step(batch, lower: float, upper: float) -> None:
     log_prob = batch["log_prob"].clone().requires_grad_(True)
-    loss, _ = policy_loss(log_prob, batch["old"], batch["adv"], batch["mask"],
-                          clip_low=lower, clip_high=upper)
+    loss, _ = policy_loss(
+        log_prob, batch["old"], batch["adv"], batch["mask"], clip_low=lower, clip_high=upper
+    )
     loss.backward()
 
 
 def calibrated_step(batch, bins: int) -> None:
-    lower, upper = calibrated_clip_bounds(batch["fp8_lr"], batch["bf16_lr"], batch["adv"],
-                                          batch["mask"], EPS_LOW, EPS_HIGH, bins=bins)
+    lower, upper = calibrated_clip_bounds(
+        batch["fp8_lr"], batch["bf16_lr"], batch["adv"], batch["mask"], EPS_LOW, EPS_HIGH, bins=bins
+    )
     loss_step(batch, lower, upper)
 
 
@@ -84,14 +92,17 @@ def traffic_rows(bins: int, token_counts: list[int], rank_counts: list[int], t: 
         single = calibrated_clip_bounds(*args, bins=bins)
         for ranks in rank_counts:
             shards = [torch.tensor_split(x, ranks) for x in args[:4]]
-            packed = [build_calibration_histogram(*parts, EPS_LOW, EPS_HIGH, bins=bins)
-                      for parts in zip(*shards)]
+            packed = [
+                build_calibration_histogram(*parts, EPS_LOW, EPS_HIGH, bins=bins)
+                for parts in zip(*shards)
+            ]
             merged = torch.stack(packed).sum(0)  # what all_reduce(SUM) computes
             lower, upper, _ = bounds_from_histogram(merged, EPS_LOW, EPS_HIGH, bins=bins)
             diff = max(abs(lower - single[0]), abs(upper - single[1]))
             exact_bytes = n_tokens * 3 * 4  # all-gather fp8/bf16 log ratio + advantage, fp32
-            rows.append((n_tokens, ranks, packed[0].numel() * packed[0].element_size(),
-                         exact_bytes, diff))
+            rows.append(
+                (n_tokens, ranks, packed[0].numel() * packed[0].element_size(), exact_bytes, diff)
+            )
     return rows
 
 
@@ -102,44 +113,68 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--interval", type=int, default=20)
     parser.add_argument("--bins", type=int, default=4096)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads; 1 by default because on a shared small CPU "
-                             "box multi-threaded timings are dominated by contention noise")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads; 1 by default because on a shared small CPU "
+        "box multi-threaded timings are dominated by contention noise",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     batch = make_batch(args.batch, args.seq)
     n = args.batch * args.seq
     plain, calib, bounds_only = interleaved_medians(
-        [lambda: loss_step(batch, 1 - EPS_LOW, 1 + EPS_HIGH),
-         lambda: calibrated_step(batch, args.bins),
-         lambda: calibrated_clip_bounds(batch["fp8_lr"], batch["bf16_lr"], batch["adv"],
-                                        batch["mask"], EPS_LOW, EPS_HIGH, bins=args.bins)],
-        args.repeats)
+        [
+            lambda: loss_step(batch, 1 - EPS_LOW, 1 + EPS_HIGH),
+            lambda: calibrated_step(batch, args.bins),
+            lambda: calibrated_clip_bounds(
+                batch["fp8_lr"],
+                batch["bf16_lr"],
+                batch["adv"],
+                batch["mask"],
+                EPS_LOW,
+                EPS_HIGH,
+                bins=args.bins,
+            ),
+        ],
+        args.repeats,
+    )
     per_step = calib / plain
     amortised = (calib + (args.interval - 1) * plain) / (args.interval * plain)
 
-    print(f"## Loss cost, {n:,} tokens ({args.batch} x {args.seq}), "
-          f"median of {args.repeats} interleaved runs, "
-          f"{torch.get_num_threads()} CPU thread(s)\n")
+    print(
+        f"## Loss cost, {n:,} tokens ({args.batch} x {args.seq}), "
+        f"median of {args.repeats} interleaved runs, "
+        f"{torch.get_num_threads()} CPU thread(s)\n"
+    )
     print("| variant | ms | ratio vs plain |")
     print("|---|---:|---:|")
     print(f"| plain policy_loss (fwd+bwd) | {plain * 1e3:.1f} | 1.00 |")
-    print(f"| calibration step (calibrated_clip_bounds + policy_loss) | {calib * 1e3:.1f} | "
-          f"{per_step:.2f} |")
-    print(f"| calibrated_clip_bounds alone | {bounds_only * 1e3:.1f} | "
-          f"{bounds_only / plain:.2f} |")
-    print(f"| amortised over interval={args.interval} | "
-          f"{(calib + (args.interval - 1) * plain) / args.interval * 1e3:.1f} | {amortised:.3f} |")
-    print(f"\ntarget <= 1.10: per calibration step {'met' if per_step <= 1.10 else 'NOT met'}, "
-          f"amortised {'met' if amortised <= 1.10 else 'NOT met'}\n")
+    print(
+        f"| calibration step (calibrated_clip_bounds + policy_loss) | {calib * 1e3:.1f} | "
+        f"{per_step:.2f} |"
+    )
+    print(f"| calibrated_clip_bounds alone | {bounds_only * 1e3:.1f} | {bounds_only / plain:.2f} |")
+    print(
+        f"| amortised over interval={args.interval} | "
+        f"{(calib + (args.interval - 1) * plain) / args.interval * 1e3:.1f} | {amortised:.3f} |"
+    )
+    print(
+        f"\ntarget <= 1.10: per calibration step {'met' if per_step <= 1.10 else 'NOT met'}, "
+        f"amortised {'met' if amortised <= 1.10 else 'NOT met'}\n"
+    )
 
     print(f"## Bytes all-reduced per calibration (bins={args.bins})\n")
-    print("| tokens | simulated ranks | all-reduce bytes / rank | exact all-gather bytes | "
-          "max bound diff vs 1 process |")
+    print(
+        "| tokens | simulated ranks | all-reduce bytes / rank | exact all-gather bytes | "
+        "max bound diff vs 1 process |"
+    )
     print("|---:|---:|---:|---:|---:|")
     for n_tok, ranks, hist_bytes, exact_bytes, diff in traffic_rows(
-            args.bins, [16_384, 131_072, 1_048_576], [1, 8, 64]):
+        args.bins, [16_384, 131_072, 1_048_576], [1, 8, 64]
+    ):
         print(f"| {n_tok:,} | {ranks} | {hist_bytes:,} | {exact_bytes:,} | {diff:.1e} |")
 
 

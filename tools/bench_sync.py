@@ -31,9 +31,16 @@ SHAPES = {
 
 
 def model_config(hidden, layers, ffn, heads, groups, vocab) -> ModelConfig:
-    return ModelConfig(arch="qwen3", hidden_size=hidden, num_layers=layers, ffn_hidden_size=ffn,
-                       num_attention_heads=heads, num_query_groups=groups, vocab_size=vocab,
-                       max_position_embeddings=4096)
+    return ModelConfig(
+        arch="qwen3",
+        hidden_size=hidden,
+        num_layers=layers,
+        ffn_hidden_size=ffn,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+    )
 
 
 def random_mcore_state(mc: ModelConfig) -> dict[str, torch.Tensor]:
@@ -62,8 +69,9 @@ def random_mcore_state(mc: ModelConfig) -> dict[str, torch.Tensor]:
     return hf_state_to_mcore(hf, mc)
 
 
-def bench_export(state: dict[str, torch.Tensor], mc: ModelConfig, bucket_mb: float,
-                 repeats: int = 2) -> list[dict]:
+def bench_export(
+    state: dict[str, torch.Tensor], mc: ModelConfig, bucket_mb: float, repeats: int = 2
+) -> list[dict]:
     """Best of ``repeats`` for every row (the first pass also pays first-touch page faults)."""
     from megatron_rl_fp8.rollout.sglang import _flatten
 
@@ -76,21 +84,28 @@ def bench_export(state: dict[str, torch.Tensor], mc: ModelConfig, bucket_mb: flo
         best = min(best, time.perf_counter() - t0)
         del copies
     rows.append({"step": "copy (clone every tensor)", "s": best})
-    cases = [("export bf16", RolloutFP8Config(), None),
-             ("export fp8 blockwise", RolloutFP8Config(weight_quant="blockwise"), None),
-             ("export fp8 -> bf16 values (CPU server)", RolloutFP8Config(weight_quant="blockwise"),
-              torch.bfloat16)]
+    cases = [
+        ("export bf16", RolloutFP8Config(), None),
+        ("export fp8 blockwise", RolloutFP8Config(weight_quant="blockwise"), None),
+        (
+            "export fp8 -> bf16 values (CPU server)",
+            RolloutFP8Config(weight_quant="blockwise"),
+            torch.bfloat16,
+        ),
+    ]
     for label, fp8, deq in cases:
         best = float("inf")
         for _ in range(repeats):
             stats = ExportStats()
             t0 = time.perf_counter()
-            for bucket in export_for_rollout(state.items(), mc, fp8, bucket_mb=bucket_mb,
-                                             dequantize_to=deq, stats=stats):
+            for bucket in export_for_rollout(
+                state.items(), mc, fp8, bucket_mb=bucket_mb, dequantize_to=deq, stats=stats
+            ):
                 _flatten(bucket.tensors)  # the tensor transport's copy into one shared buffer
             best = min(best, time.perf_counter() - t0)
-        rows.append({"step": label, "s": best, "buckets": stats.buckets,
-                     "out_gb": stats.bytes_out / 1e9})
+        rows.append(
+            {"step": label, "s": best, "buckets": stats.buckets, "out_gb": stats.bytes_out / 1e9}
+        )
     for r in rows:
         r["gbps"] = nbytes / 1e9 / r["s"]
         r["vs_copy"] = rows[0]["s"] / r["s"]
@@ -106,27 +121,42 @@ def bench_sglang(state, mc: ModelConfig, bucket_mb: float, transports, python: s
 
     rows = []
     with tempfile.TemporaryDirectory() as work:
-        cfg = RolloutConfig(sglang=SGLangConfig(python=python, transport=transports[0],
-                                                bucket_mb=bucket_mb, work_dir=work,
-                                                dtype="bfloat16", startup_timeout_s=600))
+        cfg = RolloutConfig(
+            sglang=SGLangConfig(
+                python=python,
+                transport=transports[0],
+                bucket_mb=bucket_mb,
+                work_dir=work,
+                dtype="bfloat16",
+                startup_timeout_s=600,
+            )
+        )
         eng = SGLangEngine(cfg, hf_config(mc), pad_token_id=0, eos_token_id=2)
         try:
             t0 = time.perf_counter()
-            eng.update_weights(export_for_rollout(state.items(), mc, eng.fp8, **eng.export_options),
-                               version=0)
+            eng.update_weights(
+                export_for_rollout(state.items(), mc, eng.fp8, **eng.export_options), version=0
+            )
             rows.append({"transport": "first sync (write + launch)", "s": time.perf_counter() - t0})
             for v, transport in enumerate(transports, start=1):
                 eng.cfg.transport = transport
                 eng.bucket_times.clear()
                 t0 = time.perf_counter()
                 eng.update_weights(
-                    export_for_rollout(state.items(), mc, eng.fp8, **eng.export_options), version=v)
+                    export_for_rollout(state.items(), mc, eng.fp8, **eng.export_options), version=v
+                )
                 total = time.perf_counter() - t0
                 pushed = sum(b for b, _ in eng.bucket_times)
                 per = [s for _, s in eng.bucket_times]
-                rows.append({"transport": transport, "s": total, "buckets": len(per),
-                             "bucket_s": sum(per) / len(per) if per else float("nan"),
-                             "push_gbps": pushed / 1e9 / sum(per) if per else float("nan")})
+                rows.append(
+                    {
+                        "transport": transport,
+                        "s": total,
+                        "buckets": len(per),
+                        "bucket_s": sum(per) / len(per) if per else float("nan"),
+                        "push_gbps": pushed / 1e9 / sum(per) if per else float("nan"),
+                    }
+                )
         finally:
             eng.shutdown()
     return rows
@@ -151,21 +181,28 @@ def main() -> None:
         state = random_mcore_state(mc)
         n = sum(t.numel() for t in state.values())
         for r in bench_export(state, mc, args.bucket_mb):
-            print(f"| {size} | {n / 1e6:.0f}M | {r['step']} | {r['s']:.2f} | {r['gbps']:.2f} | "
-                  f"{r['vs_copy']:.2f} | {r.get('buckets', '')} |")
+            print(
+                f"| {size} | {n / 1e6:.0f}M | {r['step']} | {r['s']:.2f} | {r['gbps']:.2f} | "
+                f"{r['vs_copy']:.2f} | {r.get('buckets', '')} |"
+            )
         del state
     if args.sglang:
         mc = model_config(*SHAPES[args.sglang_size])
         state = random_mcore_state(mc)
         n = sum(t.numel() for t in state.values())
-        print(f"\nSGLang CPU server, {args.sglang_size} ({n / 1e6:.0f}M params, bf16), "
-              f"bucket_mb={args.sglang_bucket_mb}")
+        print(
+            f"\nSGLang CPU server, {args.sglang_size} ({n / 1e6:.0f}M params, bf16), "
+            f"bucket_mb={args.sglang_bucket_mb}"
+        )
         print("| transport | total s | buckets | s / bucket | push GB/s |")
         print("|---|---:|---:|---:|---:|")
-        for r in bench_sglang(state, mc, args.sglang_bucket_mb, ["tensor", "distributed", "disk"],
-                              args.sglang_python):
-            print(f"| {r['transport']} | {r['s']:.2f} | {r.get('buckets', '')} | "
-                  f"{r.get('bucket_s', float('nan')):.3f} | {r.get('push_gbps', float('nan')):.2f} |")
+        for r in bench_sglang(
+            state, mc, args.sglang_bucket_mb, ["tensor", "distributed", "disk"], args.sglang_python
+        ):
+            print(
+                f"| {r['transport']} | {r['s']:.2f} | {r.get('buckets', '')} | "
+                f"{r.get('bucket_s', float('nan')):.3f} | {r.get('push_gbps', float('nan')):.2f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -26,23 +26,39 @@ from megatron_rl_fp8.convert.sources import HFSource, McoreSource
 from megatron_rl_fp8.convert.staging import check_output, staged_output
 
 BLOCK = (128, 128)
-_LINEAR = re.compile(r"^model\.layers\.(\d+)\.((?:self_attn\.[qkvo]_proj)|(?:mlp\.(?:gate|up|down)_proj))"
-                     r"\.weight$")
-_LINEAR_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_LINEAR = re.compile(
+    r"^model\.layers\.(\d+)\.((?:self_attn\.[qkvo]_proj)|(?:mlp\.(?:gate|up|down)_proj))"
+    r"\.weight$"
+)
+_LINEAR_SUFFIXES = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def kept_layers(num_layers: int, keep_first: int, keep_last: int) -> list[int]:
     if keep_first < 0 or keep_last < 0:
         raise ConvertError("--keep-first-layers / --keep-last-layers must be >= 0")
-    return sorted(set(range(min(keep_first, num_layers)))
-                  | set(range(max(num_layers - keep_last, 0), num_layers)))
+    return sorted(
+        set(range(min(keep_first, num_layers)))
+        | set(range(max(num_layers - keep_last, 0), num_layers))
+    )
 
 
 def quantization_config(keep: list[int]) -> dict:
     skip = ["lm_head"] + [f"model.layers.{i}.{s}" for i in keep for s in _LINEAR_SUFFIXES]
-    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": list(BLOCK), "modules_to_not_convert": skip}
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(BLOCK),
+        "modules_to_not_convert": skip,
+    }
 
 
 class _Quantize:
@@ -60,8 +76,10 @@ class _Quantize:
             return [OutTensor(t.name, torch.bfloat16, t.shape)]
         rows, cols = t.shape
         scale_shape = (-(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
-        return [OutTensor(t.name, torch.float8_e4m3fn, t.shape),
-                OutTensor(t.name + "_scale_inv", torch.float32, scale_shape)]
+        return [
+            OutTensor(t.name, torch.float8_e4m3fn, t.shape),
+            OutTensor(t.name + "_scale_inv", torch.float32, scale_shape),
+        ]
 
     def __call__(self, name: str, tensor: torch.Tensor):
         from megatron_rl_fp8.fp8.quantize import quantize_blockwise
@@ -72,10 +90,18 @@ class _Quantize:
         return [(name, codes), (name + "_scale_inv", scale_inv)]
 
 
-def export_fp8(out: str | Path, *, hf_dir: str | Path | None = None, ckpt: str | Path | None = None,
-               hf_config_dir: str | Path | None = None, keep_first_layers: int = 0,
-               keep_last_layers: int = 0, max_shard_size: str | int = "5GB",
-               overwrite: bool = False, progress: bool = True) -> dict:
+def export_fp8(
+    out: str | Path,
+    *,
+    hf_dir: str | Path | None = None,
+    ckpt: str | Path | None = None,
+    hf_config_dir: str | Path | None = None,
+    keep_first_layers: int = 0,
+    keep_last_layers: int = 0,
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
     """From ``hf_dir`` (an HF checkpoint) or ``ckpt`` (+ ``hf_config_dir``, a dist checkpoint)."""
     if (hf_dir is None) == (ckpt is None):
         raise ConvertError("export-fp8 needs exactly one of --hf DIR or --ckpt DIR")
@@ -97,11 +123,16 @@ def export_fp8(out: str | Path, *, hf_dir: str | Path | None = None, ckpt: str |
         total = sum(o.nbytes for t in source.plan() for o in quant.plan(t))
         meter = Meter("export-fp8", total, show=progress)
         with staged_output(out, overwrite=overwrite) as tmp:
-            files = write_hf(source, tmp, max_shard_bytes=max_bytes, meter=meter,
-                             convert=quant, config=config)
+            files = write_hf(
+                source, tmp, max_shard_bytes=max_bytes, meter=meter, convert=quant, config=config
+            )
         stats = meter.close()
     finally:
         source.close()
-    stats.update(summary=summary_line("export-fp8", stats, out), notes=source.notes, files=files,
-                 kept_layers=keep)
+    stats.update(
+        summary=summary_line("export-fp8", stats, out),
+        notes=source.notes,
+        files=files,
+        kept_layers=keep,
+    )
     return stats

@@ -27,22 +27,42 @@ from megatron_rl_fp8.convert.errors import ConvertError
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Files copied through unchanged next to the weights (tokenizer, generation defaults, chat template).
-SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
-              "added_tokens.json", "chat_template.jinja", "chat_template.json")
+SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-              torch.float64: "F64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-              torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 _FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
 
 
 def read_config(hf_dir: str | Path) -> dict:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
-        raise ConvertError(f"{path} not found: --hf / --hf-config must be a Hugging Face model "
-                           "directory with a config.json")
+        raise ConvertError(
+            f"{path} not found: --hf / --hf-config must be a Hugging Face model "
+            "directory with a config.json"
+        )
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -78,34 +98,47 @@ class HFCheckpoint:
             weight_map, files = None, [SINGLE]
         else:
             bins = sorted(p.name for p in self.dir.glob("*.bin"))
-            hint = (f" (found {bins[:3]}: re-save with save_pretrained(safe_serialization=True))"
-                    if bins else "")
+            hint = (
+                f" (found {bins[:3]}: re-save with save_pretrained(safe_serialization=True))"
+                if bins
+                else ""
+            )
             raise ConvertError(f"{self.dir} has neither {INDEX} nor {SINGLE}{hint}")
         self._handles = {}
         self.tensors: dict[str, TensorInfo] = {}
         for fname in files:
             path = self.dir / fname
             if not path.is_file():
-                raise ConvertError(f"{index} names shard {fname}, which does not exist in {self.dir}")
+                raise ConvertError(
+                    f"{index} names shard {fname}, which does not exist in {self.dir}"
+                )
             try:
                 handle = safe_open(str(path), framework="pt")
             except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
                 raise ConvertError(
                     f"cannot read shard {path}: {e}. The file is truncated or corrupt "
-                    "(re-download or re-save it)") from e
+                    "(re-download or re-save it)"
+                ) from e
             self._handles[fname] = handle
             for name in handle.keys():
                 sl = handle.get_slice(name)
                 dtype = _FROM_ST.get(sl.get_dtype())
                 if dtype is None:
-                    raise ConvertError(f"{path}: tensor {name} has unsupported dtype {sl.get_dtype()}")
+                    raise ConvertError(
+                        f"{path}: tensor {name} has unsupported dtype {sl.get_dtype()}"
+                    )
                 self.tensors[name] = TensorInfo(fname, dtype, tuple(sl.get_shape()))
         if weight_map is not None:
-            listed_missing = sorted(n for n, f in weight_map.items()
-                                    if n not in self.tensors or self.tensors[n].file != f)
+            listed_missing = sorted(
+                n
+                for n, f in weight_map.items()
+                if n not in self.tensors or self.tensors[n].file != f
+            )
             if listed_missing:
-                raise ConvertError(f"{index} lists tensors that are not in the shard it names: "
-                                   f"{listed_missing[:20]}{' ...' if len(listed_missing) > 20 else ''}")
+                raise ConvertError(
+                    f"{index} lists tensors that are not in the shard it names: "
+                    f"{listed_missing[:20]}{' ...' if len(listed_missing) > 20 else ''}"
+                )
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor, memory-mapped (no copy until it is read)."""
@@ -164,12 +197,13 @@ class SafetensorsWriter:
             shards[-1].append(t)
             size += t.nbytes
         n = len(shards)
-        self.names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                                              for i in range(n)]
+        self.names = (
+            [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
         self.shards = shards
-        self._next = 0          # index into plan
+        self._next = 0  # index into plan
         self._shard = -1
-        self._left = 0          # tensors left in the open shard
+        self._left = 0  # tensors left in the open shard
         self._file = None
 
     def _open_next_shard(self) -> None:
@@ -177,8 +211,11 @@ class SafetensorsWriter:
         tensors = self.shards[self._shard]
         header, offset = {}, 0
         for t in tensors:
-            header[t.name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
-                              "data_offsets": [offset, offset + t.nbytes]}
+            header[t.name] = {
+                "dtype": _ST_DTYPES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + t.nbytes],
+            }
             offset += t.nbytes
         header["__metadata__"] = {"format": "pt"}
         blob = json.dumps(header, separators=(",", ":")).encode()
@@ -190,11 +227,14 @@ class SafetensorsWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> int:
         if self._next >= len(self.plan):
-            raise ConvertError(f"internal: tensor {name} written after the planned {len(self.plan)}")
+            raise ConvertError(
+                f"internal: tensor {name} written after the planned {len(self.plan)}"
+            )
         want = self.plan[self._next]
         if name != want.name or tensor.dtype != want.dtype or tuple(tensor.shape) != want.shape:
-            raise ConvertError(f"internal: expected {want}, got {name} {tensor.dtype} "
-                               f"{tuple(tensor.shape)}")
+            raise ConvertError(
+                f"internal: expected {want}, got {name} {tensor.dtype} {tuple(tensor.shape)}"
+            )
         if self._left == 0:
             self._open_next_shard()
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -214,10 +254,14 @@ class SafetensorsWriter:
     def finish(self) -> None:
         """Check everything was written; write the index when there are several shards."""
         if self._next != len(self.plan):
-            raise ConvertError(f"internal: {len(self.plan) - self._next} planned tensors not written")
+            raise ConvertError(
+                f"internal: {len(self.plan) - self._next} planned tensors not written"
+            )
         weight_map = {t.name: self.names[i] for i, shard in enumerate(self.shards) for t in shard}
-        index = {"metadata": {"total_size": sum(t.nbytes for t in self.plan)},
-                 "weight_map": weight_map}
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in self.plan)},
+            "weight_map": weight_map,
+        }
         if len(self.names) > 1:
             (self.dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 

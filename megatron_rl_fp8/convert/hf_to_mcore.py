@@ -38,18 +38,27 @@ def check_hf_tensors(ckpt: HFCheckpoint, model: ModelConfig) -> None:
         present.pop("lm_head.weight", None)  # some tied checkpoints store the copy; it is unused
     missing = sorted(set(expected) - set(present))
     extra = sorted(set(present) - set(expected))
-    wrong = sorted(f"{n} {present[n]} (expected {expected[n]})" for n in set(expected) & set(present)
-                   if tuple(present[n]) != tuple(expected[n]))
+    wrong = sorted(
+        f"{n} {present[n]} (expected {expected[n]})"
+        for n in set(expected) & set(present)
+        if tuple(present[n]) != tuple(expected[n])
+    )
     if missing or extra or wrong:
+
         def show(xs):
             return f"{xs[:20]}{f' ... ({len(xs)} in all)' if len(xs) > 20 else ''}"
-        parts = [f"missing {show(missing)}" if missing else "",
-                 f"unexpected {show(extra)}" if extra else "",
-                 f"wrong shape {show(wrong)}" if wrong else ""]
+
+        parts = [
+            f"missing {show(missing)}" if missing else "",
+            f"unexpected {show(extra)}" if extra else "",
+            f"wrong shape {show(wrong)}" if wrong else "",
+        ]
         raise ConvertError(
             f"{ckpt.dir} does not match its config.json ({model.arch}, {model.num_layers} layers, "
-            f"hidden {model.hidden_size}): " + "; ".join(p for p in parts if p)
-            + ". Nothing was written; fix the checkpoint or its config.json.")
+            f"hidden {model.hidden_size}): "
+            + "; ".join(p for p in parts if p)
+            + ". Nothing was written; fix the checkpoint or its config.json."
+        )
 
 
 def _piece_bytes(ckpt: HFCheckpoint, piece) -> int:
@@ -69,9 +78,15 @@ def _assign(sizes: list[int], world: int) -> list[int]:
     return owner
 
 
-def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tensor_model_parallel_size: int = 1,
-                pipeline_model_parallel_size: int = 1, overwrite: bool = False,
-                progress: bool = True) -> dict:
+def hf_to_mcore(
+    hf_dir: str | Path,
+    out: str | Path,
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
     """Convert; returns the summary stats (also printed by the CLI). Collective under torchrun."""
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     out = Path(out)
@@ -87,8 +102,11 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tensor_model_parallel_si
         plan = hf_to_mcore_plan(model)
         sizes = [sum(_piece_bytes(ckpt, p) for p in pieces) for _, pieces in plan]
         owner = _assign(sizes, world)
-        meter = Meter("hf-to-mcore", sum(s for s, o in zip(sizes, owner) if o == rank),
-                      show=progress and rank == 0)
+        meter = Meter(
+            "hf-to-mcore",
+            sum(s for s, o in zip(sizes, owner) if o == rank),
+            show=progress and rank == 0,
+        )
         items = []
         for (name, pieces), size, o in zip(plan, sizes, owner):
             if o != rank:
@@ -96,7 +114,7 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tensor_model_parallel_si
             blocks = []
             for p in pieces:
                 t = ckpt.get(p.hf_name)
-                blocks.append(t if p.rows is None else t[p.rows[0]:p.rows[1]])
+                blocks.append(t if p.rows is None else t[p.rows[0] : p.rows[1]])
             vocab = name in ("embedding.word_embeddings.weight", "output_layer.weight")
             if vocab and padded > model.vocab_size:
                 # Padding rows are zeros (logprobs mask them). The only tensors materialised.
@@ -116,19 +134,25 @@ def hf_to_mcore(hf_dir: str | Path, out: str | Path, *, tensor_model_parallel_si
             if progress and rank == 0:
                 # The bar above covers mapping; the write itself is one collective save call.
                 meter.bar.close()
-                print(f"hf-to-mcore: writing {sum(sizes) / 1e9:.2f} GB with dist_checkpointing "
-                      f"({world} rank{'s' if world > 1 else ''}) ...", flush=True)
+                print(
+                    f"hf-to-mcore: writing {sum(sizes) / 1e9:.2f} GB with dist_checkpointing "
+                    f"({world} rank{'s' if world > 1 else ''}) ...",
+                    flush=True,
+                )
             mcore_io.save(sd, ckpt_dir)
             if rank == 0:
-                mcore_io.write_trainer_state(ckpt_dir, {
-                    "step": 0,
-                    "converted_from": str(Path(hf_dir).absolute()),
-                    "model": dataclasses.asdict(model),
-                    "padded_vocab_size": padded,
-                    "tensor_model_parallel_size": tp,
-                    "pipeline_model_parallel_size": pp,
-                    "notes": notes,
-                })
+                mcore_io.write_trainer_state(
+                    ckpt_dir,
+                    {
+                        "step": 0,
+                        "converted_from": str(Path(hf_dir).absolute()),
+                        "model": dataclasses.asdict(model),
+                        "padded_vocab_size": padded,
+                        "tensor_model_parallel_size": tp,
+                        "pipeline_model_parallel_size": pp,
+                        "notes": notes,
+                    },
+                )
                 (tmp / "latest").write_text(mcore_io.CONVERTED_NAME + "\n")
         stats = meter.close()
     if world > 1:  # every rank wrote its share; report the whole
@@ -142,8 +166,10 @@ def _check_layout(model: ModelConfig, tp: int, pp: int) -> None:
     if tp < 1 or pp < 1:
         raise ConvertError(f"--tp and --pp must be >= 1, got {tp}, {pp}")
     if model.num_query_groups % tp or model.num_attention_heads % tp:
-        raise ConvertError(f"--tp {tp} must divide num_key_value_heads={model.num_query_groups} "
-                           f"and num_attention_heads={model.num_attention_heads}")
+        raise ConvertError(
+            f"--tp {tp} must divide num_key_value_heads={model.num_query_groups} "
+            f"and num_attention_heads={model.num_attention_heads}"
+        )
     if model.ffn_hidden_size % tp:
         raise ConvertError(f"--tp {tp} must divide intermediate_size={model.ffn_hidden_size}")
     if model.num_layers % pp:

@@ -32,13 +32,19 @@ import torch
 from megatron_rl_fp8.convert.errors import ConvertError
 
 # local-spec suffix -> checkpoint suffix (Megatron stores TE names for the fused norms)
-CKPT_SUFFIX = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+CKPT_SUFFIX = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
 _LOCAL_SUFFIX = {v: k for k, v in CKPT_SUFFIX.items()}
 # _extra_state objects the local spec and the TE spec look for, per layer.
-EXTRA_STATE = ("self_attention.linear_qkv._extra_state", "self_attention.linear_proj._extra_state",
-               "self_attention.core_attention._extra_state", "mlp.linear_fc1._extra_state",
-               "mlp.linear_fc2._extra_state")
+EXTRA_STATE = (
+    "self_attention.linear_qkv._extra_state",
+    "self_attention.linear_proj._extra_state",
+    "self_attention.core_attention._extra_state",
+    "mlp.linear_fc1._extra_state",
+    "mlp.linear_fc2._extra_state",
+)
 _LOCAL = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _STACKED = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
 TRAINER_STATE = "trainer_state.json"
@@ -58,7 +64,7 @@ def local_name(key: str, layer: int | None) -> str:
     """Inverse of :func:`checkpoint_key`."""
     if layer is None:
         return key
-    suffix = key[len("decoder.layers."):]
+    suffix = key[len("decoder.layers.") :]
     return f"decoder.layers.{layer}." + _LOCAL_SUFFIX.get(suffix, suffix)
 
 
@@ -84,8 +90,9 @@ def process_group():
             else:
                 from megatron_rl_fp8.parallel import free_port
 
-                dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                                        rank=0, world_size=1)
+                dist.init_process_group(
+                    "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+                )
             created = True
         yield dist.get_rank(), dist.get_world_size()
     finally:
@@ -108,7 +115,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not (path / "metadata.json").is_file():
         raise ConvertError(
             f"{path} is not a Megatron dist checkpoint (no metadata.json); pass a checkpoint "
-            "directory (iter_XXXXXXX) or the checkpoints root holding a 'latest' file")
+            "directory (iter_XXXXXXX) or the checkpoints root holding a 'latest' file"
+        )
     return path
 
 
@@ -125,12 +133,15 @@ def sharded_state_dict(items, *, num_layers: int, extra_state: bool) -> dict:
             if n > 1:
                 offsets.append((len(offsets), k, n))
             sd[f"{key}/{layer}/{k}"] = ShardedTensor.from_rank_offsets(
-                key, block, *offsets, replica_id=0, prepend_axis_num=0 if layer is None else 1)
+                key, block, *offsets, replica_id=0, prepend_axis_num=0 if layer is None else 1
+            )
     if extra_state:
         for layer in range(num_layers):
             for suffix in EXTRA_STATE:
                 key = f"decoder.layers.{suffix}"
-                sd[f"{key}/{layer}"] = ShardedObject(key, None, (num_layers,), (layer,), replica_id=0)
+                sd[f"{key}/{layer}"] = ShardedObject(
+                    key, None, (num_layers,), (layer,), replica_id=0
+                )
     return sd
 
 
@@ -182,12 +193,17 @@ class DistCheckpointReader:
         try:
             metadata = self._reader.read_metadata()
         except Exception as e:  # noqa: BLE001 - surface the checkpoint path with the cause
-            raise ConvertError(f"cannot read dist checkpoint metadata in {self.dir}: {e}. The "
-                               "checkpoint is incomplete or not in torch_dist format") from e
+            raise ConvertError(
+                f"cannot read dist checkpoint metadata in {self.dir}: {e}. The "
+                "checkpoint is incomplete or not in torch_dist format"
+            ) from e
         self._reader.set_up_storage_reader(metadata, True)
         # Optimizer state and anything that is not a model tensor is skipped.
-        self.meta = {k: v for k, v in metadata.state_dict_metadata.items()
-                     if isinstance(v, TensorStorageMetadata) and not k.startswith("optimizer.")}
+        self.meta = {
+            k: v
+            for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata) and not k.startswith("optimizer.")
+        }
         state_file = self.dir / TRAINER_STATE
         self.trainer_state = json.loads(state_file.read_text()) if state_file.is_file() else {}
 
@@ -212,7 +228,10 @@ class DistCheckpointReader:
                     out[local_name(key, layer)] = (shape[1:], dtype)
             elif m:  # one key per layer
                 suffix = m.group(2)
-                out[f"decoder.layers.{m.group(1)}.{_LOCAL_SUFFIX.get(suffix, suffix)}"] = (shape, dtype)
+                out[f"decoder.layers.{m.group(1)}.{_LOCAL_SUFFIX.get(suffix, suffix)}"] = (
+                    shape,
+                    dtype,
+                )
             else:
                 out[key] = (shape, dtype)
         return out
@@ -233,7 +252,8 @@ class DistCheckpointReader:
             buf = torch.empty(box, dtype=md.properties.dtype)
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(box))
             plan = self._reader.prepare_local_plan(
-                LoadPlan(create_read_items_for_chunk_list(key, md, [chunk])))
+                LoadPlan(create_read_items_for_chunk_list(key, md, [chunk]))
+            )
             self._reader.read_data(plan, _Into({key: buf})).wait()
             out[name] = buf if layer is None else buf[0]
         return out

@@ -20,7 +20,15 @@ def parse_size(text: str | int) -> int:
     """'5GB' / '500MB' / '2GiB' / 1000 -> bytes."""
     if isinstance(text, int):
         return text
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    units = {
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "B": 1,
+    }
     s = text.strip().upper()
     for u in sorted(units, key=len, reverse=True):
         if s.endswith(u):
@@ -31,11 +39,20 @@ def parse_size(text: str | int) -> int:
     try:
         return int(s)
     except ValueError:
-        raise ConvertError(f"--max-shard-size {text!r}: use e.g. 5GB, 500MB or a byte count") from None
+        raise ConvertError(
+            f"--max-shard-size {text!r}: use e.g. 5GB, 500MB or a byte count"
+        ) from None
 
 
-def write_hf(source, out_tmp: Path, *, max_shard_bytes: int, meter: Meter,
-             convert=None, config: dict | None = None) -> list[str]:
+def write_hf(
+    source,
+    out_tmp: Path,
+    *,
+    max_shard_bytes: int,
+    meter: Meter,
+    convert=None,
+    config: dict | None = None,
+) -> list[str]:
     """Stream ``source`` through ``convert(name, tensor) -> [(name, tensor)]`` into ``out_tmp``."""
     plan = source.plan()
     if convert is not None:
@@ -49,7 +66,9 @@ def write_hf(source, out_tmp: Path, *, max_shard_bytes: int, meter: Meter,
         writer.finish()
     finally:
         writer.abort()
-    return copy_side_files(source.dir, out_tmp, config=config if config is not None else source.config)
+    return copy_side_files(
+        source.dir, out_tmp, config=config if config is not None else source.config
+    )
 
 
 class _Cast:
@@ -63,9 +82,16 @@ class _Cast:
         return [(name, tensor.to(self.dtype))]
 
 
-def mcore_to_hf(ckpt: str | Path, out: str | Path, *, hf_config_dir: str | Path,
-                max_shard_size: str | int = "5GB", dtype: str | None = None,
-                overwrite: bool = False, progress: bool = True) -> dict:
+def mcore_to_hf(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    hf_config_dir: str | Path,
+    max_shard_size: str | int = "5GB",
+    dtype: str | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
     out = Path(out)
     check_output(out.absolute(), overwrite=overwrite)
     max_bytes = parse_size(max_shard_size)
@@ -79,12 +105,17 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, *, hf_config_dir: str | Path,
         cast = _Cast(DTYPES[dtype])
         config["torch_dtype"] = dtype
         config.pop("dtype", None)
-    total = sum(t.nbytes for t in (source.plan() if cast is None
-                                    else [o for t in source.plan() for o in cast.plan(t)]))
+    total = sum(
+        t.nbytes
+        for t in (
+            source.plan() if cast is None else [o for t in source.plan() for o in cast.plan(t)]
+        )
+    )
     meter = Meter("mcore-to-hf", total, show=progress)
     with staged_output(out, overwrite=overwrite) as tmp:
-        files = write_hf(source, tmp, max_shard_bytes=max_bytes, meter=meter, convert=cast,
-                         config=config)
+        files = write_hf(
+            source, tmp, max_shard_bytes=max_bytes, meter=meter, convert=cast, config=config
+        )
     stats = meter.close()
     stats.update(summary=summary_line("mcore-to-hf", stats, out), notes=source.notes, files=files)
     return stats

@@ -38,7 +38,8 @@ def hf_to_mcore_plan(model: ModelConfig) -> list[tuple[str, list[Piece]]]:
     groups = model.num_query_groups
     q_per_group = model.num_attention_heads // groups
     plan: list[tuple[str, list[Piece]]] = [
-        ("embedding.word_embeddings.weight", [Piece("model.embed_tokens.weight")])]
+        ("embedding.word_embeddings.weight", [Piece("model.embed_tokens.weight")])
+    ]
     inverse = {v: k for k, v in _DIRECT.items() if "layer_norm_weight" not in k}
     for i in range(model.num_layers):
         p, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
@@ -52,10 +53,17 @@ def hf_to_mcore_plan(model: ModelConfig) -> list[tuple[str, list[Piece]]]:
                 pieces.append(Piece(f"{p}self_attn.k_proj.{kind}", (g * d, (g + 1) * d)))
                 pieces.append(Piece(f"{p}self_attn.v_proj.{kind}", (g * d, (g + 1) * d)))
             plan.append((f"{mp}self_attention.linear_qkv.{kind}", pieces))
-        plan.append((mp + "mlp.linear_fc1.weight",
-                     [Piece(p + "mlp.gate_proj.weight"), Piece(p + "mlp.up_proj.weight")]))
+        plan.append(
+            (
+                mp + "mlp.linear_fc1.weight",
+                [Piece(p + "mlp.gate_proj.weight"), Piece(p + "mlp.up_proj.weight")],
+            )
+        )
         for hf_suffix, mc_suffix in inverse.items():
-            if hf_suffix.startswith(("self_attn.q_norm", "self_attn.k_norm")) and not model.qk_layernorm:
+            if (
+                hf_suffix.startswith(("self_attn.q_norm", "self_attn.k_norm"))
+                and not model.qk_layernorm
+            ):
                 continue
             plan.append((mp + mc_suffix, [Piece(p + hf_suffix)]))
     plan.append(("decoder.final_layernorm.weight", [Piece("model.norm.weight")]))
@@ -69,5 +77,5 @@ def assemble_pieces(pieces: list[Piece], get) -> torch.Tensor:
     parts = []
     for piece in pieces:
         t = get(piece.hf_name)
-        parts.append(t if piece.rows is None else t[piece.rows[0]:piece.rows[1]])
+        parts.append(t if piece.rows is None else t[piece.rows[0] : piece.rows[1]])
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -6,8 +6,8 @@ shards), and yield tensors one at a time (HF: memory-mapped; Megatron: one layer
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -43,8 +43,10 @@ class HFSource:
         check_hf_tensors(self.ckpt, self.model)
 
     def plan(self) -> list[OutTensor]:
-        return [OutTensor(n, self.ckpt.tensors[n].dtype, tuple(self.ckpt.tensors[n].shape))
-                for n in expected_hf_names(self.model)]
+        return [
+            OutTensor(n, self.ckpt.tensors[n].dtype, tuple(self.ckpt.tensors[n].shape))
+            for n in expected_hf_names(self.model)
+        ]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for t in self.plan():
@@ -71,8 +73,9 @@ class McoreSource:
         expected = {}
         for name, pieces in hf_to_mcore_plan(model):
             first = hf_shapes[pieces[0].hf_name]
-            rows = sum(hf_shapes[p.hf_name][0] if p.rows is None else p.rows[1] - p.rows[0]
-                       for p in pieces)
+            rows = sum(
+                hf_shapes[p.hf_name][0] if p.rows is None else p.rows[1] - p.rows[0] for p in pieces
+            )
             expected[name] = (rows, *first[1:])
         have = {n: s for n, (s, _) in self.reader.names_and_shapes().items()}
         missing = sorted(set(expected) - set(have))
@@ -88,8 +91,11 @@ class McoreSource:
             raise ConvertError(
                 f"dist checkpoint {self.reader.dir} does not match {self.dir / 'config.json'}: "
                 f"missing {missing[:20]}, unexpected {extra[:20]}, wrong shape {wrong[:20]}. "
-                "Pass the --hf-config of the model this checkpoint was trained from.")
-        self._groups = [[n] for n, _ in hf_to_mcore_plan(model) if not n.startswith("decoder.layers.")]
+                "Pass the --hf-config of the model this checkpoint was trained from."
+            )
+        self._groups = [
+            [n] for n, _ in hf_to_mcore_plan(model) if not n.startswith("decoder.layers.")
+        ]
         per_layer: dict[int, list[str]] = {}
         for n, _ in hf_to_mcore_plan(model):
             if n.startswith("decoder.layers."):

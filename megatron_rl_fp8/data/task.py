@@ -35,10 +35,12 @@ class TaskConfig:
         help="Held-out prompts (.jsonl or .parquet); None = the shipped val.jsonl.",
     )
     prompt_field: str = field(
-        default="prompt", help="Name of the prompt field in the files.",
+        default="prompt",
+        help="Name of the prompt field in the files.",
     )
     answer_field: str = field(
-        default="answer", help="Name of the reference-answer field in the files.",
+        default="answer",
+        help="Name of the reference-answer field in the files.",
     )
     max_prompt_len: int = field(
         default=16,
@@ -49,7 +51,8 @@ class TaskConfig:
         help="Max generated tokens including <eos> (shipped answers need at most 5).",
     )
     seed: int = field(
-        default=0, help="Seed of the epoch-wise shuffle of the train prompts.",
+        default=0,
+        help="Seed of the epoch-wise shuffle of the train prompts.",
     )
 
     def __post_init__(self) -> None:

@@ -93,8 +93,10 @@ def _chunking(k: int, chunk: int | None) -> tuple[int, int, int]:
     if chunk is None:  # fast accumulation: one chunk spanning all of K
         chunk = max(HOPPER_MMA_K, -(-k // HOPPER_MMA_K) * HOPPER_MMA_K)
     if chunk < HOPPER_MMA_K or chunk % HOPPER_MMA_K:
-        raise ValueError(f"chunk={chunk} is not valid; give a positive multiple of {HOPPER_MMA_K} "
-                         "(or None for no promotion)")
+        raise ValueError(
+            f"chunk={chunk} is not valid; give a positive multiple of {HOPPER_MMA_K} "
+            "(or None for no promotion)"
+        )
     n_chunks = max(1, -(-k // chunk))
     return n_chunks * chunk, n_chunks, chunk // HOPPER_MMA_K
 
@@ -111,8 +113,9 @@ def hopper_matmul(
     autograd: the emulated linear's backward supplies straight-through gradients.
     """
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"hopper_matmul needs [M, K] x [K, N], got {tuple(a.shape)} x "
-                         f"{tuple(b.shape)}")
+        raise ValueError(
+            f"hopper_matmul needs [M, K] x [K, N], got {tuple(a.shape)} x {tuple(b.shape)}"
+        )
     if not 1 <= mantissa_bits <= 23:
         raise ValueError(f"mantissa_bits={mantissa_bits} is not valid; it must be in 1..23")
     m, k = a.shape
@@ -166,8 +169,9 @@ def accumulation_error_bound(
     abs_b = F.pad(b.detach().double().abs(), (0, 0, 0, kp - k))
     steps = kp // HOPPER_MMA_K
     # Sum of |p_k| per instruction step: [steps, M, N], then prefix sums within each chunk.
-    per_step = torch.bmm(abs_a.reshape(m, steps, HOPPER_MMA_K).transpose(0, 1),
-                         abs_b.reshape(steps, HOPPER_MMA_K, n))
+    per_step = torch.bmm(
+        abs_a.reshape(m, steps, HOPPER_MMA_K).transpose(0, 1), abs_b.reshape(steps, HOPPER_MMA_K, n)
+    )
     prefix = per_step.view(n_chunks, n_steps, m, n).cumsum(dim=1)
     chunk_abs = prefix[:, -1]  # A[c]
     rho = (1 + u + eps) ** n_steps

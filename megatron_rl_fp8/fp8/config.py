@@ -24,7 +24,12 @@ RolloutWeightQuant = Literal["bf16", "blockwise", "per_tensor"]
 Accumulation = Literal["fp32", "hopper"]
 
 RECIPES: tuple[str, ...] = (
-    "bf16", "tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise", "mxfp8"
+    "bf16",
+    "tensorwise_delayed",
+    "tensorwise_current",
+    "rowwise",
+    "blockwise",
+    "mxfp8",
 )
 FORMATS: tuple[str, ...] = ("e4m3", "hybrid")
 AMAX_COMPUTE_ALGOS: tuple[str, ...] = ("max", "most_recent")
@@ -53,16 +58,16 @@ class FP8Config:
     recipe: Recipe = field(
         default="bf16",
         help="Scaling recipe. 'bf16' turns FP8 off. 'tensorwise_delayed': one scale per "
-             "tensor from an amax history (TE DelayedScaling). 'tensorwise_current': one scale per "
-             "tensor from its own amax (TE Float8CurrentScaling). 'rowwise': one scale per row "
-             "along the GEMM contraction dim (emulation only; no TE recipe). 'blockwise': 1x128 "
-             "activation/gradient groups and 128x128 weight blocks (TE Float8BlockScaling, "
-             "DeepSeek-V3). 'mxfp8': 32-element blocks with power-of-two E8M0 scales (Blackwell).",
+        "tensor from an amax history (TE DelayedScaling). 'tensorwise_current': one scale per "
+        "tensor from its own amax (TE Float8CurrentScaling). 'rowwise': one scale per row "
+        "along the GEMM contraction dim (emulation only; no TE recipe). 'blockwise': 1x128 "
+        "activation/gradient groups and 128x128 weight blocks (TE Float8BlockScaling, "
+        "DeepSeek-V3). 'mxfp8': 32-element blocks with power-of-two E8M0 scales (Blackwell).",
     )
     format: Format = field(
         default="e4m3",
         help="'e4m3' everywhere, or 'hybrid': e4m3 for weights/activations in the forward "
-             "pass and e5m2 (more range, less precision) for gradients in the backward pass.",
+        "pass and e5m2 (more range, less precision) for gradients in the backward pass.",
     )
     amax_history_len: int = field(
         default=16,
@@ -71,12 +76,12 @@ class FP8Config:
     amax_compute_algo: AmaxComputeAlgo = field(
         default="max",
         help="Delayed scaling: derive the scale from the 'max' of the history (safe "
-             "against spikes) or the 'most_recent' entry (tracks drift faster).",
+        "against spikes) or the 'most_recent' entry (tracks drift faster).",
     )
     margin: int = field(
         default=0,
         help="Delayed scaling: extra headroom, scale = fp8_max / amax / 2^margin. Raise "
-             "it if amax grows between steps and values saturate.",
+        "it if amax grows between steps and values saturate.",
     )
     bf16_first_layers: int = field(
         default=0,
@@ -89,43 +94,43 @@ class FP8Config:
     keep_lm_head_bf16: bool = field(
         default=True,
         help="Keep the output projection (LM head) in BF16: its logits feed the log "
-             "ratios directly, so FP8 noise there lands straight in the importance ratio. "
-             "Megatron's TE path never runs the LM head in FP8, so False is emulation-only.",
+        "ratios directly, so FP8 noise there lands straight in the importance ratio. "
+        "Megatron's TE path never runs the LM head in FP8, so False is emulation-only.",
     )
     emulate: bool = field(
         default=False,
         help="Force the pure-PyTorch FP8 emulation even where Transformer Engine and a "
-             "GPU exist (numerics debugging, CI parity checks). Always on without TE.",
+        "GPU exist (numerics debugging, CI parity checks). Always on without TE.",
     )
     accumulation: Accumulation = field(
         default="fp32",
         help="Emulation only: how FP8 GEMMs accumulate. 'fp32' sums in float32 (exact up "
-             "to float32 rounding; the default). 'hopper' models Hopper FP8 tensor cores, whose "
-             "accumulator keeps only accum_mantissa_bits and is promoted to float32 every "
-             "accum_chunk elements of K (see fp8/accumulation.py). Real GPUs (TE) always do what "
-             "their hardware does; this changes only the emulated GEMMs.",
+        "to float32 rounding; the default). 'hopper' models Hopper FP8 tensor cores, whose "
+        "accumulator keeps only accum_mantissa_bits and is promoted to float32 every "
+        "accum_chunk elements of K (see fp8/accumulation.py). Real GPUs (TE) always do what "
+        "their hardware does; this changes only the emulated GEMMs.",
     )
     accum_chunk: int = field(
         default=128,
         help="accumulation='hopper': promotion interval, in elements of the contraction "
-             "dim: partial sums move to float32 every accum_chunk elements (128 = 4 WGMMA "
-             "instructions, as CUTLASS, cuBLAS without fast accumulation and DeepSeek-V3 do). A "
-             "multiple of 32; for recipe='blockwise' a divisor of 128 (its scales change every "
-             "128 elements, which forces a promotion).",
+        "dim: partial sums move to float32 every accum_chunk elements (128 = 4 WGMMA "
+        "instructions, as CUTLASS, cuBLAS without fast accumulation and DeepSeek-V3 do). A "
+        "multiple of 32; for recipe='blockwise' a divisor of 128 (its scales change every "
+        "128 elements, which forces a promotion).",
     )
     accum_mantissa_bits: int = field(
         default=13,
         help="accumulation='hopper': explicit mantissa bits the tensor-core accumulator "
-             "keeps between promotions (1..23; float32 has 23). 13 is what bit-level studies of "
-             "H100 FP8 MMA report (DeepSeek-V3 measured 'around 14 bits' retained on H800).",
+        "keeps between promotions (1..23; float32 has 23). 13 is what bit-level studies of "
+        "H100 FP8 MMA report (DeepSeek-V3 measured 'around 14 bits' retained on H800).",
     )
     accum_fast_fprop: bool = field(
         default=True,
         help="accumulation='hopper': the forward GEMM runs with fast accumulation (no "
-             "promotion: all of K accumulates at accum_mantissa_bits), as Transformer Engine "
-             "(use_split_accumulator=False for fprop) and torchao (use_fast_accum=True for the "
-             "output) do by default; dgrad and wgrad always promote. Ignored by "
-             "recipe='blockwise', whose per-block scales force promotion in every GEMM.",
+        "promotion: all of K accumulates at accum_mantissa_bits), as Transformer Engine "
+        "(use_split_accumulator=False for fprop) and torchao (use_fast_accum=True for the "
+        "output) do by default; dgrad and wgrad always promote. Ignored by "
+        "recipe='blockwise', whose per-block scales force promotion in every GEMM.",
     )
 
     def __post_init__(self) -> None:
@@ -228,18 +233,18 @@ class RolloutFP8Config:
     weight_quant: RolloutWeightQuant = field(
         default="bf16",
         help="'bf16': no FP8 rollout (default). 'blockwise': one float32 scale per "
-             "weight_block tile (what SGLang/vLLM read as 'weight_scale_inv') and 1 x act_group "
-             "dynamic activation scales; 'per_tensor': one scale per weight.",
+        "weight_block tile (what SGLang/vLLM read as 'weight_scale_inv') and 1 x act_group "
+        "dynamic activation scales; 'per_tensor': one scale per weight.",
     )
     weight_block: tuple[int, int] = field(
         default=(128, 128),
         help="Weight tile (rows, cols) sharing one scale. Serving kernels expect "
-             "(128, 128); other sizes are for numerics studies.",
+        "(128, 128); other sizes are for numerics studies.",
     )
     pow2_scale: bool = field(
         default=False,
         help="Round each weight scale_inv up to a power of two. Exact rescaling and "
-             "matches TE's default blockwise scales; costs up to one bit of precision.",
+        "matches TE's default blockwise scales; costs up to one bit of precision.",
     )
     act_group: int = field(
         default=128,

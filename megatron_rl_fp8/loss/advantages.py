@@ -14,8 +14,10 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be a flat [N] tensor; got shape {tuple(rewards.shape)}.")
     if group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(f"group_size={group_size} must be >= 1 and divide the number of rewards "
-                         f"({rewards.numel()}); rewards are [num_prompts * group_size].")
+        raise ValueError(
+            f"group_size={group_size} must be >= 1 and divide the number of rewards "
+            f"({rewards.numel()}); rewards are [num_prompts * group_size]."
+        )
     return rewards.view(-1, group_size)
 
 
@@ -40,8 +42,11 @@ def grpo_advantages(
     grouped = _grouped(rewards, group_size).to(torch.promote_types(rewards.dtype, torch.float32))
     centred = grouped - grouped.mean(dim=-1, keepdim=True)
     if norm_std:
-        std = grouped.std(dim=-1, keepdim=True, unbiased=unbiased) if group_size > 1 else \
-            torch.zeros_like(centred[:, :1])
+        std = (
+            grouped.std(dim=-1, keepdim=True, unbiased=unbiased)
+            if group_size > 1
+            else torch.zeros_like(centred[:, :1])
+        )
         centred = centred / (std + eps)
     return centred.reshape(-1)
 
@@ -69,8 +74,10 @@ def overlong_reward_penalty(
     ``-penalty_factor`` for ``L > max_len`` (truncated responses).
     """
     if not 0 < buffer_len <= max_len:
-        raise ValueError(f"buffer_len={buffer_len} must satisfy 0 < buffer_len <= max_len "
-                         f"(max_len={max_len}); DAPO uses e.g. max_len=20480, buffer_len=4096.")
+        raise ValueError(
+            f"buffer_len={buffer_len} must satisfy 0 < buffer_len <= max_len "
+            f"(max_len={max_len}); DAPO uses e.g. max_len=20480, buffer_len=4096."
+        )
     start = max_len - buffer_len
     lengths = response_lengths.to(torch.float32)
     ramp = (lengths - start).clamp(0.0, float(buffer_len)) / buffer_len

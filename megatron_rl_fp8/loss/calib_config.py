@@ -19,6 +19,7 @@ DEFAULT_LOG_RATIO_RANGE = (-2.0, 2.0)
 DEFAULT_LOWER_LIMITS = (0.5, 0.999)
 DEFAULT_UPPER_LIMITS = (1.001, 3.0)
 
+
 @dataclass(kw_only=True)
 class CalibConfig:
     """Calibrated clipping knobs. The trainer owns the state (previous bounds, step counter)."""
@@ -26,37 +27,37 @@ class CalibConfig:
     enabled: bool = field(
         default=True,
         help="Calibrate the FP8 clip bounds against a BF16 shadow forward. Only "
-             "meaningful when training runs in FP8.",
+        "meaningful when training runs in FP8.",
     )
     interval: int = field(
         default=20,
         help="Calibrate every this many optimizer steps (each calibration costs one "
-             "BF16 shadow forward of pi_old and pi_theta).",
+        "BF16 shadow forward of pi_old and pi_theta).",
     )
     strategy: Strategy = field(
         default="balance",
         help="Upper-bound rule: 'balance' matches BF16's positive/negative update "
-             "balance; 'shift' keeps the nominal log-width of the clip interval.",
+        "balance; 'shift' keeps the nominal log-width of the clip interval.",
     )
     bins: int = field(
         default=DEFAULT_BINS,
         help="Histogram bins over log_ratio_range; the bound resolution is "
-             "(hi - lo) / bins in log ratio (4096 over (-2, 2): ~0.1% in ratio).",
+        "(hi - lo) / bins in log ratio (4096 over (-2, 2): ~0.1% in ratio).",
     )
     log_ratio_range: tuple[float, float] = field(
         default=DEFAULT_LOG_RATIO_RANGE,
         help="(lo, hi) log-ratio range of the histograms; values outside are "
-             "clamped into the edge bins. Must contain the safety limits.",
+        "clamped into the edge bins. Must contain the safety limits.",
     )
     ema_decay: float = field(
         default=0.5,
         help="Weight of the previous bounds when smoothing a new calibration "
-             "(0 = use each calibration as is).",
+        "(0 = use each calibration as is).",
     )
     lower_limits: tuple[float, float] = field(
         default=DEFAULT_LOWER_LIMITS,
         help="(min, max) allowed calibrated lower ratio bound; max < 1 so that an "
-             "unchanged token (r = 1) is never clipped.",
+        "unchanged token (r = 1) is never clipped.",
     )
     upper_limits: tuple[float, float] = field(
         default=DEFAULT_UPPER_LIMITS,
@@ -68,20 +69,30 @@ class CalibConfig:
         self.lower_limits = tuple(self.lower_limits)
         self.upper_limits = tuple(self.upper_limits)
         if self.interval < 1:
-            raise ValueError(f"CalibConfig.interval={self.interval!r} must be >= 1 "
-                             "(calibrate every `interval` steps; 20 is the paper's default).")
+            raise ValueError(
+                f"CalibConfig.interval={self.interval!r} must be >= 1 "
+                "(calibrate every `interval` steps; 20 is the paper's default)."
+            )
         if self.ema_decay < 0 or self.ema_decay >= 1:
-            raise ValueError(f"CalibConfig.ema_decay={self.ema_decay!r} must lie in [0, 1); "
-                             "use 0 to disable smoothing.")
-        check_solver_args(strategy=self.strategy, bins=self.bins,
-                          log_ratio_range=self.log_ratio_range, lower_limits=self.lower_limits,
-                          upper_limits=self.upper_limits, owner="CalibConfig.")
+            raise ValueError(
+                f"CalibConfig.ema_decay={self.ema_decay!r} must lie in [0, 1); "
+                "use 0 to disable smoothing."
+            )
+        check_solver_args(
+            strategy=self.strategy,
+            bins=self.bins,
+            log_ratio_range=self.log_ratio_range,
+            lower_limits=self.lower_limits,
+            upper_limits=self.upper_limits,
+            owner="CalibConfig.",
+        )
 
     def solver_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`calibrated_clip_bounds` taken from this config."""
         d = asdict(self)
-        return {k: d[k] for k in ("strategy", "bins", "log_ratio_range", "lower_limits",
-                                  "upper_limits")}
+        return {
+            k: d[k] for k in ("strategy", "bins", "log_ratio_range", "lower_limits", "upper_limits")
+        }
 
 
 def check_solver_args(
@@ -95,30 +106,40 @@ def check_solver_args(
 ) -> None:
     """Validate the calibration solver arguments; errors name ``owner + field``."""
     if strategy not in ("balance", "shift"):
-        raise ValueError(f"{owner}strategy={strategy!r} is not supported; use 'balance' "
-                         "(default) or 'shift'.")
+        raise ValueError(
+            f"{owner}strategy={strategy!r} is not supported; use 'balance' (default) or 'shift'."
+        )
     if not isinstance(bins, int) or bins < 16:
         raise ValueError(f"{owner}bins={bins!r} must be an int >= 16 (4096 is a good default).")
     lo, hi = log_ratio_range
     if not lo < 0 < hi:
-        raise ValueError(f"{owner}log_ratio_range={log_ratio_range!r} must satisfy lo < 0 < hi "
-                         "(e.g. (-2.0, 2.0)); it is a range of log ratios.")
+        raise ValueError(
+            f"{owner}log_ratio_range={log_ratio_range!r} must satisfy lo < 0 < hi "
+            "(e.g. (-2.0, 2.0)); it is a range of log ratios."
+        )
     min_l, max_l = lower_limits
     if not 0 < min_l <= max_l < 1:
-        raise ValueError(f"{owner}lower_limits={lower_limits!r} must satisfy "
-                         "0 < min <= max < 1 (e.g. (0.5, 0.999)).")
+        raise ValueError(
+            f"{owner}lower_limits={lower_limits!r} must satisfy "
+            "0 < min <= max < 1 (e.g. (0.5, 0.999))."
+        )
     min_u, max_u = upper_limits
     if not 1 < min_u <= max_u:
-        raise ValueError(f"{owner}upper_limits={upper_limits!r} must satisfy 1 < min <= max "
-                         "(e.g. (1.001, 3.0)).")
+        raise ValueError(
+            f"{owner}upper_limits={upper_limits!r} must satisfy 1 < min <= max (e.g. (1.001, 3.0))."
+        )
     if math.log(min_l) <= lo or math.log(max_u) >= hi:
-        raise ValueError(f"{owner}log_ratio_range={log_ratio_range!r} must strictly contain the "
-                         f"log of the limits (lower_limits={lower_limits!r}, "
-                         f"upper_limits={upper_limits!r}); widen the range or tighten the limits.")
+        raise ValueError(
+            f"{owner}log_ratio_range={log_ratio_range!r} must strictly contain the "
+            f"log of the limits (lower_limits={lower_limits!r}, "
+            f"upper_limits={upper_limits!r}); widen the range or tighten the limits."
+        )
 
 
 def _check_eps(eps_low: float, eps_high: float) -> None:
     if not 0 < eps_low < 1 or not eps_high > 0:
-        raise ValueError(f"eps_low={eps_low!r}, eps_high={eps_high!r} must satisfy "
-                         "0 < eps_low < 1 and eps_high > 0 (the nominal bounds are "
-                         "1 - eps_low and 1 + eps_high).")
+        raise ValueError(
+            f"eps_low={eps_low!r}, eps_high={eps_high!r} must satisfy "
+            "0 < eps_low < 1 and eps_high > 0 (the nominal bounds are "
+            "1 - eps_low and 1 + eps_high)."
+        )

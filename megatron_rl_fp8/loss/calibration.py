@@ -59,18 +59,24 @@ from megatron_rl_fp8.loss.calib_config import (
 )
 from megatron_rl_fp8.loss.histogram import hist_inverse_mass, hist_mass_below
 
-__all__ = ["CalibConfig", "bounds_from_histogram", "build_calibration_histogram",
-           "calibrated_clip_bounds", "check_solver_args", "ema_bounds"]
+__all__ = [
+    "CalibConfig",
+    "bounds_from_histogram",
+    "build_calibration_histogram",
+    "calibrated_clip_bounds",
+    "check_solver_args",
+    "ema_bounds",
+]
 
 # Exact scalar sums packed after the four histograms, in this order.
 _SCALARS = (
-    "bf16_neg_below",        # count, A < 0 and BF16 r < nominal lower
-    "bf16_pos_unclipped",    # sum |A| r, A > 0 and BF16 r <= nominal upper
-    "bf16_neg_unclipped",    # sum |A| r, A < 0 and BF16 r >= nominal lower
-    "fp8_neg_below",         # the same three for FP8 at the nominal bounds (diagnostics)
+    "bf16_neg_below",  # count, A < 0 and BF16 r < nominal lower
+    "bf16_pos_unclipped",  # sum |A| r, A > 0 and BF16 r <= nominal upper
+    "bf16_neg_unclipped",  # sum |A| r, A < 0 and BF16 r >= nominal lower
+    "fp8_neg_below",  # the same three for FP8 at the nominal bounds (diagnostics)
     "fp8_pos_unclipped",
     "fp8_neg_unclipped",
-    "fp8_out_of_range",      # count of tokens whose FP8 log ratio was clamped into an edge bin
+    "fp8_out_of_range",  # count of tokens whose FP8 log ratio was clamped into an edge bin
 )
 NUM_SCALARS = len(_SCALARS)
 _EXACT_FLOAT32_COUNT = 1 << 24  # float32 represents every integer count below this exactly
@@ -158,11 +164,14 @@ def build_calibration_histogram(
     ones = valid.flatten().to(w8.dtype)
     if x8.numel() < _EXACT_FLOAT32_COUNT:
         # float32 counts are exact below 2^24 tokens per call and skip a float64 copy of the mask.
-        packed[: 2 * bins] = torch.zeros(2 * bins, dtype=w8.dtype, device=w8.device) \
-            .index_add_(0, idx, ones).double()
+        packed[: 2 * bins] = (
+            torch.zeros(2 * bins, dtype=w8.dtype, device=w8.device)
+            .index_add_(0, idx, ones)
+            .double()
+        )
     else:
         packed[: 2 * bins].index_add_(0, idx, ones.double())
-    packed[2 * bins: 4 * bins].index_add_(0, idx, w8.flatten().double())
+    packed[2 * bins : 4 * bins].index_add_(0, idx, w8.flatten().double())
 
     def count(t: torch.Tensor) -> torch.Tensor:
         return torch.count_nonzero(t).double()  # int64: exact
@@ -175,15 +184,17 @@ def build_calibration_histogram(
         return (kept.sum(dim=-1) if kept.dim() > 1 else kept).double().sum()
 
     below8, below16 = x8 < log_lower, x16 < log_lower
-    packed[4 * bins:] = torch.stack([
-        count(neg & below16),
-        total(w16, pos & (x16 <= log_upper)),
-        total(w16, neg & ~below16),
-        count(neg & below8),
-        total(w8, pos & (x8 <= log_upper)),
-        total(w8, neg & ~below8),
-        count(valid & ((x8 < lo) | (x8 > hi))),
-    ])
+    packed[4 * bins :] = torch.stack(
+        [
+            count(neg & below16),
+            total(w16, pos & (x16 <= log_upper)),
+            total(w16, neg & ~below16),
+            count(neg & below8),
+            total(w8, pos & (x8 <= log_upper)),
+            total(w8, neg & ~below8),
+            count(valid & ((x8 < lo) | (x8 > hi))),
+        ]
+    )
     return packed
 
 
@@ -223,17 +234,24 @@ def bounds_from_histogram(
     with the clamped lower bound. Returns ``(lower, upper, stats)`` with Python floats.
     """
     _check_eps(eps_low, eps_high)
-    check_solver_args(strategy=strategy, bins=bins, log_ratio_range=log_ratio_range,
-                      lower_limits=lower_limits, upper_limits=upper_limits)
+    check_solver_args(
+        strategy=strategy,
+        bins=bins,
+        log_ratio_range=log_ratio_range,
+        lower_limits=lower_limits,
+        upper_limits=upper_limits,
+    )
     if packed.numel() != 4 * bins + NUM_SCALARS:
-        raise ValueError(f"packed histogram has {packed.numel()} entries, expected "
-                         f"4 * bins + {NUM_SCALARS} = {4 * bins + NUM_SCALARS} for bins={bins}; "
-                         "pass the bins it was built with.")
+        raise ValueError(
+            f"packed histogram has {packed.numel()} entries, expected "
+            f"4 * bins + {NUM_SCALARS} = {4 * bins + NUM_SCALARS} for bins={bins}; "
+            "pass the bins it was built with."
+        )
     # The one host sync of a calibration: a few thousand float64 numbers to the CPU, where the
     # rest is cheap scalar work.
     packed = packed.detach().to("cpu", torch.float64)
     neg_cnt, pos_cnt, neg_sum, pos_sum = packed[: 4 * bins].view(4, bins)
-    s = dict(zip(_SCALARS, packed[4 * bins:].tolist()))
+    s = dict(zip(_SCALARS, packed[4 * bins :].tolist()))
     n_neg, n_pos = float(neg_cnt.sum()), float(pos_cnt.sum())
     neg_total, pos_total = float(neg_sum.sum()), float(pos_sum.sum())
     nominal_lower, nominal_upper = 1.0 - eps_low, 1.0 + eps_high
@@ -263,8 +281,9 @@ def bounds_from_histogram(
             # non-empty bin) but never tighten below nominal. Going further, e.g. to the safety
             # maximum, would not move this batch's balance at all, only drop the upper clip for
             # every step until the next calibration.
-            upper = max(nominal_upper,
-                        math.exp(hist_inverse_mass(pos_sum, pos_total, log_ratio_range)))
+            upper = max(
+                nominal_upper, math.exp(hist_inverse_mass(pos_sum, pos_total, log_ratio_range))
+            )
         else:
             upper = math.exp(hist_inverse_mass(pos_sum, target, log_ratio_range))
     upper = _clamp(upper, upper_limits)
@@ -276,11 +295,13 @@ def bounds_from_histogram(
         "bf16_neg_lower_clipfrac": q,
         "fp8_neg_lower_clipfrac_nominal": _ratio(s["fp8_neg_below"], n_neg),
         "fp8_neg_lower_clipfrac_calibrated": _ratio(
-            hist_mass_below(neg_cnt, log_l, log_ratio_range), n_neg),
+            hist_mass_below(neg_cnt, log_l, log_ratio_range), n_neg
+        ),
         "bf16_balance": bf16_balance,
         "fp8_balance_nominal": _ratio(s["fp8_pos_unclipped"], s["fp8_neg_unclipped"]),
-        "fp8_balance_calibrated": _ratio(hist_mass_below(pos_sum, log_u, log_ratio_range),
-                                         fp8_neg_unclipped(log_l)),
+        "fp8_balance_calibrated": _ratio(
+            hist_mass_below(pos_sum, log_u, log_ratio_range), fp8_neg_unclipped(log_l)
+        ),
         "fp8_out_of_range_frac": _ratio(s["fp8_out_of_range"], n_neg + n_pos),
         "num_neg_tokens": n_neg,
         "num_pos_tokens": n_pos,
@@ -321,16 +342,35 @@ def calibrated_clip_bounds(
             (clip shares before/after, balances, ``hist_bytes`` all-reduced per calibration).
     """
     _check_eps(eps_low, eps_high)
-    check_solver_args(strategy=strategy, bins=bins, log_ratio_range=log_ratio_range,
-                      lower_limits=lower_limits, upper_limits=upper_limits)
-    packed = build_calibration_histogram(fp8_log_ratio, bf16_log_ratio, advantages, mask,
-                                         eps_low, eps_high, bins=bins,
-                                         log_ratio_range=log_ratio_range)
+    check_solver_args(
+        strategy=strategy,
+        bins=bins,
+        log_ratio_range=log_ratio_range,
+        lower_limits=lower_limits,
+        upper_limits=upper_limits,
+    )
+    packed = build_calibration_histogram(
+        fp8_log_ratio,
+        bf16_log_ratio,
+        advantages,
+        mask,
+        eps_low,
+        eps_high,
+        bins=bins,
+        log_ratio_range=log_ratio_range,
+    )
     if group is not None:
         import torch.distributed as dist
 
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
     lower, upper, stats = bounds_from_histogram(
-        packed, eps_low, eps_high, strategy=strategy, bins=bins, log_ratio_range=log_ratio_range,
-        lower_limits=lower_limits, upper_limits=upper_limits)
+        packed,
+        eps_low,
+        eps_high,
+        strategy=strategy,
+        bins=bins,
+        log_ratio_range=log_ratio_range,
+        lower_limits=lower_limits,
+        upper_limits=upper_limits,
+    )
     return (lower, upper, stats) if return_stats else (lower, upper)

@@ -45,8 +45,11 @@ def histogram(
     the largest index first (a host-device sync on GPU).
     """
     idx = bin_index(values, bins, value_range).flatten()
-    src = torch.ones_like(idx, dtype=torch.float64) if weights is None else \
-        weights.flatten().to(torch.float64)
+    src = (
+        torch.ones_like(idx, dtype=torch.float64)
+        if weights is None
+        else weights.flatten().to(torch.float64)
+    )
     return torch.zeros(bins, dtype=torch.float64, device=values.device).index_add_(0, idx, src)
 
 

@@ -50,12 +50,12 @@ class ISCorrectionConfig:
     level: ISLevel = field(
         default="token",
         help="Granularity of the weight: 'token', 'sequence' (product over the "
-             "response) or 'geometric' (geometric mean over the response).",
+        "response) or 'geometric' (geometric mean over the response).",
     )
     mode: ISMode = field(
         default="truncate",
         help="'truncate' clamps weights above at `cap` (TIS); 'mask' zeroes weights "
-             "outside [mask_low, mask_high] (MIS).",
+        "outside [mask_low, mask_high] (MIS).",
     )
     cap: float = field(
         default=2.0,

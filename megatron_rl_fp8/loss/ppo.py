@@ -83,16 +83,21 @@ def aggregate_loss(
     mask_f = mask.to(loss_tok.dtype)
     if agg == "token-mean":
         if global_seq_count is not None:
-            raise ValueError("global_seq_count is for the seq-mean aggregations; "
-                             "with agg='token-mean' pass global_token_count.")
+            raise ValueError(
+                "global_seq_count is for the seq-mean aggregations; "
+                "with agg='token-mean' pass global_token_count."
+            )
         denom = mask_f.sum().clamp_min(1.0) if global_token_count is None else global_token_count
         return masked_sum(loss_tok, mask_f) / denom
     if agg not in ("seq-mean-token-sum", "seq-mean-token-mean"):
-        raise ValueError(f"agg={agg!r} is not supported; use 'token-mean', "
-                         "'seq-mean-token-sum' or 'seq-mean-token-mean'.")
+        raise ValueError(
+            f"agg={agg!r} is not supported; use 'token-mean', "
+            "'seq-mean-token-sum' or 'seq-mean-token-mean'."
+        )
     if global_token_count is not None:
-        raise ValueError(f"global_token_count is for agg='token-mean'; with agg={agg!r} "
-                         "pass global_seq_count.")
+        raise ValueError(
+            f"global_token_count is for agg='token-mean'; with agg={agg!r} pass global_seq_count."
+        )
     tokens_per_seq = mask_f.sum(dim=-1)
     seq_loss = masked_sum(loss_tok, mask_f, dim=-1)
     if agg == "seq-mean-token-mean":
@@ -161,14 +166,18 @@ def policy_loss(
     """
     if isinstance(clip_low, (int, float)) and isinstance(clip_high, (int, float)):
         if not 0.0 < clip_low <= 1.0 <= clip_high:
-            raise ValueError(f"clip bounds must satisfy 0 < clip_low <= 1 <= clip_high; got "
-                             f"clip_low={clip_low}, clip_high={clip_high} (they are ratio bounds, "
-                             "e.g. 0.8 and 1.28, not epsilons).")
+            raise ValueError(
+                f"clip bounds must satisfy 0 < clip_low <= 1 <= clip_high; got "
+                f"clip_low={clip_low}, clip_high={clip_high} (they are ratio bounds, "
+                "e.g. 0.8 and 1.28, not epsilons)."
+            )
     if clip_c is not None and not clip_c > 1.0:
         raise ValueError(f"clip_c={clip_c} must be > 1 (verl uses 3.0), or None to disable.")
     if is_correction is not None and rollout_log_prob is None:
-        raise ValueError("is_correction needs rollout_log_prob: pass the rollout engine's "
-                         "log-probs of the sampled tokens, or drop is_correction.")
+        raise ValueError(
+            "is_correction needs rollout_log_prob: pass the rollout engine's "
+            "log-probs of the sampled tokens, or drop is_correction."
+        )
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     advantages = advantages.detach().expand_as(log_prob)
@@ -199,20 +208,33 @@ def policy_loss(
         # NeMo RL's `token_mult_prob_error`: mean multiplicative probability error per token.
         metrics["token_mult_prob_error"] = masked_mean(torch.exp(mismatch.abs()), mask_f).detach()
     if is_correction is not None:
-        weights, is_metrics = importance_weights(old_log_prob, rollout_log_prob, mask_f,
-                                                 is_correction)
+        weights, is_metrics = importance_weights(
+            old_log_prob, rollout_log_prob, mask_f, is_correction
+        )
         loss_tok = loss_tok * weights
         metrics.update(is_metrics)
-    pg_loss = aggregate_loss(loss_tok, mask_f, agg, global_token_count=global_token_count,
-                             global_seq_count=global_seq_count)
+    pg_loss = aggregate_loss(
+        loss_tok,
+        mask_f,
+        agg,
+        global_token_count=global_token_count,
+        global_seq_count=global_seq_count,
+    )
     loss = pg_loss
     if ref_log_prob is not None and kl_coef != 0.0:
         # Both inputs masked before the estimator, for the same NaN-padding reason as log_ratio.
-        kl = kl_penalty(torch.where(mask_b, log_prob, torch.zeros_like(log_prob)),
-                        ref_log_prob.detach().masked_fill(~mask_b, 0.0), kl_kind)
-        loss = loss + kl_coef * aggregate_loss(kl, mask_f, agg,
-                                               global_token_count=global_token_count,
-                                               global_seq_count=global_seq_count)
+        kl = kl_penalty(
+            torch.where(mask_b, log_prob, torch.zeros_like(log_prob)),
+            ref_log_prob.detach().masked_fill(~mask_b, 0.0),
+            kl_kind,
+        )
+        loss = loss + kl_coef * aggregate_loss(
+            kl,
+            mask_f,
+            agg,
+            global_token_count=global_token_count,
+            global_seq_count=global_seq_count,
+        )
         metrics["kl_ref"] = masked_mean(kl, mask_f).detach()
 
     with torch.no_grad():
@@ -232,6 +254,5 @@ def policy_loss(
             ratio_min=_masked_extreme(r, mask_b, largest=False),
         )
         if clip_c is not None:
-            metrics["pg_clipfrac_dual"] = masked_mean((neg & (r > clip_c)).to(mask_f.dtype),
-                                                      mask_f)
+            metrics["pg_clipfrac_dual"] = masked_mean((neg & (r > clip_c)).to(mask_f.dtype), mask_f)
     return loss, metrics

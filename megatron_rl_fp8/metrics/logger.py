@@ -29,7 +29,9 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # pragma: no cover - optional
-                raise ImportError("TensorBoard logging needs: pip install 'megatron-rl-fp8[tensorboard]'") from e
+                raise ImportError(
+                    "TensorBoard logging needs: pip install 'megatron-rl-fp8[tensorboard]'"
+                ) from e
             self._tb = SummaryWriter(str(Path(output_dir) / "tb"))
 
     def truncate_after(self, step: int) -> None:

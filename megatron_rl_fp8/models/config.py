@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Literal
 
 from megatron_rl_fp8.config_utils import field
 
@@ -14,33 +14,44 @@ Arch = Literal["llama", "qwen2", "qwen3"]
 class ModelConfig:
     """A dense decoder-only LLM in one of the supported families (RMSNorm, SwiGLU, RoPE, GQA)."""
 
-    arch: Arch = field("qwen3", help="Family: llama (no biases), qwen2 (QKV bias), qwen3 (QK-norm).")
+    arch: Arch = field(
+        "qwen3", help="Family: llama (no biases), qwen2 (QKV bias), qwen3 (QK-norm)."
+    )
     num_layers: int = field(2, help="Transformer layers.")
     hidden_size: int = field(64, help="Model width.")
     ffn_hidden_size: int = field(128, help="SwiGLU inner width (per gate/up projection).")
     num_attention_heads: int = field(4, help="Query heads.")
     num_query_groups: int = field(2, help="Key/value heads (GQA groups); = heads for MHA.")
-    head_dim: Optional[int] = field(None, help="Per-head width; default hidden_size / heads.")
+    head_dim: int | None = field(None, help="Per-head width; default hidden_size / heads.")
     vocab_size: int = field(64, help="Tokenizer vocabulary size (before padding for TP).")
     max_position_embeddings: int = field(128, help="Longest sequence the model serves.")
     rope_theta: float = field(10000.0, help="RoPE base frequency.")
-    rope_scaling_factor: Optional[float] = field(
-        None, help="Llama 3.1 RoPE scaling (HF rope_type 'llama3': low/high frequency factors 1 "
-                   "and 4, original context 8192, as Megatron-Core implements it); null = off.")
+    rope_scaling_factor: float | None = field(
+        None,
+        help="Llama 3.1 RoPE scaling (HF rope_type 'llama3': low/high frequency factors 1 "
+        "and 4, original context 8192, as Megatron-Core implements it); null = off.",
+    )
     norm_eps: float = field(1e-6, help="RMSNorm epsilon.")
     tie_word_embeddings: bool = field(False, help="Share input embedding and output layer weights.")
     params_dtype: Literal["auto", "float32", "bfloat16"] = field(
         "auto",
         help="Parameter dtype. auto = bfloat16 on GPUs (the optimizer keeps fp32 main parameters "
-             "and gradients, as Megatron trains) and float32 on the CPU.",
+        "and gradients, as Megatron trains) and float32 on the CPU.",
     )
     make_vocab_size_divisible_by: int = field(
         128, help="Pad the vocab to a multiple of this times tensor_model_parallel_size."
     )
 
     def __post_init__(self):
-        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                     "num_query_groups", "vocab_size", "max_position_embeddings"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_query_groups:
@@ -49,8 +60,10 @@ class ModelConfig:
                 f"model.num_attention_heads={self.num_attention_heads}"
             )
         if self.rope_scaling_factor is not None and self.rope_scaling_factor <= 1:
-            raise ValueError(f"model.rope_scaling_factor must be > 1 (Llama 3.1 uses 8) or null, "
-                             f"got {self.rope_scaling_factor}")
+            raise ValueError(
+                f"model.rope_scaling_factor must be > 1 (Llama 3.1 uses 8) or null, "
+                f"got {self.rope_scaling_factor}"
+            )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by num_attention_heads="

@@ -16,7 +16,7 @@ clipping): the same weights, the same layers, unquantized GEMMs, no amax-history
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -39,14 +39,33 @@ class _EmulatedGemm:
         self.emulator = emulator
         self.enabled = True
 
-    def __call__(self, input, weight, *args, bias=None, allreduce_dgrad=False, sequence_parallel=False,
-                 tp_group=None, **kwargs):
+    def __call__(
+        self,
+        input,
+        weight,
+        *args,
+        bias=None,
+        allreduce_dgrad=False,
+        sequence_parallel=False,
+        tp_group=None,
+        **kwargs,
+    ):
         if not self.enabled:
-            return self.original(input, weight, *args, bias=bias, allreduce_dgrad=allreduce_dgrad,
-                                 sequence_parallel=sequence_parallel, tp_group=tp_group, **kwargs)
+            return self.original(
+                input,
+                weight,
+                *args,
+                bias=bias,
+                allreduce_dgrad=allreduce_dgrad,
+                sequence_parallel=sequence_parallel,
+                tp_group=tp_group,
+                **kwargs,
+            )
         if sequence_parallel:
-            raise NotImplementedError("FP8 emulation does not support sequence parallelism; set "
-                                      "parallel.sequence_parallel=false on CPU")
+            raise NotImplementedError(
+                "FP8 emulation does not support sequence parallelism; set "
+                "parallel.sequence_parallel=false on CPU"
+            )
         if allreduce_dgrad:
             from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 

@@ -59,22 +59,34 @@ def megatron_fusions(*, on_cpu: bool, use_te: bool) -> dict[str, bool]:
     On the CPU every fusion is off: they are CUDA kernels.
     """
     if on_cpu:
-        return dict(bias_activation_fusion=False, masked_softmax_fusion=False,
-                    bias_dropout_fusion=False, gradient_accumulation_fusion=False,
-                    apply_rope_fusion=False, persist_layer_norm=False)
+        return dict(
+            bias_activation_fusion=False,
+            masked_softmax_fusion=False,
+            bias_dropout_fusion=False,
+            gradient_accumulation_fusion=False,
+            apply_rope_fusion=False,
+            persist_layer_norm=False,
+        )
     return dict(
         bias_activation_fusion=True,
         bias_dropout_fusion=True,
         apply_rope_fusion=use_te,
         gradient_accumulation_fusion=use_te or _module_exists("fused_weight_gradient_mlp_cuda"),
-        masked_softmax_fusion=not use_te and _module_exists("scaled_upper_triang_masked_softmax_cuda"),
+        masked_softmax_fusion=not use_te
+        and _module_exists("scaled_upper_triang_masked_softmax_cuda"),
         persist_layer_norm=False,
     )
 
 
-def transformer_config(model: ModelConfig, *, tensor_model_parallel_size: int = 1,
-                       pipeline_model_parallel_size: int = 1, on_cpu: bool | None = None,
-                       use_te: bool | None = None, **overrides):
+def transformer_config(
+    model: ModelConfig,
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    on_cpu: bool | None = None,
+    use_te: bool | None = None,
+    **overrides,
+):
     """Megatron TransformerConfig for ``model``: dtype and fusions chosen for the device (see
     :func:`params_dtype`, :func:`megatron_fusions`); ``overrides`` win."""
     from megatron.core.transformer import TransformerConfig
@@ -115,8 +127,14 @@ def transformer_config(model: ModelConfig, *, tensor_model_parallel_size: int = 
     return TransformerConfig(**kwargs)
 
 
-def build_gpt_model(model: ModelConfig, config, *, use_te: bool | None = None,
-                    pre_process: bool | None = None, post_process: bool | None = None):
+def build_gpt_model(
+    model: ModelConfig,
+    config,
+    *,
+    use_te: bool | None = None,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+):
     """Instantiate this rank's pipeline stage of the GPTModel (parallel_state must be set up)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel

@@ -16,7 +16,7 @@ those from the shards. Layout facts:
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -47,13 +47,21 @@ def hf_architecture(model: ModelConfig) -> str:
     ]
 
 
-def hf_config(model: ModelConfig, *, bos_token_id: int | None = None,
-              eos_token_id: int | None = None, pad_token_id: int | None = None):
+def hf_config(
+    model: ModelConfig,
+    *,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+):
     """A transformers config object equivalent to ``model``."""
     import transformers
 
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config}[model.arch]
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[model.arch]
     kwargs = dict(
         vocab_size=model.vocab_size,
         hidden_size=model.hidden_size,
@@ -77,8 +85,12 @@ def hf_config(model: ModelConfig, *, bos_token_id: int | None = None,
     if model.arch == "qwen3":
         kwargs.update(attention_bias=False)
     if model.rope_scaling_factor is not None:
-        kwargs["rope_scaling"] = {"rope_type": "llama3", "factor": model.rope_scaling_factor,
-                                  **_LLAMA3_ROPE, "rope_theta": model.rope_theta}
+        kwargs["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": model.rope_scaling_factor,
+            **_LLAMA3_ROPE,
+            "rope_theta": model.rope_theta,
+        }
     cfg = cls(**kwargs)
     # transformers 5 moved rope_theta into rope_parameters; make sure the base is what we asked for.
     rope = getattr(cfg, "rope_parameters", None)
@@ -88,8 +100,11 @@ def hf_config(model: ModelConfig, *, bos_token_id: int | None = None,
 
 
 # The Llama 3.1 RoPE scaling constants Megatron-Core hard-codes (rope_utils / _apply_scaling).
-_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
+_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def _split_qkv(qkv: torch.Tensor, model: ModelConfig):
@@ -104,7 +119,9 @@ def _split_qkv(qkv: torch.Tensor, model: ModelConfig):
     return q, k, v
 
 
-def _merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+def _merge_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConfig
+) -> torch.Tensor:
     groups = model.num_query_groups
     q_per_group = model.num_attention_heads // groups
     d = model.kv_channels
@@ -117,7 +134,9 @@ def _merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelCo
     return torch.cat(parts, dim=1).reshape(groups * (q_per_group + 2) * d, *rest)
 
 
-def mcore_to_hf(name: str, tensor: torch.Tensor, model: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+def mcore_to_hf(
+    name: str, tensor: torch.Tensor, model: ModelConfig
+) -> list[tuple[str, torch.Tensor]]:
     """One full Megatron tensor -> its HF tensors (global layer numbering in ``name``)."""
     if name.endswith("._extra_state"):
         return []
@@ -146,8 +165,9 @@ def mcore_to_hf(name: str, tensor: torch.Tensor, model: ModelConfig) -> list[tup
     raise MappingError(f"no HF mapping for Megatron tensor {name!r} (arch {model.arch})")
 
 
-def mcore_state_to_hf(state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                      model: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def mcore_state_to_hf(
+    state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], model: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (HF name, tensor) pairs from a Megatron state dict or a stream of (name, tensor)."""
     pairs = state.items() if isinstance(state, dict) else state
     for name, tensor in pairs:
@@ -160,9 +180,14 @@ def expected_hf_names(model: ModelConfig) -> list[str]:
         names.append("lm_head.weight")
     for i in range(model.num_layers):
         p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
-                  p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight",
-                  p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
+        names += [
+            p + "input_layernorm.weight",
+            p + "post_attention_layernorm.weight",
+            p + "self_attn.o_proj.weight",
+            p + "mlp.gate_proj.weight",
+            p + "mlp.up_proj.weight",
+            p + "mlp.down_proj.weight",
+        ]
         names += [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
         if model.qkv_bias:
             names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
@@ -171,8 +196,9 @@ def expected_hf_names(model: ModelConfig) -> list[str]:
     return names
 
 
-def hf_state_to_mcore(hf: dict[str, torch.Tensor], model: ModelConfig, *,
-                      padded_vocab_size: int | None = None) -> dict[str, torch.Tensor]:
+def hf_state_to_mcore(
+    hf: dict[str, torch.Tensor], model: ModelConfig, *, padded_vocab_size: int | None = None
+) -> dict[str, torch.Tensor]:
     """Full HF state dict -> full Megatron (local-spec names) state dict; strict about names."""
     expected = set(expected_hf_names(model))
     present = {k for k in hf if not k.endswith("rotary_emb.inv_freq")}
@@ -180,15 +206,19 @@ def hf_state_to_mcore(hf: dict[str, torch.Tensor], model: ModelConfig, *,
         present.discard("lm_head.weight")
     missing, extra = sorted(expected - present), sorted(present - expected)
     if missing or extra:
-        raise MappingError(f"HF checkpoint does not match {model.arch}: missing {missing}, unexpected {extra}")
+        raise MappingError(
+            f"HF checkpoint does not match {model.arch}: missing {missing}, unexpected {extra}"
+        )
 
     def pad_vocab(t: torch.Tensor) -> torch.Tensor:
         if padded_vocab_size is None or padded_vocab_size == t.shape[0]:
             return t
         return torch.cat([t, t.new_zeros(padded_vocab_size - t.shape[0], *t.shape[1:])])
 
-    out = {"embedding.word_embeddings.weight": pad_vocab(hf["model.embed_tokens.weight"]),
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    out = {
+        "embedding.word_embeddings.weight": pad_vocab(hf["model.embed_tokens.weight"]),
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+    }
     if not model.tie_word_embeddings:
         out["output_layer.weight"] = pad_vocab(hf["lm_head.weight"])
     inverse = {v: k for k, v in _DIRECT.items() if "layer_norm_weight" not in k}
@@ -209,12 +239,16 @@ def hf_state_to_mcore(hf: dict[str, torch.Tensor], model: ModelConfig, *,
 
 
 # -- reading HF configs (conversion, and later a pretrained start) -----------------------------
-_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                  "Qwen3ForCausalLM": "qwen3"}
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 
 
-def model_config_from_hf(config: dict, *, params_dtype: str | None = None
-                         ) -> tuple[ModelConfig, list[str]]:
+def model_config_from_hf(
+    config: dict, *, params_dtype: str | None = None
+) -> tuple[ModelConfig, list[str]]:
     """The project's ModelConfig for an HF ``config.json`` dict (inverse of :func:`hf_config`).
 
     Returns ``(model, notes)``: ``notes`` lists HF settings that do not change any weight but that
@@ -244,19 +278,25 @@ def model_config_from_hf(config: dict, *, params_dtype: str | None = None
     if arch == "qwen3" and config.get("attention_bias"):
         raise MappingError("config.json: Qwen3 with attention_bias=true is not supported")
     if config.get("use_sliding_window"):
-        raise MappingError("config.json use_sliding_window=true is not supported (full attention only)")
+        raise MappingError(
+            "config.json use_sliding_window=true is not supported (full attention only)"
+        )
     rope = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {}
     rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    rope_type = (
+        rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    )
     rope_scaling_factor = None
     params = {**scaling, **rope}
     if rope_type == "llama3" and all(float(params.get(k, v)) == v for k, v in _LLAMA3_ROPE.items()):
         rope_scaling_factor = float(params.get("factor", 8.0))
     elif rope_type != "default":
-        notes.append(f"RoPE scaling {rope_type!r} ({params}) is kept in config.json but not "
-                     "represented in ModelConfig (weights are unaffected; long-context positions "
-                     "will differ from the HF model)")
+        notes.append(
+            f"RoPE scaling {rope_type!r} ({params}) is kept in config.json but not "
+            "represented in ModelConfig (weights are unaffected; long-context positions "
+            "will differ from the HF model)"
+        )
     heads = need("num_attention_heads")
     if params_dtype is None:
         dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
@@ -287,12 +327,20 @@ def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
     q, kv = model.num_attention_heads * d, model.num_query_groups * d
     per_layer = {
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-        "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-        "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
-        "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (d,),
+        "self_attn.k_norm.weight": (d,),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
     }
     out = {}
     for name in expected_hf_names(model):

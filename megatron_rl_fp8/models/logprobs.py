@@ -16,7 +16,9 @@ import torch
 _MASKED_LOGIT = -1e30
 
 
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int | None, tp_rank: int = 0) -> torch.Tensor:
+def mask_padded_vocab(
+    logits: torch.Tensor, vocab_size: int | None, tp_rank: int = 0
+) -> torch.Tensor:
     """Hide the columns Megatron added to pad the vocabulary to a multiple of 128 * TP.
 
     The HF export strips those rows, so the rollout engine's softmax never sees them; masking them
@@ -32,8 +34,14 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int | None, tp_rank: int
     return logits.masked_fill(cols >= vocab_size, _MASKED_LOGIT)
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                   vocab_size: int | None = None, tp_rank: int = 0) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    tp_rank: int = 0,
+) -> torch.Tensor:
     """log p(labels) under softmax(logits / temperature); logits [B, S, V/tp], labels [B, S].
 
     The TP group is Megatron's (``vocab_parallel_cross_entropy`` reads it from parallel_state).
@@ -49,8 +57,14 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: f
 
 
 @torch.no_grad()
-def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0, vocab_size: int | None = None,
-                  tp_rank: int = 0, tp_group=None) -> torch.Tensor:
+def token_entropy(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    tp_rank: int = 0,
+    tp_group=None,
+) -> torch.Tensor:
     """Entropy of softmax(logits / T) per position, reduced over the TP-sharded vocabulary."""
     import torch.distributed as dist
 

@@ -28,7 +28,11 @@ class ParallelConfig:
     timeout_minutes: int = field(30, help="Collective timeout.")
 
     def __post_init__(self):
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "timeout_minutes"):
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "timeout_minutes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -99,8 +103,9 @@ def initialize(cfg: ParallelConfig, *, seed: int) -> Groups:
             if world > 1:
                 raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is unset: launch with torchrun")
             os.environ["MASTER_PORT"] = str(free_port())
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(minutes=cfg.timeout_minutes))
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=timedelta(minutes=cfg.timeout_minutes)
+        )
     return init_model_parallel(cfg, seed=seed)
 
 

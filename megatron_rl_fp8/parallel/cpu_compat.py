@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 _STATE = threading.local()
 _PATCHES: list[tuple[object, str, object]] = []  # (owner, attr, original) for disable()
-_MODE: "_CudaToCpuMode | None" = None
+_MODE: _CudaToCpuMode | None = None
 _ACTIVE = False
 
 
@@ -50,12 +50,18 @@ class _CudaToCpuMode(TorchFunctionMode):
             # Megatron's optimizers assert param.type() == "torch.cuda.FloatTensor"; report CPU
             # tensors under the CUDA type names, since the CPU plays the device here.
             name = func(*args)
-            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+            return (
+                name.replace("torch.", "torch.cuda.", 1)
+                if not name.startswith("torch.cuda.")
+                else name
+            )
         if func is torch.Tensor.to or func is torch.Tensor.new_empty or "device" in kwargs:
             if "device" in kwargs and _is_cuda_device(kwargs["device"]):
                 kwargs["device"] = "cpu"
             if func is torch.Tensor.to:
-                args = tuple("cpu" if i > 0 and _is_cuda_device(a) else a for i, a in enumerate(args))
+                args = tuple(
+                    "cpu" if i > 0 and _is_cuda_device(a) else a for i, a in enumerate(args)
+                )
         return func(*args, **kwargs)
 
 

@@ -133,7 +133,7 @@ class RewardConfig:
     format_weight: float = field(
         default=0.0,
         help="Weight of the format bonus added to correctness (0 = off, the default). "
-             "Reward = correct + format_weight * well_formed.",
+        "Reward = correct + format_weight * well_formed.",
     )
 
     def __post_init__(self) -> None:

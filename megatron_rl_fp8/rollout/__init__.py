@@ -6,8 +6,16 @@ from __future__ import annotations
 from megatron_rl_fp8.rollout.base import Completion, RolloutConfig, RolloutEngine, SGLangConfig
 
 
-def build_engine(cfg: RolloutConfig, hf_cfg, *, pad_token_id: int, eos_token_id: int,
-                 output_dir: str | None = None, device=None, dtype=None) -> RolloutEngine:
+def build_engine(
+    cfg: RolloutConfig,
+    hf_cfg,
+    *,
+    pad_token_id: int,
+    eos_token_id: int,
+    output_dir: str | None = None,
+    device=None,
+    dtype=None,
+) -> RolloutEngine:
     """The engine named by ``cfg.engine``, ready for its first ``update_weights``.
 
     ``output_dir`` (the run's ``train.output_dir``) is where a server engine keeps its logs and its
@@ -18,14 +26,16 @@ def build_engine(cfg: RolloutConfig, hf_cfg, *, pad_token_id: int, eos_token_id:
         from megatron_rl_fp8.rollout.local import LocalEngine
 
         kw = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
-        return LocalEngine(hf_cfg, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
-                           fp8=cfg.fp8, **kw)
+        return LocalEngine(
+            hf_cfg, pad_token_id=pad_token_id, eos_token_id=eos_token_id, fp8=cfg.fp8, **kw
+        )
     if cfg.engine == "sglang":
         # No sglang import here: the server runs in its own interpreter (rollout.sglang.python).
         from megatron_rl_fp8.rollout.sglang import SGLangEngine
 
-        return SGLangEngine(cfg, hf_cfg, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
-                            output_dir=output_dir)
+        return SGLangEngine(
+            cfg, hf_cfg, pad_token_id=pad_token_id, eos_token_id=eos_token_id, output_dir=output_dir
+        )
     raise ValueError(f"rollout.engine={cfg.engine!r} is not a known engine")
 
 

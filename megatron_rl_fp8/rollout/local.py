@@ -13,7 +13,7 @@ per 1 x ``act_group`` elements, as block-FP8 serving kernels quantize activation
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -25,8 +25,16 @@ from megatron_rl_fp8.sync.quantize import dequantize_stream, is_fp8_weight
 
 
 class LocalEngine:
-    def __init__(self, hf_config, *, pad_token_id: int, eos_token_id: int, dtype=torch.float32,
-                 fp8: RolloutFP8Config | None = None, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        hf_config,
+        *,
+        pad_token_id: int,
+        eos_token_id: int,
+        dtype=torch.float32,
+        fp8: RolloutFP8Config | None = None,
+        device: str | torch.device = "cpu",
+    ):
         import transformers
 
         self.device = torch.device(device)
@@ -64,10 +72,14 @@ class LocalEngine:
         named = (nt for bucket in buckets for nt in bucket.tensors)
         for name, tensor in dequantize_stream(named, block=self.fp8.weight_block, dtype=dtype):
             if name not in params:
-                raise KeyError(f"engine has no parameter {name!r}; the HF mapping and model disagree")
+                raise KeyError(
+                    f"engine has no parameter {name!r}; the HF mapping and model disagree"
+                )
             if params[name].shape != tensor.shape:
-                raise ValueError(f"{name}: engine shape {tuple(params[name].shape)} != sent "
-                                 f"{tuple(tensor.shape)}")
+                raise ValueError(
+                    f"{name}: engine shape {tuple(params[name].shape)} != sent "
+                    f"{tuple(tensor.shape)}"
+                )
             params[name].copy_(tensor)
             seen.add(name)
         missing = set(params) - seen
@@ -90,16 +102,25 @@ class LocalEngine:
 
     # -- generation ----------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
-                 top_p: float = 1.0, seed: int = 0, greedy: bool = False) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        seed: int = 0,
+        greedy: bool = False,
+    ) -> list[Completion]:
         expanded = [p for p in prompts for _ in range(n)]
         width = max(len(p) for p in expanded)
         # Decoder-only generation wants left padding so every row's next token is at the end.
         input_ids = torch.full((len(expanded), width), self.pad_token_id, dtype=torch.long)
         attn = torch.zeros_like(input_ids)
         for i, p in enumerate(expanded):
-            input_ids[i, width - len(p):] = torch.tensor(p)
-            attn[i, width - len(p):] = 1
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            attn[i, width - len(p) :] = 1
         input_ids, attn = input_ids.to(self.device), attn.to(self.device)
         # Seed the generator that samples (the GPU's on GPU) and restore it afterwards, so
         # rollouts are reproducible and the trainer's random streams are untouched.
@@ -107,10 +128,17 @@ class LocalEngine:
         with torch.random.fork_rng(devices=rng_devices):
             torch.manual_seed(seed)
             out = self.model.generate(
-                input_ids=input_ids, attention_mask=attn, max_new_tokens=max_new_tokens,
-                do_sample=not greedy, temperature=None if greedy else temperature,
-                top_p=None if greedy else top_p, top_k=None, pad_token_id=self.pad_token_id,
-                eos_token_id=self.eos_token_id, output_logits=True, return_dict_in_generate=True,
+                input_ids=input_ids,
+                attention_mask=attn,
+                max_new_tokens=max_new_tokens,
+                do_sample=not greedy,
+                temperature=None if greedy else temperature,
+                top_p=None if greedy else top_p,
+                top_k=None,
+                pad_token_id=self.pad_token_id,
+                eos_token_id=self.eos_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
         new_tokens = out.sequences[:, width:]
         # logits: tuple over generated positions of [N, V] raw (pre-processor) logits.
@@ -124,7 +152,12 @@ class LocalEngine:
             toks = new_tokens[i].tolist()
             finished = self.eos_token_id in toks
             length = toks.index(self.eos_token_id) + 1 if finished else len(toks)
-            completions.append(Completion(prompt_ids=list(p), response_ids=toks[:length],
-                                          response_logprobs=logp[i, :length].tolist(),
-                                          finished=finished))
+            completions.append(
+                Completion(
+                    prompt_ids=list(p),
+                    response_ids=toks[:length],
+                    response_logprobs=logp[i, :length].tolist(),
+                    finished=finished,
+                )
+            )
         return completions

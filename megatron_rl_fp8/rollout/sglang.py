@@ -84,8 +84,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 FAULT_ENV = "MRF8_SGLANG_FAULT"
 # Where the engine calls its fault hook, in the order a run meets them. ``startup``: right after a
 # (re)launch, before the server is healthy; the rest: just before the server call(s) they name.
-FAULT_POINTS = ("startup", "generate", "begin_update", "push", "end_update", "disk_update",
-                "check_version")
+FAULT_POINTS = (
+    "startup",
+    "generate",
+    "begin_update",
+    "push",
+    "end_update",
+    "disk_update",
+    "check_version",
+)
 
 
 class SGLangServerError(RuntimeError):
@@ -137,13 +144,25 @@ kill_group()
 """
 
 
-def spawn_guarded(cmd: list[str], *, python: str, stdout, env: dict[str, str] | None = None,
-                  cwd: str | os.PathLike | None = None) -> subprocess.Popen:
+def spawn_guarded(
+    cmd: list[str],
+    *,
+    python: str,
+    stdout,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> subprocess.Popen:
     """Start ``cmd`` under the guard (``_GUARD``, run by ``python``) in a new session and process
     group, whose id is the returned process's pid. The group dies with this process, and when
     ``cmd``'s own process exits."""
-    return subprocess.Popen([python, "-c", _GUARD, str(os.getpid()), *cmd], stdout=stdout,
-                            stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+    return subprocess.Popen(
+        [python, "-c", _GUARD, str(os.getpid()), *cmd],
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+    )
 
 
 def parse_fault_spec(spec: str) -> dict[str, set[int]]:
@@ -152,8 +171,10 @@ def parse_fault_spec(spec: str) -> dict[str, set[int]]:
     for item in filter(None, (s.strip() for s in spec.split(","))):
         point, _, nth = item.partition("@")
         if point not in FAULT_POINTS or not (nth == "" or nth.isdigit() and int(nth) >= 1):
-            raise ValueError(f"{FAULT_ENV}={spec!r}: {item!r} is not <point>[@<n>] with n >= 1 and "
-                             f"point one of {', '.join(FAULT_POINTS)}")
+            raise ValueError(
+                f"{FAULT_ENV}={spec!r}: {item!r} is not <point>[@<n>] with n >= 1 and "
+                f"point one of {', '.join(FAULT_POINTS)}"
+            )
         plan.setdefault(point, set()).add(int(nth or 1))
     return plan
 
@@ -258,7 +279,8 @@ def resolve_python(cfg: SGLangConfig) -> str:
         raise FileNotFoundError(
             f"rollout.sglang.python={cfg.python!r}: {path} does not exist. Install SGLang's CPU "
             "engine with `tools/install_sglang_cpu.sh` (creates .venv-sglang), or point "
-            "rollout.sglang.python at a python that has sglang (empty = this interpreter)")
+            "rollout.sglang.python at a python that has sglang (empty = this interpreter)"
+        )
     return str(path)
 
 
@@ -268,13 +290,38 @@ def resolve_device(cfg: SGLangConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def server_command(cfg: SGLangConfig, *, python: str, model_path: Path, port: int, device: str,
-                   dtype: str, fp8_checkpoint: bool, weight_version: str) -> list[str]:
+def server_command(
+    cfg: SGLangConfig,
+    *,
+    python: str,
+    model_path: Path,
+    port: int,
+    device: str,
+    dtype: str,
+    fp8_checkpoint: bool,
+    weight_version: str,
+) -> list[str]:
     """The ``sglang.launch_server`` command line (pure function: unit-tested)."""
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path),
-           "--host", cfg.host, "--port", str(port), "--tp-size", str(cfg.tp_size),
-           "--dtype", dtype, "--skip-tokenizer-init", "--weight-version", weight_version,
-           "--random-seed", str(cfg.random_seed)]
+    cmd = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model_path),
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(cfg.tp_size),
+        "--dtype",
+        dtype,
+        "--skip-tokenizer-init",
+        "--weight-version",
+        weight_version,
+        "--random-seed",
+        str(cfg.random_seed),
+    ]
     if device == "cpu":
         # The CPU engine (PLATFORM_NOTES): torch-native attention, KV pool sized from host memory.
         cmd += ["--device", "cpu", "--attention-backend", "torch_native"]
@@ -289,34 +336,56 @@ def server_command(cfg: SGLangConfig, *, python: str, model_path: Path, port: in
     return cmd + list(cfg.extra_args)
 
 
-def sampling_params(*, max_new_tokens: int, temperature: float, top_p: float, greedy: bool,
-                    eos_token_id: int, seed: int | None) -> dict:
+def sampling_params(
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    greedy: bool,
+    eos_token_id: int,
+    seed: int | None,
+) -> dict:
     """One request's ``sampling_params`` (greedy = temperature 0, SGLang's argmax path)."""
-    params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "stop_token_ids": [eos_token_id],
-                              "temperature": 0.0 if greedy else temperature,
-                              "top_p": 1.0 if greedy else top_p, "top_k": -1}
+    params: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "stop_token_ids": [eos_token_id],
+        "temperature": 0.0 if greedy else temperature,
+        "top_p": 1.0 if greedy else top_p,
+        "top_k": -1,
+    }
     if seed is not None and not greedy:
         params["sampling_seed"] = seed
     return params
 
 
-def parse_completion(prompt: list[int], answer: dict, *, eos_token_id: int,
-                     expected_version: str) -> Completion:
+def parse_completion(
+    prompt: list[int], answer: dict, *, eos_token_id: int, expected_version: str
+) -> Completion:
     """A ``/generate`` answer -> Completion, after checking it came from ``expected_version``."""
     meta = answer.get("meta_info", {})
-    versions = {meta.get("weight_version")} | {s.get("version") for s in meta.get("weight_versions") or []}
+    versions = {meta.get("weight_version")} | {
+        s.get("version") for s in meta.get("weight_versions") or []
+    }
     versions.discard(None)
     if versions != {expected_version}:
-        raise _ServerGone(f"completion produced by weight version(s) {sorted(versions)}, "
-                          f"expected {expected_version!r}")
+        raise _ServerGone(
+            f"completion produced by weight version(s) {sorted(versions)}, "
+            f"expected {expected_version!r}"
+        )
     ids = [int(t) for t in answer["output_ids"]]
     lp = meta.get("output_token_logprobs") or []
     if len(lp) != len(ids) or any(int(e[1]) != t for e, t in zip(lp, ids)):
-        raise SGLangServerError("SGLang returned logprobs that do not line up with the output ids "
-                                f"({len(lp)} logprobs for {len(ids)} tokens)")
+        raise SGLangServerError(
+            "SGLang returned logprobs that do not line up with the output ids "
+            f"({len(lp)} logprobs for {len(ids)} tokens)"
+        )
     finished = bool(ids) and ids[-1] == eos_token_id
-    return Completion(prompt_ids=list(prompt), response_ids=ids,
-                      response_logprobs=[float(e[0]) for e in lp], finished=finished)
+    return Completion(
+        prompt_ids=list(prompt),
+        response_ids=ids,
+        response_logprobs=[float(e[0]) for e in lp],
+        finished=finished,
+    )
 
 
 class _Http:
@@ -325,11 +394,16 @@ class _Http:
     def __init__(self, base_url: str):
         self.base_url = base_url
 
-    def call(self, path: str, payload: dict | None = None, *, timeout: float,
-             method: str | None = None) -> Any:
+    def call(
+        self, path: str, payload: dict | None = None, *, timeout: float, method: str | None = None
+    ) -> Any:
         data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method or (
-            "GET" if data is None else "POST"), headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.base_url + path,
+            data=data,
+            method=method or ("GET" if data is None else "POST"),
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 body = resp.read()
@@ -358,8 +432,15 @@ class _Http:
 class SGLangEngine:
     """RolloutEngine backed by an SGLang server process that this object starts and owns."""
 
-    def __init__(self, cfg: RolloutConfig, hf_config, *, pad_token_id: int, eos_token_id: int,
-                 output_dir: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        hf_config,
+        *,
+        pad_token_id: int,
+        eos_token_id: int,
+        output_dir: str | os.PathLike | None = None,
+    ):
         self.cfg = cfg.sglang
         self.fp8 = cfg.fp8
         self.hf_config = hf_config
@@ -367,8 +448,11 @@ class SGLangEngine:
         self.eos_token_id = eos_token_id
         self.python = resolve_python(self.cfg)
         self.device = resolve_device(self.cfg)
-        self.serve_dtype = self.cfg.dtype if self.cfg.dtype != "auto" else (
-            "float32" if self.device == "cpu" else "bfloat16")
+        self.serve_dtype = (
+            self.cfg.dtype
+            if self.cfg.dtype != "auto"
+            else ("float32" if self.device == "cpu" else "bfloat16")
+        )
         # FP8 GEMMs only on GPU; on CPU the FP8-rounded weights are sent in serve_dtype.
         self.fp8_checkpoint = self.fp8.enabled and self.device == "cuda"
         if self.cfg.transport == "tensor":
@@ -399,8 +483,12 @@ class SGLangEngine:
         spec = os.environ.get(FAULT_ENV, "")
         if spec:
             self.fault_hook = KillServerAt(self, spec)
-            print(f"[sglang] {FAULT_ENV}={spec!r}: the server will be SIGKILLed at these points "
-                  "(fault injection, for tests only)", file=sys.stderr, flush=True)
+            print(
+                f"[sglang] {FAULT_ENV}={spec!r}: the server will be SIGKILLed at these points "
+                "(fault injection, for tests only)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     # -- process ---------------------------------------------------------------------------------
     @property
@@ -416,21 +504,33 @@ class SGLangEngine:
     def _launch(self, model_path: Path, version: str) -> None:
         self._launches += 1
         port = self.cfg.port or pick_port()
-        cmd = server_command(self.cfg, python=self.python, model_path=model_path, port=port,
-                             device=self.device, dtype=self.serve_dtype,
-                             fp8_checkpoint=self.fp8_checkpoint, weight_version=version)
+        cmd = server_command(
+            self.cfg,
+            python=self.python,
+            model_path=model_path,
+            port=port,
+            device=self.device,
+            dtype=self.serve_dtype,
+            fp8_checkpoint=self.fp8_checkpoint,
+            weight_version=version,
+        )
         env = dict(os.environ)
         if self.device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                    "TORCHELASTIC_RUN_ID"):
+        for key in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID",
+        ):
             env.pop(key, None)  # the server builds its own process groups
         env.update(self.cfg.env)
         log = open(self.log_path, "w")
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        self._proc = spawn_guarded(cmd, python=self.python, stdout=log, env=env,
-                                   cwd=self.work_dir)
+        self._proc = spawn_guarded(cmd, python=self.python, stdout=log, env=env, cwd=self.work_dir)
         log.close()
         # Operators (and tests) find the live server here: `kill -9 -- -<pgid>` stops all of it.
         (self.work_dir / "server.pid").write_text(f"{self._proc.pid}\n")
@@ -447,15 +547,18 @@ class SGLangEngine:
                 raise _ServerGone(f"SGLang server exited during startup; see {self.log_path}")
             if "error while attempting to bind" in self._log_tail(50):
                 # uvicorn could not bind the port; SGLang 0.5.23 then hangs instead of exiting.
-                raise _ServerGone(f"SGLang server could not bind port {self._port}; see "
-                                  f"{self.log_path}")
+                raise _ServerGone(
+                    f"SGLang server could not bind port {self._port}; see {self.log_path}"
+                )
             try:
                 self._http.call("/health", timeout=5)
                 return
             except SGLangServerError:
                 time.sleep(0.5)
-        raise _ServerGone(f"SGLang server not healthy after rollout.sglang.startup_timeout_s="
-                          f"{self.cfg.startup_timeout_s}s; see {self.log_path}")
+        raise _ServerGone(
+            f"SGLang server not healthy after rollout.sglang.startup_timeout_s="
+            f"{self.cfg.startup_timeout_s}s; see {self.log_path}"
+        )
 
     def _log_tail(self, n: int = 30) -> str:
         try:
@@ -507,10 +610,13 @@ class SGLangEngine:
                 self._restarts_left -= 1
                 self.stats["restarts"] += 1
                 used = self.cfg.max_restarts - self._restarts_left
-                print(f"[sglang] {during}: {_first_line(error)}; relaunching the server on weight "
-                      f"version {self._synced} (restart {used} of rollout.sglang.max_restarts="
-                      f"{self.cfg.max_restarts}; previous log {self.log_path})",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[sglang] {during}: {_first_line(error)}; relaunching the server on weight "
+                    f"version {self._synced} (restart {used} of rollout.sglang.max_restarts="
+                    f"{self.cfg.max_restarts}; previous log {self.log_path})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self._kill()
             try:
                 self._launch(self._weights_dir, str(self._synced))
@@ -527,7 +633,8 @@ class SGLangEngine:
         raise SGLangServerError(
             f"SGLang server failed during {during} and {n} restart(s) did not bring it back "
             f"(rollout.sglang.max_restarts={n}); last error: {_first_line(error)}; server log: "
-            f"{self.log_path}\n{self._log_tail()}") from error
+            f"{self.log_path}\n{self._log_tail()}"
+        ) from error
 
     def _fault(self, point: str) -> None:
         if self.fault_hook is not None:  # testing only; see KillServerAt
@@ -539,8 +646,10 @@ class SGLangEngine:
     def export_options(self) -> dict:
         """Buckets of ``rollout.sglang.bucket_mb``; without FP8 GEMMs (CPU) the FP8-rounded
         weights are sent in the serving dtype."""
-        return {"bucket_mb": self.cfg.bucket_mb,
-                "dequantize_to": None if self.fp8_checkpoint else _DTYPES[self.serve_dtype]}
+        return {
+            "bucket_mb": self.cfg.bucket_mb,
+            "dequantize_to": None if self.fp8_checkpoint else _DTYPES[self.serve_dtype],
+        }
 
     def update_weights(self, buckets: Iterable[Bucket], *, version: int) -> None:
         t0 = time.perf_counter()
@@ -590,8 +699,9 @@ class SGLangEngine:
         else:
             # A fresh server on the complete new copy is the only state accepted after a failure.
             if failure is None and self._launches:
-                failure = _ServerGone("no server was serving the last synced weights when "
-                                      "the sync began")
+                failure = _ServerGone(
+                    "no server was serving the last synced weights when the sync began"
+                )
             self._relaunch(failure, f"the weight update to version {version}")
         if previous is not None and previous != final:
             shutil.rmtree(previous, ignore_errors=True)
@@ -623,34 +733,47 @@ class SGLangEngine:
     def _begin_update(self, version: int) -> None:
         self._fault("begin_update")
         http, t = self._http, self.cfg.request_timeout_s
-        http.ok("/update_weight_version", {"new_version": f"{version}-partial",
-                                           "abort_all_requests": True}, timeout=t)
+        http.ok(
+            "/update_weight_version",
+            {"new_version": f"{version}-partial", "abort_all_requests": True},
+            timeout=t,
+        )
         http.ok("/begin_weight_update", {}, timeout=t)
 
     def _end_update(self, version: int) -> None:
         self._fault("end_update")
         http, t = self._http, self.cfg.request_timeout_s
         http.ok("/end_weight_update", {}, timeout=t)
-        http.ok("/update_weight_version", {"new_version": str(version),
-                                           "abort_all_requests": True}, timeout=t)
+        http.ok(
+            "/update_weight_version",
+            {"new_version": str(version), "abort_all_requests": True},
+            timeout=t,
+        )
         out = http.call("/flush_cache", {}, timeout=t)
         if isinstance(out, dict) and out.get("success") is False:
             raise SGLangServerError(f"/flush_cache failed after the weight update: {out}")
 
     def _update_from_disk(self, path: Path, version: int) -> None:
         self._fault("disk_update")
-        self._http.ok("/update_weights_from_disk",
-                      {"model_path": str(path), "weight_version": str(version),
-                       "abort_all_requests": True, "flush_cache": True},
-                      timeout=self.cfg.request_timeout_s)
+        self._http.ok(
+            "/update_weights_from_disk",
+            {
+                "model_path": str(path),
+                "weight_version": str(version),
+                "abort_all_requests": True,
+                "flush_cache": True,
+            },
+            timeout=self.cfg.request_timeout_s,
+        )
 
     def _check_version(self, expected: str) -> None:
         self._fault("check_version")
         info = self._http.call("/model_info", timeout=self.cfg.request_timeout_s)
         got = info.get("weight_version") if isinstance(info, dict) else None
         if got != expected:
-            raise _ServerGone(f"SGLang server reports weight version {got!r}, expected "
-                              f"{expected!r}")
+            raise _ServerGone(
+                f"SGLang server reports weight version {got!r}, expected {expected!r}"
+            )
 
     def _push_bucket(self, bucket: Bucket) -> None:
         self._fault("push")
@@ -673,9 +796,11 @@ class SGLangEngine:
         buf = io.BytesIO()
         ForkingPickler(buf).dump(flat)
         payload = base64.b64encode(buf.getvalue()).decode()
-        self._http.ok("/update_weights_from_tensor",
-                      {"serialized_named_tensors": [payload] * self.cfg.tp_size,
-                       "flush_cache": False}, timeout=self.cfg.request_timeout_s)
+        self._http.ok(
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [payload] * self.cfg.tp_size, "flush_cache": False},
+            timeout=self.cfg.request_timeout_s,
+        )
         del flat  # the server has copied the values when the call returns
 
     def _push_distributed(self, bucket: Bucket) -> None:
@@ -683,13 +808,20 @@ class SGLangEngine:
         tensors = [t.contiguous() for _, t in bucket.tensors]
         if self.device == "cuda":
             tensors = [t.cuda() for t in tensors]
-        payload = {"names": bucket.names,
-                   "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-                   "shapes": [list(t.shape) for t in tensors], "group_name": group[1],
-                   "flush_cache": False}
+        payload = {
+            "names": bucket.names,
+            "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+            "shapes": [list(t.shape) for t in tensors],
+            "group_name": group[1],
+            "flush_cache": False,
+        }
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            reply = pool.submit(self._http.ok, "/update_weights_from_distributed", payload,
-                                timeout=self.cfg.request_timeout_s)
+            reply = pool.submit(
+                self._http.ok,
+                "/update_weights_from_distributed",
+                payload,
+                timeout=self.cfg.request_timeout_s,
+            )
             try:
                 for t in tensors:  # the server posts its receives in this order
                     opts = torch.distributed.BroadcastOptions()
@@ -708,8 +840,14 @@ class SGLangEngine:
         world = 1 + self.cfg.tp_size
         backend = "nccl" if self.device == "cuda" else "gloo"
         timeout = self.cfg.request_timeout_s
-        payload = {"master_address": self.cfg.host, "master_port": port, "rank_offset": 1,
-                   "world_size": world, "group_name": name, "backend": backend}
+        payload = {
+            "master_address": self.cfg.host,
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": world,
+            "group_name": name,
+            "backend": backend,
+        }
         # Our side joins in a daemon thread while the HTTP call makes the server join; the reply
         # comes only once both sides are in. If the call fails instead (server gone), the
         # rendezvous can never complete: it is left to time out in its thread, not waited for.
@@ -717,8 +855,9 @@ class SGLangEngine:
 
         def join():
             try:
-                joined["pg"] = new_sender_group(self.cfg.host, port, world, name, backend,
-                                                timeout_s=timeout)
+                joined["pg"] = new_sender_group(
+                    self.cfg.host, port, world, name, backend, timeout_s=timeout
+                )
             except Exception as e:  # noqa: BLE001 - reported by the caller below
                 joined["error"] = e
 
@@ -727,8 +866,10 @@ class SGLangEngine:
         self._http.ok("/init_weights_update_group", payload, timeout=timeout)
         thread.join(timeout)
         if "pg" not in joined:
-            raise _ServerGone(f"the weight-sync group with the SGLang server did not form: "
-                              f"{joined.get('error', 'timed out')}")
+            raise _ServerGone(
+                f"the weight-sync group with the SGLang server did not form: "
+                f"{joined.get('error', 'timed out')}"
+            )
         self._group = (joined["pg"], name)
         return self._group
 
@@ -761,22 +902,38 @@ class SGLangEngine:
             tmp.cleanup()
 
     # -- generation ------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int,
-                 temperature: float, top_p: float = 1.0, seed: int = 0,
-                 greedy: bool = False) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        seed: int = 0,
+        greedy: bool = False,
+    ) -> list[Completion]:
         if self._weights_dir is None:
-            raise SGLangServerError("SGLang engine has no complete weights; call update_weights "
-                                    "(the trainer's sync_weights) before generate")
+            raise SGLangServerError(
+                "SGLang engine has no complete weights; call update_weights "
+                "(the trainer's sync_weights) before generate"
+            )
         rows = [p for p in prompts for _ in range(n)]
         request = {
             "input_ids": rows,
             "sampling_params": [
-                sampling_params(max_new_tokens=max_new_tokens, temperature=temperature,
-                                top_p=top_p, greedy=greedy, eos_token_id=self.eos_token_id,
-                                # Distinct, reproducible per-row seeds (honoured by SGLang's
-                                # deterministic sampling mode; otherwise a hint).
-                                seed=(seed * 1_000_003 + i) % (2**31))
-                for i in range(len(rows))],
+                sampling_params(
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    greedy=greedy,
+                    eos_token_id=self.eos_token_id,
+                    # Distinct, reproducible per-row seeds (honoured by SGLang's
+                    # deterministic sampling mode; otherwise a hint).
+                    seed=(seed * 1_000_003 + i) % (2**31),
+                )
+                for i in range(len(rows))
+            ],
             "return_logprob": True,
             "logprob_start_len": -1,
         }
@@ -784,22 +941,28 @@ class SGLangEngine:
         while True:  # ends: each pass returns, or relaunches within the bound, or raises
             try:
                 if not (self._alive() and self._version == self._synced):
-                    raise _ServerGone("no server was serving the synced weights when the rollout "
-                                      "began")
+                    raise _ServerGone(
+                        "no server was serving the synced weights when the rollout began"
+                    )
                 self._fault("generate")
                 answers = self._http.call("/generate", request, timeout=self.cfg.request_timeout_s)
                 if not isinstance(answers, list) or len(answers) != len(rows):
-                    raise _ServerGone(f"/generate returned {type(answers).__name__} for "
-                                      f"{len(rows)} rows")
-                return [parse_completion(p, a, eos_token_id=self.eos_token_id,
-                                         expected_version=str(self._version))
-                        for p, a in zip(rows, answers)]
+                    raise _ServerGone(
+                        f"/generate returned {type(answers).__name__} for {len(rows)} rows"
+                    )
+                return [
+                    parse_completion(
+                        p, a, eos_token_id=self.eos_token_id, expected_version=str(self._version)
+                    )
+                    for p, a in zip(rows, answers)
+                ]
             except _ServerGone as e:
                 self._relaunch(e, "a rollout")
 
 
-def new_sender_group(host: str, port: int, world_size: int, group_name: str, backend: str, *,
-                     timeout_s: float):
+def new_sender_group(
+    host: str, port: int, world_size: int, group_name: str, backend: str, *, timeout_s: float
+):
     """Rank 0 of a private process group with the server's TP ranks (ranks 1..world_size-1).
 
     It is built the way SGLang's ``init_custom_process_group`` builds the receiving side (a TCP
@@ -812,14 +975,23 @@ def new_sender_group(host: str, port: int, world_size: int, group_name: str, bac
     from torch.distributed import distributed_c10d as c10d
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world = next(c10d.rendezvous(f"tcp://{host}:{port}", 0, world_size,
-                                              timeout=timeout))
+    store, rank, world = next(
+        c10d.rendezvous(f"tcp://{host}:{port}", 0, world_size, timeout=timeout)
+    )
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     params = inspect.signature(c10d._new_process_group_helper).parameters
     options = {"backend_options" if "backend_options" in params else "pg_options": None}
-    pg, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend(backend), store,
-                                           group_name=group_name, timeout=timeout, **options)
+    pg, _ = c10d._new_process_group_helper(
+        world,
+        rank,
+        [],
+        c10d.Backend(backend),
+        store,
+        group_name=group_name,
+        timeout=timeout,
+        **options,
+    )
     return pg
 
 
@@ -834,7 +1006,7 @@ def _flatten(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Ten
         offset = 0
         for i in idx:
             name, t = named[i]
-            view = flat[offset:offset + t.numel()].view(t.shape)
+            view = flat[offset : offset + t.numel()].view(t.shape)
             view.copy_(t)
             out[i] = (name, view)
             offset += t.numel()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -69,8 +69,9 @@ def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -
     index = 0
     for name, t in named:
         n = tensor_bytes(t)
-        pairs_with_last = name.endswith(SCALE_SUFFIX) and current and \
-            current[-1][0] == name[: -len(SCALE_SUFFIX)]
+        pairs_with_last = (
+            name.endswith(SCALE_SUFFIX) and current and current[-1][0] == name[: -len(SCALE_SUFFIX)]
+        )
         if current and size + n > bucket_bytes and not pairs_with_last:
             yield Bucket(index, current)
             index += 1
@@ -91,10 +92,15 @@ class ExportStats:
     seconds: float = 0.0  # wall time inside the export generators (gather + convert + quantize)
 
 
-def export_for_rollout(full_params: Iterable[tuple[str, torch.Tensor]], model: ModelConfig,
-                       fp8: RolloutFP8Config, *, bucket_mb: float = 512,
-                       dequantize_to: torch.dtype | None = None,
-                       stats: ExportStats | None = None) -> Iterator[Bucket]:
+def export_for_rollout(
+    full_params: Iterable[tuple[str, torch.Tensor]],
+    model: ModelConfig,
+    fp8: RolloutFP8Config,
+    *,
+    bucket_mb: float = 512,
+    dequantize_to: torch.dtype | None = None,
+    stats: ExportStats | None = None,
+) -> Iterator[Bucket]:
     """The export path of every weight sync: Megatron-named full tensors -> engine buckets.
 
     ``full_params`` is the (Megatron name, full tensor) stream of ``sync.gather.iter_full_params``
@@ -102,13 +108,23 @@ def export_for_rollout(full_params: Iterable[tuple[str, torch.Tensor]], model: M
     the tests all call this one function, with the engine's ``export_options`` (its bucket size,
     and ``dequantize_to`` for servers without FP8 kernels).
     """
-    return rollout_buckets(mcore_state_to_hf(full_params, model), fp8, bucket_mb=bucket_mb,
-                           dequantize_to=dequantize_to, stats=stats)
+    return rollout_buckets(
+        mcore_state_to_hf(full_params, model),
+        fp8,
+        bucket_mb=bucket_mb,
+        dequantize_to=dequantize_to,
+        stats=stats,
+    )
 
 
-def rollout_buckets(hf_named: Iterable[tuple[str, torch.Tensor]], fp8: RolloutFP8Config, *,
-                    bucket_mb: float = 512, dequantize_to: torch.dtype | None = None,
-                    stats: ExportStats | None = None) -> Iterator[Bucket]:
+def rollout_buckets(
+    hf_named: Iterable[tuple[str, torch.Tensor]],
+    fp8: RolloutFP8Config,
+    *,
+    bucket_mb: float = 512,
+    dequantize_to: torch.dtype | None = None,
+    stats: ExportStats | None = None,
+) -> Iterator[Bucket]:
     """Buckets of HF-named tensors as the rollout engine should load them (the second half of
     :func:`export_for_rollout`, for weights that already have HF names).
 
@@ -129,15 +145,20 @@ def rollout_buckets(hf_named: Iterable[tuple[str, torch.Tensor]], fp8: RolloutFP
         yield bucket
 
 
-def rollout_stream(hf_named: Iterable[tuple[str, torch.Tensor]], fp8: RolloutFP8Config, *,
-                   dequantize_to: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def rollout_stream(
+    hf_named: Iterable[tuple[str, torch.Tensor]],
+    fp8: RolloutFP8Config,
+    *,
+    dequantize_to: torch.dtype | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors in the rollout recipe: FP8-eligible weights that arrive in full precision
     are quantized here (ones already quantized upstream pass through), then optionally turned back
     into ``dequantize_to`` values for servers without FP8 kernels."""
     stream = _quantize_missing(hf_named, fp8)
     if dequantize_to is not None:
-        stream = _cast(dequantize_stream(stream, block=fp8.weight_block, dtype=dequantize_to),
-                       dequantize_to)
+        stream = _cast(
+            dequantize_stream(stream, block=fp8.weight_block, dtype=dequantize_to), dequantize_to
+        )
     return stream
 
 

@@ -19,13 +19,18 @@ one at a time (bounded memory: at most one full tensor in flight per rank).
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight",
-           "output_layer.weight")
+_COLUMN = (
+    "linear_qkv.weight",
+    "linear_qkv.bias",
+    "linear_fc1.weight",
+    "word_embeddings.weight",
+    "output_layer.weight",
+)
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -68,7 +73,7 @@ def _global_names(module: torch.nn.Module) -> dict[str, str]:
     for name, _ in module.named_parameters():
         m = _LOCAL_LAYER.match(name)
         if m:
-            name_g = f"decoder.layers.{offsets[int(m.group(1))]}." + name[m.end():]
+            name_g = f"decoder.layers.{offsets[int(m.group(1))]}." + name[m.end() :]
         else:
             name_g = name
         out[name] = name_g
@@ -84,12 +89,15 @@ def unwrap(model):
 def _tied_output_duplicate(module, name: str) -> bool:
     # With tied embeddings the last stage holds a copy of the word embeddings as output_layer when
     # PP > 1; the first stage's embedding is the one we export.
-    return name == "output_layer.weight" and getattr(module, "share_embeddings_and_output_weights", False)
+    return name == "output_layer.weight" and getattr(
+        module, "share_embeddings_and_output_weights", False
+    )
 
 
 @torch.no_grad()
-def iter_full_params(model, *, tp_group=None, pp_group=None, dst_global_rank: int = 0
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_params(
+    model, *, tp_group=None, pp_group=None, dst_global_rank: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (global Megatron name, full tensor) on ``dst_global_rank``; other ranks yield nothing.
 
     Every rank of the TP x PP grid of the destination must call this (collective). Ranks in other
@@ -119,7 +127,7 @@ def iter_full_params(model, *, tp_group=None, pp_group=None, dst_global_rank: in
         return
 
     pp_ranks = dist.get_process_group_ranks(pp_group)
-    for stage, src in enumerate(pp_ranks):
+    for src in pp_ranks:
         # The source stage announces its tensors (name, shape, dtype), then sends them one by one.
         meta = [[(n, tuple(p.shape), p.dtype) for n, p in local] if me == src else None]
         dist.broadcast_object_list(meta, src=src, group=pp_group)

@@ -10,7 +10,7 @@ Both directions stream one tensor at a time, so the full model is never held twi
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -24,8 +24,15 @@ from megatron_rl_fp8.fp8.quantize import (
 
 SCALE_SUFFIX = "_scale_inv"
 # Linear weights of the transformer layers (Llama / Qwen2 / Qwen3 HF names).
-_FP8_LINEARS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
-                "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+_FP8_LINEARS = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "o_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "down_proj.weight",
+)
 
 
 def is_fp8_weight(name: str) -> bool:
@@ -33,8 +40,9 @@ def is_fp8_weight(name: str) -> bool:
     return name.startswith("model.layers.") and name.endswith(_FP8_LINEARS)
 
 
-def quantize_for_rollout(named: Iterable[tuple[str, torch.Tensor]], cfg: RolloutFP8Config
-                         ) -> Iterator[tuple[str, torch.Tensor]]:
+def quantize_for_rollout(
+    named: Iterable[tuple[str, torch.Tensor]], cfg: RolloutFP8Config
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the engine's tensors: FP8 codes followed by ``<name>_scale_inv`` for each linear
     weight when ``cfg`` enables FP8, every other tensor unchanged."""
     for name, t in named:
@@ -42,23 +50,29 @@ def quantize_for_rollout(named: Iterable[tuple[str, torch.Tensor]], cfg: Rollout
             yield name, t
             continue
         if cfg.weight_quant == "blockwise":
-            codes, scale_inv = quantize_blockwise(t, block=cfg.weight_block, pow2_scale=cfg.pow2_scale)
+            codes, scale_inv = quantize_blockwise(
+                t, block=cfg.weight_block, pow2_scale=cfg.pow2_scale
+            )
         else:
             codes, scale_inv = quantize_per_tensor(t)
         yield name, codes
         yield name + SCALE_SUFFIX, scale_inv
 
 
-def dequantize_weight(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                      dtype: torch.dtype) -> torch.Tensor:
+def dequantize_weight(
+    codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
     """Full-precision weight from FP8 codes and their scales (per-tensor or blockwise)."""
     if scale_inv.dim() < 2:  # per-tensor (0-d); blockwise scales are [row blocks, col blocks]
         return dequantize_per_tensor(codes, scale_inv.reshape(()), dtype=dtype)
     return dequantize_blockwise(codes, scale_inv, block=block, dtype=dtype)
 
 
-def dequantize_stream(named: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] = (128, 128),
-                      dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantize_stream(
+    named: Iterable[tuple[str, torch.Tensor]],
+    block: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.float32,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Inverse of :func:`quantize_for_rollout` for engines that cannot load FP8 (CPU servers):
     each FP8 weight is held until its scale arrives, then yielded dequantized."""
     pending: dict[str, torch.Tensor] = {}

@@ -10,7 +10,7 @@ ranks gives the token mean); we multiply by ``num_microbatches * dp_size`` to ca
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -26,13 +26,20 @@ from megatron_rl_fp8.trainer.config import OptimConfig
 
 def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict]:
     n = next(iter(batch.values())).shape[0]
-    return [{k: v[i:i + micro_batch_size] for k, v in batch.items()}
-            for i in range(0, n, micro_batch_size)]
+    return [
+        {k: v[i : i + micro_batch_size] for k, v in batch.items()}
+        for i in range(0, n, micro_batch_size)
+    ]
 
 
 class Actor:
-    def __init__(self, model_cfg: ModelConfig, optim_cfg: OptimConfig, groups: Groups,
-                 fp8: FP8Config | None = None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        optim_cfg: OptimConfig,
+        groups: Groups,
+        fp8: FP8Config | None = None,
+    ):
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -68,7 +75,9 @@ class Actor:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
-        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=module)
+        self.model = DistributedDataParallel(
+            config=self.config, ddp_config=ddp_config, module=module
+        )
         self.optimizer_config = OptimizerConfig(
             optimizer="adam",
             lr=optim_cfg.lr,
@@ -87,11 +96,16 @@ class Actor:
     def describe(self) -> str:
         """One line for the run log: size, dtype, device, layout and FP8 path of this rank."""
         n = sum(p.numel() for p in self.module.parameters())
-        fp8 = ("off" if not self.fp8.enabled else
-               f"{self.fp8.recipe} ({'emulated' if self.fp8_emulated else 'Transformer Engine'})")
+        fp8 = (
+            "off"
+            if not self.fp8.enabled
+            else f"{self.fp8.recipe} ({'emulated' if self.fp8_emulated else 'Transformer Engine'})"
+        )
         g = self.groups
-        return (f"{n / 1e6:.2f}M parameters on this rank, {str(self.config.params_dtype)[6:]} on "
-                f"{g.device} (TP={g.tp_size} PP={g.pp_size} DP={g.dp_size}), FP8 {fp8}")
+        return (
+            f"{n / 1e6:.2f}M parameters on this rank, {str(self.config.params_dtype)[6:]} on "
+            f"{g.device} (TP={g.tp_size} PP={g.pp_size} DP={g.dp_size}), FP8 {fp8}"
+        )
 
     def reset_optimizer(self) -> None:
         """Fresh Adam state (after the SFT warm start, so cached and fresh warm starts agree)."""
@@ -112,7 +126,9 @@ class Actor:
             group["lr"] = lr
 
     # -- forward / backward ----------------------------------------------------------------------
-    def _run(self, micro_batches: list[dict], loss_fn: Callable, *, forward_only: bool) -> list[dict]:
+    def _run(
+        self, micro_batches: list[dict], loss_fn: Callable, *, forward_only: bool
+    ) -> list[dict]:
         """Run the schedule; returns the per-micro-batch dicts (last pipeline stage only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -144,15 +160,19 @@ class Actor:
         return {"vocab_size": self.model_cfg.vocab_size, "tp_rank": self.groups.tp_rank}
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: dict[str, torch.Tensor], micro_batch_size: int, *,
-                         temperature: float = 1.0) -> dict[str, torch.Tensor] | None:
+    def compute_logprobs(
+        self, batch: dict[str, torch.Tensor], micro_batch_size: int, *, temperature: float = 1.0
+    ) -> dict[str, torch.Tensor] | None:
         """Per-token logprobs of ``labels`` and entropy; [B, S] tensors on the last stage, else None."""
         self.model.eval()
 
         def loss_fn(mb, logits):
-            lp = token_logprobs(logits, mb["labels"], temperature=temperature, **self._logits_kwargs())
-            ent = token_entropy(logits, temperature=temperature, tp_group=self.groups.tp,
-                                **self._logits_kwargs())
+            lp = token_logprobs(
+                logits, mb["labels"], temperature=temperature, **self._logits_kwargs()
+            )
+            ent = token_entropy(
+                logits, temperature=temperature, tp_group=self.groups.tp, **self._logits_kwargs()
+            )
             return torch.zeros(()), {"logprobs": lp, "entropy": ent}
 
         out = self._run(split_micro_batches(batch, micro_batch_size), loss_fn, forward_only=True)
@@ -163,9 +183,14 @@ class Actor:
         # NCCL on GPU) and the metrics all consume them there.
         return {k: torch.cat([o[k] for o in out]) for k in ("logprobs", "entropy")}
 
-    def train_step(self, batch: dict[str, torch.Tensor], micro_batch_size: int,
-                   token_loss_fn: Callable, *, temperature: float = 1.0
-                   ) -> tuple[list[dict], float, bool]:
+    def train_step(
+        self,
+        batch: dict[str, torch.Tensor],
+        micro_batch_size: int,
+        token_loss_fn: Callable,
+        *,
+        temperature: float = 1.0,
+    ) -> tuple[list[dict], float, bool]:
         """One optimizer step over ``batch`` (this rank's rows).
 
         ``token_loss_fn(mb, logprobs) -> (loss, metrics)`` returns a loss normalised by the global
@@ -176,8 +201,9 @@ class Actor:
         scale = len(micro_batches) * self.groups.dp_size
 
         def loss_fn(mb, logits):
-            lp = token_logprobs(logits, mb["labels"], temperature=temperature,
-                                **self._logits_kwargs())
+            lp = token_logprobs(
+                logits, mb["labels"], temperature=temperature, **self._logits_kwargs()
+            )
             loss, metrics = token_loss_fn(mb, lp)
             return loss * scale, {"loss": loss.detach(), **metrics}
 

@@ -16,8 +16,13 @@ import torch
 from megatron_rl_fp8.rollout.base import Completion
 
 
-def build_rl_batch(completions: list[Completion], advantages: torch.Tensor, *, pad_id: int,
-                   pad_to: int | None = None) -> dict[str, torch.Tensor]:
+def build_rl_batch(
+    completions: list[Completion],
+    advantages: torch.Tensor,
+    *,
+    pad_id: int,
+    pad_to: int | None = None,
+) -> dict[str, torch.Tensor]:
     lengths = [len(c.prompt_ids) + len(c.response_ids) for c in completions]
     width = max(max(lengths), pad_to or 0)
     n = len(completions)
@@ -56,10 +61,12 @@ def rows_for_rank(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict
     """Contiguous slice of rows for one data-parallel rank."""
     n = next(iter(batch.values())).shape[0]
     per = n // world
-    return {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+    return {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
 
 
-def order_for_updates(batch: dict[str, torch.Tensor], dp_size: int, updates: int) -> dict[str, torch.Tensor]:
+def order_for_updates(
+    batch: dict[str, torch.Tensor], dp_size: int, updates: int
+) -> dict[str, torch.Tensor]:
     """Reorder rows so that mini-batch ``u`` is rows ``[u*M, (u+1)*M)`` of the original batch at
     any data-parallel size.
 
@@ -72,6 +79,12 @@ def order_for_updates(batch: dict[str, torch.Tensor], dp_size: int, updates: int
     if n % (dp_size * updates):
         raise ValueError(f"{n} rows do not split into {updates} mini-batches over {dp_size} ranks")
     per_mini, per_rank = n // updates, n // (updates * dp_size)
-    index = torch.tensor([u * per_mini + r * per_rank + i
-                          for r in range(dp_size) for u in range(updates) for i in range(per_rank)])
+    index = torch.tensor(
+        [
+            u * per_mini + r * per_rank + i
+            for r in range(dp_size)
+            for u in range(updates)
+            for i in range(per_rank)
+        ]
+    )
     return {k: v[index] for k, v in batch.items()}

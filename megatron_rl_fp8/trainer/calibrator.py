@@ -18,9 +18,16 @@ from megatron_rl_fp8.trainer.collectives import broadcast_object
 from megatron_rl_fp8.trainer.config import PolicyLossConfig
 
 # Diagnostics of calibrated_clip_bounds reported as calib/<name> on calibration steps.
-_REPORTED = ("bf16_neg_lower_clipfrac", "fp8_neg_lower_clipfrac_nominal",
-             "fp8_neg_lower_clipfrac_calibrated", "bf16_balance", "fp8_balance_nominal",
-             "fp8_balance_calibrated", "hist_bytes", "fp8_out_of_range_frac")
+_REPORTED = (
+    "bf16_neg_lower_clipfrac",
+    "fp8_neg_lower_clipfrac_nominal",
+    "fp8_neg_lower_clipfrac_calibrated",
+    "bf16_balance",
+    "fp8_balance_nominal",
+    "fp8_balance_calibrated",
+    "hist_bytes",
+    "fp8_out_of_range_frac",
+)
 
 
 class ClipCalibrator:
@@ -40,8 +47,9 @@ class ClipCalibrator:
         c = self.loss_cfg.calib
         return self.fp8_training and c.enabled and (step - 1) % c.interval == 0
 
-    def calibrate(self, actor, mini: dict, groups: Groups, *, micro_batch_size: int,
-                  temperature: float) -> dict:
+    def calibrate(
+        self, actor, mini: dict, groups: Groups, *, micro_batch_size: int, temperature: float
+    ) -> dict:
         """BF16 shadow + FP8 forward of the current policy on ``mini``; new EMA bounds.
 
         ``mini`` carries FP8 and BF16 old logprobs. Histograms are merged over the data-parallel
@@ -57,10 +65,16 @@ class ClipCalibrator:
         result = None
         if g.is_last_stage:
             lower, upper, stats = calibrated_clip_bounds(
-                cur8["logprobs"] - mini["old_logprobs"], cur16["logprobs"] - mini["old_logprobs_bf16"],
-                mini["advantages"], mini["loss_mask"], loss_cfg.eps_low, loss_cfg.eps_high,
-                group=g.dp if g.dp_size > 1 else None, return_stats=True,
-                **loss_cfg.calib.solver_kwargs())
+                cur8["logprobs"] - mini["old_logprobs"],
+                cur16["logprobs"] - mini["old_logprobs_bf16"],
+                mini["advantages"],
+                mini["loss_mask"],
+                loss_cfg.eps_low,
+                loss_cfg.eps_high,
+                group=g.dp if g.dp_size > 1 else None,
+                return_stats=True,
+                **loss_cfg.calib.solver_kwargs(),
+            )
             prev = None if self.count == 0 else self.bounds
             lower, upper = ema_bounds(prev, (lower, upper), loss_cfg.calib.ema_decay)
             result = (lower, upper, stats)

@@ -50,8 +50,10 @@ class Trainer:
 
         self.tokenizer = load_tokenizer()
         if cfg.model.vocab_size < len(self.tokenizer):
-            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                             f"tokenizer's {len(self.tokenizer)} tokens")
+            raise ValueError(
+                f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                f"tokenizer's {len(self.tokenizer)} tokens"
+            )
         self.train_data, self.val_data = build_datasets(cfg.task)
         self.actor = Actor(cfg.model, cfg.optim, self.groups, fp8=cfg.fp8)
         print_rank0(f"actor: {self.actor.describe()}")
@@ -62,14 +64,21 @@ class Trainer:
             tok = self.tokenizer
             self.engine = build_engine(
                 cfg.rollout,
-                hf_config(cfg.model, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.pad_token_id),
-                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                output_dir=str(self.out_dir), device=self.groups.device,
+                hf_config(
+                    cfg.model,
+                    bos_token_id=tok.bos_token_id,
+                    eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id,
+                ),
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+                output_dir=str(self.out_dir),
+                device=self.groups.device,
                 dtype=self.actor.config.params_dtype,
             )
-        self.sampler = Sampler(cfg, self.groups, self.engine, self.tokenizer, self.train_data,
-                               self.val_data)
+        self.sampler = Sampler(
+            cfg, self.groups, self.engine, self.tokenizer, self.train_data, self.val_data
+        )
         self.logger = MetricsLogger(self.out_dir, enabled=self.is_driver)
         self.step = 0
 
@@ -78,8 +87,12 @@ class Trainer:
         HF names, rollout FP8, buckets) -> engine. Collective over the DP-rank-0 replica."""
         t0 = time.perf_counter()
         if self.groups.dp_rank == 0:
-            full = iter_full_params(self.actor.model, tp_group=self.groups.tp,
-                                    pp_group=self.groups.pp, dst_global_rank=self.groups.driver_rank)
+            full = iter_full_params(
+                self.actor.model,
+                tp_group=self.groups.tp,
+                pp_group=self.groups.pp,
+                dst_global_rank=self.groups.driver_rank,
+            )
             options = self.engine.export_options if self.is_driver else {}
             buckets = export_for_rollout(full, self.cfg.model, self.cfg.rollout.fp8, **options)
             if self.is_driver:
@@ -113,10 +126,17 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save(self) -> None:
-        state = {"step": self.step, "train_data": self.train_data.state_dict(),
-                 "calib": self.calibrator.state_dict()}
-        checkpoint.save(self.ckpt_root, f"iter_{self.step:07d}",
-                        self.actor.sharded_state_dict(with_optimizer=True), state)
+        state = {
+            "step": self.step,
+            "train_data": self.train_data.state_dict(),
+            "calib": self.calibrator.state_dict(),
+        }
+        checkpoint.save(
+            self.ckpt_root,
+            f"iter_{self.step:07d}",
+            self.actor.sharded_state_dict(with_optimizer=True),
+            state,
+        )
         if self.is_driver:
             checkpoint.prune(self.ckpt_root, keep=2)
 
@@ -125,7 +145,8 @@ class Trainer:
         if path is None:
             return False
         loaded, state = checkpoint.load(
-            path, self.actor.sharded_state_dict(with_optimizer=True, is_loading=True))
+            path, self.actor.sharded_state_dict(with_optimizer=True, is_loading=True)
+        )
         self.actor.load_sharded(loaded)
         self.step = state["step"]
         self.train_data.load_state_dict(state["train_data"])
@@ -144,8 +165,9 @@ class Trainer:
         # Lines past the restored step are replayed by this run; drop them so none is duplicated.
         self.logger.truncate_after(self.step if resumed else -1)
         if not resumed:
-            first = warm_start(self.cfg, self.actor, self.groups, self.tokenizer,
-                               self.train_data.records)
+            first = warm_start(
+                self.cfg, self.actor, self.groups, self.tokenizer, self.train_data.records
+            )
             self.sync_weights(version=0)
             first.update(self.evaluate())
             self.logger.log(0, first)
@@ -160,19 +182,25 @@ class Trainer:
             self.step += 1
             t0 = time.perf_counter()
             completions, rewards, rollout_stats = self.sampler.rollout(self.step)
-            advantages = grpo_advantages(rewards, cfg.rollout.n_samples_per_prompt,
-                                         norm_std=cfg.loss.norm_adv_by_std)
+            advantages = grpo_advantages(
+                rewards, cfg.rollout.n_samples_per_prompt, norm_std=cfg.loss.norm_adv_by_std
+            )
             batch = order_for_updates(
                 build_rl_batch(completions, advantages, pad_id=self.tokenizer.pad_token_id),
-                self.groups.dp_size, cfg.train.updates_per_step)
+                self.groups.dp_size,
+                cfg.train.updates_per_step,
+            )
             metrics = self.policy_update(batch, self.step)
             sync_time = self.sync_weights(version=self.step)
             if self.is_driver:
                 metrics.update(rollout_stats)
                 metrics["perf/sync_time_s"] = sync_time
                 metrics["perf/step_time_s"] = time.perf_counter() - t0
-            if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0 \
-                    or self.step == cfg.train.steps:
+            if (
+                cfg.train.eval_interval
+                and self.step % cfg.train.eval_interval == 0
+                or self.step == cfg.train.steps
+            ):
                 metrics.update(self.evaluate())
             self.logger.log(self.step, metrics)
             if self.is_driver:
@@ -180,11 +208,15 @@ class Trainer:
                 progress.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}")
                 if self.step % cfg.train.log_interval == 0:
                     _print_step(self.step, metrics, progress)
-            if (cfg.train.save_interval and self.step % cfg.train.save_interval == 0) \
-                    or self.step == cfg.train.steps:
+            if (
+                cfg.train.save_interval and self.step % cfg.train.save_interval == 0
+            ) or self.step == cfg.train.steps:
                 self.save()
             steps_this_run += 1
-            if cfg.train.exit_after_steps is not None and steps_this_run >= cfg.train.exit_after_steps:
+            if (
+                cfg.train.exit_after_steps is not None
+                and steps_this_run >= cfg.train.exit_after_steps
+            ):
                 break
         progress.close()
 
@@ -197,17 +229,35 @@ class Trainer:
 def _progress(enabled: bool, total: int, initial: int):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, disable=not enabled, desc="rl", dynamic_ncols=True,
-                leave=False)
+    return tqdm(
+        total=total,
+        initial=initial,
+        disable=not enabled,
+        desc="rl",
+        dynamic_ncols=True,
+        leave=False,
+    )
 
 
-_SHOWN = ("rollout/reward_mean", "eval/reward_mean", "train/loss", "train/entropy",
-          "train/pg_clipfrac", "fp8/token_mult_prob_error", "calib/lower", "calib/upper",
-          "perf/step_time_s", "sft/final_loss")
+_SHOWN = (
+    "rollout/reward_mean",
+    "eval/reward_mean",
+    "train/loss",
+    "train/entropy",
+    "train/pg_clipfrac",
+    "fp8/token_mult_prob_error",
+    "calib/lower",
+    "calib/upper",
+    "perf/step_time_s",
+    "sft/final_loss",
+)
 
 
 def _print_step(step: int, metrics: dict, progress=None) -> None:
-    parts = [f"{k.removeprefix('rollout/').replace('/', '_')}={metrics[k]:.4g}"
-             for k in _SHOWN if k in metrics]
+    parts = [
+        f"{k.removeprefix('rollout/').replace('/', '_')}={metrics[k]:.4g}"
+        for k in _SHOWN
+        if k in metrics
+    ]
     line = f"step {step}: " + " ".join(parts)
     (progress.write if progress is not None else print)(line)

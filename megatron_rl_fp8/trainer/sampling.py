@@ -26,8 +26,15 @@ from megatron_rl_fp8.trainer.collectives import broadcast_object
 
 
 class Sampler:
-    def __init__(self, cfg: RunConfig, groups: Groups, engine, tokenizer, train_data: PromptDataset,
-                 val_data: PromptDataset):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        groups: Groups,
+        engine,
+        tokenizer,
+        train_data: PromptDataset,
+        val_data: PromptDataset,
+    ):
         self.cfg = cfg
         self.groups = groups
         self.engine = engine  # None except on the driver
@@ -36,8 +43,12 @@ class Sampler:
         self.val_data = val_data
 
     def prompt_ids(self, records) -> list[list[int]]:
-        return [prompt_token_ids(self.tokenizer, r["prompt"], max_prompt_len=self.cfg.task.max_prompt_len)
-                for r in records]
+        return [
+            prompt_token_ids(
+                self.tokenizer, r["prompt"], max_prompt_len=self.cfg.task.max_prompt_len
+            )
+            for r in records
+        ]
 
     def decode(self, c: Completion) -> str:
         ids = [t for t in c.response_ids if t != self.tokenizer.eos_token_id]
@@ -47,16 +58,25 @@ class Sampler:
         """One rollout round on the driver: completions and (shaped) rewards for ``records``."""
         r, loss_cfg = self.cfg.rollout, self.cfg.loss
         completions = self.engine.generate(
-            self.prompt_ids(records), n=r.n_samples_per_prompt, max_new_tokens=r.max_new_tokens,
-            temperature=r.temperature, top_p=r.top_p, seed=r.seed + step + round_ * 1_000_003,
+            self.prompt_ids(records),
+            n=r.n_samples_per_prompt,
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            seed=r.seed + step + round_ * 1_000_003,
         )
         answers = [rec["answer"] for rec in records for _ in range(r.n_samples_per_prompt)]
-        rewards = compute_rewards(self.cfg.task.name, [self.decode(c) for c in completions],
-                                  answers, format_weight=self.cfg.reward.format_weight)
+        rewards = compute_rewards(
+            self.cfg.task.name,
+            [self.decode(c) for c in completions],
+            answers,
+            format_weight=self.cfg.reward.format_weight,
+        )
         if loss_cfg.overlong_buffer:
             lengths = torch.tensor([len(c.response_ids) for c in completions])
             rewards = rewards + overlong_reward_penalty(
-                lengths, r.max_new_tokens, loss_cfg.overlong_buffer, loss_cfg.overlong_penalty)
+                lengths, r.max_new_tokens, loss_cfg.overlong_buffer, loss_cfg.overlong_penalty
+            )
         return completions, rewards
 
     def _sample_on_driver(self, step: int):
@@ -66,14 +86,19 @@ class Sampler:
         kept, dropped, all_rewards, all_completions = [], [], [], []
         rounds = 0
         while rounds < (loss_cfg.max_sampling_rounds if loss_cfg.dynamic_sampling else 1):
-            completions, rewards = self._sample_round(self.train_data.next_batch(want), step, rounds)
+            completions, rewards = self._sample_round(
+                self.train_data.next_batch(want), step, rounds
+            )
             rounds += 1
             all_rewards.append(rewards)
             all_completions += completions
-            keep = (dynamic_sampling_keep_mask(rewards, n) if loss_cfg.dynamic_sampling
-                    else torch.ones(want, dtype=torch.bool))
+            keep = (
+                dynamic_sampling_keep_mask(rewards, n)
+                if loss_cfg.dynamic_sampling
+                else torch.ones(want, dtype=torch.bool)
+            )
             for gi in range(want):
-                group = (completions[gi * n:(gi + 1) * n], rewards[gi * n:(gi + 1) * n])
+                group = (completions[gi * n : (gi + 1) * n], rewards[gi * n : (gi + 1) * n])
                 (kept if keep[gi] else dropped).append(group)
             if len(kept) >= want:
                 break
@@ -91,12 +116,14 @@ class Sampler:
             "perf/rollout_time_s": time.perf_counter() - t0,
         }
         if loss_cfg.dynamic_sampling:
-            stats.update({
-                "rollout/sampling_rounds": float(rounds),
-                "rollout/kept_group_frac": len(kept) / (rounds * want),
-                "rollout/dynamic_fill_frac": filled / want,
-                "rollout/batch_reward_mean": rewards.mean().item(),
-            })
+            stats.update(
+                {
+                    "rollout/sampling_rounds": float(rounds),
+                    "rollout/kept_group_frac": len(kept) / (rounds * want),
+                    "rollout/dynamic_fill_frac": filled / want,
+                    "rollout/batch_reward_mean": rewards.mean().item(),
+                }
+            )
         return completions, rewards, stats
 
     def rollout(self, step: int) -> tuple[list[Completion], torch.Tensor, dict]:
@@ -113,10 +140,19 @@ class Sampler:
         """Greedy decoding of ``train.eval_prompts`` held-out prompts (driver only)."""
         n = min(self.cfg.train.eval_prompts, len(self.val_data))
         records = [self.val_data[i] for i in range(n)]
-        completions = self.engine.generate(self.prompt_ids(records), n=1, greedy=True,
-                                           max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                           temperature=1.0)
-        rewards = compute_rewards(self.cfg.task.name, [self.decode(c) for c in completions],
-                                  [r["answer"] for r in records])
-        return {"eval/reward_mean": rewards.mean().item(),
-                "eval/response_len_mean": sum(len(c.response_ids) for c in completions) / n}
+        completions = self.engine.generate(
+            self.prompt_ids(records),
+            n=1,
+            greedy=True,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+            temperature=1.0,
+        )
+        rewards = compute_rewards(
+            self.cfg.task.name,
+            [self.decode(c) for c in completions],
+            [r["answer"] for r in records],
+        )
+        return {
+            "eval/reward_mean": rewards.mean().item(),
+            "eval/response_len_mean": sum(len(c.response_ids) for c in completions) / n,
+        }

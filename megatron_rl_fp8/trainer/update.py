@@ -57,8 +57,9 @@ class PolicyUpdate:
         self.calibrator = calibrator
 
     def _logprobs(self, batch: dict) -> dict | None:
-        return self.actor.compute_logprobs(batch, self.cfg.train.micro_batch_size,
-                                           temperature=self.cfg.rollout.temperature)
+        return self.actor.compute_logprobs(
+            batch, self.cfg.train.micro_batch_size, temperature=self.cfg.rollout.temperature
+        )
 
     def old_logprobs(self, local: dict, acc: MetricAccumulator, calibrating: bool) -> float:
         """Fill ``old_logprobs`` (and ``old_logprobs_bf16`` when calibrating) into ``local`` and
@@ -70,8 +71,11 @@ class PolicyUpdate:
             with self.actor.full_precision():
                 old16 = self._logprobs(local)
             shadow_time = time.perf_counter() - ts
-            local["old_logprobs_bf16"] = old16["logprobs"] if old16 is not None else \
-                torch.zeros_like(local["rollout_logprobs"])
+            local["old_logprobs_bf16"] = (
+                old16["logprobs"]
+                if old16 is not None
+                else torch.zeros_like(local["rollout_logprobs"])
+            )
         if old is None:  # not the last pipeline stage: no logprobs here
             local["old_logprobs"] = torch.zeros_like(local["rollout_logprobs"])
             return shadow_time
@@ -93,9 +97,16 @@ class PolicyUpdate:
 
         def token_loss(mb, logprobs):
             loss, m = policy_loss(
-                logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
-                clip_low=clip_low, clip_high=clip_high, clip_c=loss_cfg.clip_c, agg=loss_cfg.agg,
-                is_correction=loss_cfg.is_correction, **counts,
+                logprobs,
+                mb["old_logprobs"],
+                mb["advantages"],
+                mb["loss_mask"],
+                clip_low=clip_low,
+                clip_high=clip_high,
+                clip_c=loss_cfg.clip_c,
+                agg=loss_cfg.agg,
+                is_correction=loss_cfg.is_correction,
+                **counts,
                 # Needed only to reweight (TIS/MIS): the trainer reports the rollout mismatch
                 # itself (fp8/), once per step, so the loss need not recompute it.
                 rollout_log_prob=mb["rollout_logprobs"] if loss_cfg.is_correction else None,
@@ -140,16 +151,26 @@ class PolicyUpdate:
         calib_metrics: dict[str, float] = {}
         for u, mini in enumerate(chunks(local, n_up)):
             count = global_loss_count(batch, u, agg=cfg.loss.agg, dp_size=g.dp_size, updates=n_up)
-            counts = ({"global_token_count": count} if cfg.loss.agg == "token-mean"
-                      else {"global_seq_count": count})
+            counts = (
+                {"global_token_count": count}
+                if cfg.loss.agg == "token-mean"
+                else {"global_seq_count": count}
+            )
             if calibrating and u >= 1:
                 calib_metrics = self.calibrator.calibrate(
-                    self.actor, mini, g, micro_batch_size=cfg.train.micro_batch_size,
-                    temperature=cfg.rollout.temperature)
+                    self.actor,
+                    mini,
+                    g,
+                    micro_batch_size=cfg.train.micro_batch_size,
+                    temperature=cfg.rollout.temperature,
+                )
                 shadow_time += calib_metrics.pop("perf/shadow_time_s")
             outs, grad_norm, _ = self.actor.train_step(
-                mini, cfg.train.micro_batch_size, self._token_loss(counts, *self.calibrator.bounds),
-                temperature=cfg.rollout.temperature)
+                mini,
+                cfg.train.micro_batch_size,
+                self._token_loss(counts, *self.calibrator.bounds),
+                temperature=cfg.rollout.temperature,
+            )
             grad_norms.append(grad_norm)
             self._account(outs, acc)
 

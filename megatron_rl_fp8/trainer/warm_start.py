@@ -30,8 +30,16 @@ from megatron_rl_fp8.trainer.collectives import broadcast_object
 
 
 def cache_key(cfg: RunConfig, tokenizer) -> str:
-    blob = json.dumps({"model": to_dict(cfg.model), "task": to_dict(cfg.task), "sft": to_dict(cfg.sft),
-                       "seed": cfg.train.seed, "vocab": tokenizer.get_vocab()}, sort_keys=True)
+    blob = json.dumps(
+        {
+            "model": to_dict(cfg.model),
+            "task": to_dict(cfg.task),
+            "sft": to_dict(cfg.sft),
+            "seed": cfg.train.seed,
+            "vocab": tokenizer.get_vocab(),
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -54,8 +62,10 @@ def warm_start(cfg: RunConfig, actor: Actor, groups: Groups, tokenizer, records)
     actor.set_lr(sft.lr)
     loss_value = float("nan")
     for s in range(sft.steps):
-        batch = build_sft_batch(collate(sft_examples(tokenizer, data.next_batch(sft.batch_size))),
-                                pad_id=tokenizer.pad_token_id)
+        batch = build_sft_batch(
+            collate(sft_examples(tokenizer, data.next_batch(sft.batch_size))),
+            pad_id=tokenizer.pad_token_id,
+        )
         total = max(batch["loss_mask"].sum().item(), 1.0)
 
         def nll(mb, logprobs, _n=total):
@@ -63,11 +73,13 @@ def warm_start(cfg: RunConfig, actor: Actor, groups: Groups, tokenizer, records)
             return loss, {}
 
         with actor.full_precision():
-            outs, _, _ = actor.train_step(rows_for_rank(batch, g.dp_rank, g.dp_size),
-                                          cfg.train.micro_batch_size, nll)
+            outs, _, _ = actor.train_step(
+                rows_for_rank(batch, g.dp_rank, g.dp_size), cfg.train.micro_batch_size, nll
+            )
         if outs:
-            local = torch.tensor([sum(o["loss"].item() for o in outs)], dtype=torch.float64,
-                                 device=g.device)
+            local = torch.tensor(
+                [sum(o["loss"].item() for o in outs)], dtype=torch.float64, device=g.device
+            )
             if g.dp_size > 1:
                 dist.all_reduce(local, group=g.dp)
             loss_value = local.item()
@@ -77,6 +89,10 @@ def warm_start(cfg: RunConfig, actor: Actor, groups: Groups, tokenizer, records)
     actor.set_lr(cfg.optim.lr)
     actor.reset_optimizer()
     if sft.cache:
-        checkpoint.save(cache_root, name, actor.sharded_state_dict(with_optimizer=False),
-                        {"final_loss": loss_value})
+        checkpoint.save(
+            cache_root,
+            name,
+            actor.sharded_state_dict(with_optimizer=False),
+            {"final_loss": loss_value},
+        )
     return {"sft/final_loss": loss_value, "perf/sft_time_s": time.perf_counter() - t0}

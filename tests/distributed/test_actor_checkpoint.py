@@ -22,10 +22,14 @@ def _body(rank, world, ckpt_dir):
     a = Actor(ModelConfig(vocab_size=53), OptimConfig(lr=1e-3), g)
     for _ in range(3):
         a.train_step(batch, 2, nll)
-    checkpoint.save(ckpt_dir, "iter_0000003", a.sharded_state_dict(with_optimizer=True), {"step": 3})
+    checkpoint.save(
+        ckpt_dir, "iter_0000003", a.sharded_state_dict(with_optimizer=True), {"step": 3}
+    )
     b = Actor(ModelConfig(vocab_size=53), OptimConfig(lr=1e-3), g)
     path = checkpoint.latest(ckpt_dir)
-    loaded, state = checkpoint.load(path, b.sharded_state_dict(with_optimizer=True, is_loading=True))
+    loaded, state = checkpoint.load(
+        path, b.sharded_state_dict(with_optimizer=True, is_loading=True)
+    )
     b.load_sharded(loaded)
     a.train_step(batch, 2, nll)
     b.train_step(batch, 2, nll)
@@ -35,7 +39,9 @@ def _body(rank, world, ckpt_dir):
 
 
 def test_resume_is_bit_exact_tp1(tmp_path):
-    assert run_distributed(_body, world_size=1, args=(str(tmp_path),)) == [(True, 3, "iter_0000003")]
+    assert run_distributed(_body, world_size=1, args=(str(tmp_path),)) == [
+        (True, 3, "iter_0000003")
+    ]
 
 
 def test_resume_is_bit_exact_tp2(tmp_path):

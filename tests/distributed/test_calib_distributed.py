@@ -30,9 +30,19 @@ def _calibrate_on_shards(rank, world_size, data, cases):
     out = []
     for strategy, split in cases:
         shard = slice(0, split) if rank == 0 else slice(split, fp8.shape[0])
-        out.append(calibrated_clip_bounds(fp8[shard], bf16[shard], adv[shard], mask[shard],
-                                          EPS_LOW, EPS_HIGH, strategy=strategy,
-                                          group=dist.group.WORLD, return_stats=True))
+        out.append(
+            calibrated_clip_bounds(
+                fp8[shard],
+                bf16[shard],
+                adv[shard],
+                mask[shard],
+                EPS_LOW,
+                EPS_HIGH,
+                strategy=strategy,
+                group=dist.group.WORLD,
+                return_stats=True,
+            )
+        )
     return out
 
 
@@ -43,8 +53,9 @@ def test_two_rank_bounds_match_single_process_on_union():
     for (strategy, split), (l0, u0, s0), (l1, u1, s1) in zip(CASES, rank0, rank1):
         assert (l0, u0) == (l1, u1), (strategy, split)  # identical on every rank, bit for bit
         assert s0 == s1
-        lower, upper, stats = calibrated_clip_bounds(*data, EPS_LOW, EPS_HIGH, strategy=strategy,
-                                                     return_stats=True)
+        lower, upper, stats = calibrated_clip_bounds(
+            *data, EPS_LOW, EPS_HIGH, strategy=strategy, return_stats=True
+        )
         assert l0 == pytest.approx(lower, rel=1e-9)
         assert u0 == pytest.approx(upper, rel=1e-9)
         assert s0["num_neg_tokens"] == stats["num_neg_tokens"]

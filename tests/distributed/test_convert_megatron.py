@@ -59,7 +59,7 @@ def _logits_body(rank, world, root, tp):
             ref = _hf_logits(hf, ids)
             errors[arch] = (logits[..., : mc.vocab_size] - ref).abs().max().item()
             # Padding rows are zero, so padded logits are exactly 0 (masked downstream).
-            assert torch.count_nonzero(logits[..., mc.vocab_size:]) == 0
+            assert torch.count_nonzero(logits[..., mc.vocab_size :]) == 0
     parallel.destroy()
     return errors
 
@@ -93,8 +93,9 @@ def _pp_body(rank, world, hf, out):
     hf_to_mcore(hf, out, pipeline_model_parallel_size=2, progress=False)
     state = json.loads((Path(out) / "iter_0000000/trainer_state.json").read_text())
     actor = Actor(ModelConfig(**state["model"]), OptimConfig(), g)
-    loaded, trainer_state = checkpoint.load(checkpoint.latest(out),
-                                            actor.sharded_state_dict(with_optimizer=False))
+    loaded, trainer_state = checkpoint.load(
+        checkpoint.latest(out), actor.sharded_state_dict(with_optimizer=False)
+    )
     actor.load_sharded(loaded)
     ids = torch.randint(0, 53, (4, 10), generator=torch.Generator().manual_seed(2))
     res = actor.compute_logprobs({"input_ids": ids, "labels": ids}, micro_batch_size=2)

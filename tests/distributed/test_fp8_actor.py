@@ -15,9 +15,16 @@ def _actor(fp8_kwargs, tp=1):
     from megatron_rl_fp8.trainer.config import OptimConfig
 
     g = parallel.initialize(parallel.ParallelConfig(tensor_model_parallel_size=tp), seed=5)
-    mc = ModelConfig(arch="qwen3", num_layers=3, hidden_size=128, ffn_hidden_size=256,
-                     num_attention_heads=4, num_query_groups=2, vocab_size=53,
-                     max_position_embeddings=32)
+    mc = ModelConfig(
+        arch="qwen3",
+        num_layers=3,
+        hidden_size=128,
+        ffn_hidden_size=256,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=53,
+        max_position_embeddings=32,
+    )
     return Actor(mc, OptimConfig(), g, fp8=FP8Config(**fp8_kwargs)), g
 
 
@@ -26,10 +33,12 @@ def _placement_body(rank, world):
     from megatron_rl_fp8.models.fp8 import emulated_linears
 
     out = {}
-    for label, kw in {"all": dict(recipe="blockwise"),
-                      "edges": dict(recipe="blockwise", bf16_first_layers=1, bf16_last_layers=1),
-                      "lm_head": dict(recipe="tensorwise_current", keep_lm_head_bf16=False),
-                      "off": dict(recipe="bf16")}.items():
+    for label, kw in {
+        "all": dict(recipe="blockwise"),
+        "edges": dict(recipe="blockwise", bf16_first_layers=1, bf16_last_layers=1),
+        "lm_head": dict(recipe="tensorwise_current", keep_lm_head_bf16=False),
+        "off": dict(recipe="bf16"),
+    }.items():
         actor, _ = _actor(kw)
         out[label] = sorted(n for n, _, _ in emulated_linears(actor.module))
         parallel.destroy()
@@ -77,7 +86,7 @@ def _exactness_body(rank, world):
 def test_emulated_linear_is_the_emulator_and_shadow_is_exact():
     exact, shadow, fp8_gap, restored = run_distributed(_exactness_body, world_size=1)[0]
     assert exact == (True, True, True)  # forward, dgrad and wgrad bit-identical
-    assert shadow < 1e-5 < fp8_gap      # the shadow pass is the unquantized GEMM
+    assert shadow < 1e-5 < fp8_gap  # the shadow pass is the unquantized GEMM
     assert restored
 
 
@@ -92,9 +101,11 @@ def _set_full_weights(actor, g):
             dim = tp_partition_dim(name)
             if dim is not None:
                 shape[dim] *= g.tp_size
-            full = 1.0 + 0.1 * torch.randn(shape, generator=torch.Generator().manual_seed(i)) \
-                if "layernorm" in name else \
-                0.05 * torch.randn(shape, generator=torch.Generator().manual_seed(i))
+            full = (
+                1.0 + 0.1 * torch.randn(shape, generator=torch.Generator().manual_seed(i))
+                if "layernorm" in name
+                else 0.05 * torch.randn(shape, generator=torch.Generator().manual_seed(i))
+            )
             p.copy_(split_tp_shard(name, full, g.tp_rank, g.tp_size))
 
 

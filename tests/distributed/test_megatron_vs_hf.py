@@ -21,10 +21,14 @@ def _body(rank, world, arch, tp, rope_scaling_factor=None, shape=(3, 12)):
     from megatron_rl_fp8.sync.gather import iter_full_params
 
     g = parallel.initialize(parallel.ParallelConfig(tensor_model_parallel_size=tp), seed=3)
-    mc = ModelConfig(arch=arch, vocab_size=50, tie_word_embeddings=arch == "llama",
-                     rope_scaling_factor=rope_scaling_factor,
-                     max_position_embeddings=max(128, shape[1]), rope_theta=500000.0
-                     if rope_scaling_factor else 10000.0)
+    mc = ModelConfig(
+        arch=arch,
+        vocab_size=50,
+        tie_word_embeddings=arch == "llama",
+        rope_scaling_factor=rope_scaling_factor,
+        max_position_embeddings=max(128, shape[1]),
+        rope_theta=500000.0 if rope_scaling_factor else 10000.0,
+    )
     model = build_gpt_model(mc, transformer_config(mc, tensor_model_parallel_size=tp))
     with torch.no_grad():  # make norms and biases non-trivial so their mapping is exercised
         gen = torch.Generator().manual_seed(0)
@@ -46,8 +50,7 @@ def _body(rank, world, arch, tp, rope_scaling_factor=None, shape=(3, 12)):
             ref = torch.log_softmax(hm(ids).logits.float(), -1)
         ref_lp = ref.gather(-1, ids[..., None])[..., 0]
         ref_ent = -(ref.exp() * ref).sum(-1)
-        result = ((lp - ref_lp).abs().max().item(), (ent - ref_ent).abs().max().item(),
-                  len(hf_sd))
+        result = ((lp - ref_lp).abs().max().item(), (ent - ref_ent).abs().max().item(), len(hf_sd))
     parallel.destroy()
     return result
 
@@ -69,7 +72,7 @@ def test_llama31_rope_scaling_matches_transformers():
     assert lp_err < 1e-4 and ent_err < 1e-4, (lp_err, ent_err)
     mine, theirs, unscaled = map(torch.tensor, run_distributed(_inv_freq_body, world_size=1)[0])
     assert torch.allclose(mine, theirs, rtol=1e-6, atol=0)  # the frequencies themselves agree
-    assert not torch.allclose(mine, unscaled, rtol=1e-3)    # and the scaling did change them
+    assert not torch.allclose(mine, unscaled, rtol=1e-3)  # and the scaling did change them
 
 
 def _inv_freq_body(rank, world):
@@ -83,8 +86,9 @@ def _inv_freq_body(rank, world):
     parallel.initialize(parallel.ParallelConfig(), seed=3)
     out = []
     for factor in (8.0, None):
-        mc = ModelConfig(arch="llama", vocab_size=50, rope_theta=500000.0,
-                         rope_scaling_factor=factor)
+        mc = ModelConfig(
+            arch="llama", vocab_size=50, rope_theta=500000.0, rope_scaling_factor=factor
+        )
         out.append(build_gpt_model(mc, transformer_config(mc)).rotary_pos_emb.inv_freq.float())
         if factor:
             hm = transformers.AutoModelForCausalLM.from_config(hf_config(mc))

@@ -15,28 +15,42 @@ import pytest
 from tests.dist_utils import run_distributed
 from tests.trainer_utils import SMALL, trainer_body
 
-KEYS = ("train/loss", "train/entropy", "train/grad_norm", "train/pg_clipfrac", "rollout/reward_mean")
+KEYS = (
+    "train/loss",
+    "train/entropy",
+    "train/grad_norm",
+    "train/pg_clipfrac",
+    "rollout/reward_mean",
+)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     out = tmp_path_factory.mktemp("tp1")
-    metrics = run_distributed(trainer_body, world_size=1,
-                              args=(SMALL + [f"train.output_dir={out}", f"train.cache_dir={cache}"],))[0]
+    metrics = run_distributed(
+        trainer_body,
+        world_size=1,
+        args=(SMALL + [f"train.output_dir={out}", f"train.cache_dir={cache}"],),
+    )[0]
     return cache, {m["step"]: m for m in metrics}
 
 
-@pytest.mark.parametrize("layout", [
-    ["parallel.tensor_model_parallel_size=2"],
-    [],  # 2 ranks, TP=PP=1 -> DP=2
-    ["parallel.pipeline_model_parallel_size=2"],
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.tensor_model_parallel_size=2"],
+        [],  # 2 ranks, TP=PP=1 -> DP=2
+        ["parallel.pipeline_model_parallel_size=2"],
+    ],
+)
 def test_first_step_matches_one_rank(reference, tmp_path, layout):
     cache, ref = reference
-    metrics = run_distributed(trainer_body, world_size=2,
-                              args=(SMALL + layout + [f"train.output_dir={tmp_path}",
-                                                      f"train.cache_dir={cache}"],))[0]
+    metrics = run_distributed(
+        trainer_body,
+        world_size=2,
+        args=(SMALL + layout + [f"train.output_dir={tmp_path}", f"train.cache_dir={cache}"],),
+    )[0]
     got = {m["step"]: m for m in metrics}
     assert got[0]["eval/reward_mean"] == ref[0]["eval/reward_mean"]
     for key in KEYS:
@@ -51,29 +65,46 @@ def test_first_step_matches_one_rank(reference, tmp_path, layout):
 # over the DP group (or computed on the last stage), must give the 1-rank bounds. Bounds are read
 # from 4096 bins over log ratios in (-2, 2); identical inputs give identical bins, so the tolerance
 # is the same 1e-4 as the loss.
-FP8 = ["fp8.recipe=blockwise", "rollout.fp8.weight_quant=blockwise", "loss.calib.interval=1",
-       "loss.dynamic_sampling=true", "reward.format_weight=0.5", "loss.overlong_buffer=4"]
-FP8_KEYS = KEYS + ("calib/raw_lower", "calib/raw_upper", "calib/lower", "calib/upper",
-                   "calib/bf16_neg_lower_clipfrac", "fp8/token_mult_prob_error")
+FP8 = [
+    "fp8.recipe=blockwise",
+    "rollout.fp8.weight_quant=blockwise",
+    "loss.calib.interval=1",
+    "loss.dynamic_sampling=true",
+    "reward.format_weight=0.5",
+    "loss.overlong_buffer=4",
+]
+FP8_KEYS = KEYS + (
+    "calib/raw_lower",
+    "calib/raw_upper",
+    "calib/lower",
+    "calib/upper",
+    "calib/bf16_neg_lower_clipfrac",
+    "fp8/token_mult_prob_error",
+)
 
 
 @pytest.fixture(scope="module")
 def fp8_reference(reference, tmp_path_factory):
     cache, _ = reference
     out = tmp_path_factory.mktemp("fp8_1rank")
-    metrics = run_distributed(trainer_body, world_size=1,
-                              args=(SMALL + FP8 + [f"train.output_dir={out}",
-                                                   f"train.cache_dir={cache}"],))[0]
+    metrics = run_distributed(
+        trainer_body,
+        world_size=1,
+        args=(SMALL + FP8 + [f"train.output_dir={out}", f"train.cache_dir={cache}"],),
+    )[0]
     return {m["step"]: m for m in metrics}
 
 
-@pytest.mark.parametrize("layout", [[], ["parallel.pipeline_model_parallel_size=2"]],
-                         ids=["dp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout", [[], ["parallel.pipeline_model_parallel_size=2"]], ids=["dp2", "pp2"]
+)
 def test_fp8_calibration_matches_one_rank(reference, fp8_reference, tmp_path, layout):
     cache, _ = reference
-    metrics = run_distributed(trainer_body, world_size=2,
-                              args=(SMALL + FP8 + layout + [f"train.output_dir={tmp_path}",
-                                                            f"train.cache_dir={cache}"],))[0]
+    metrics = run_distributed(
+        trainer_body,
+        world_size=2,
+        args=(SMALL + FP8 + layout + [f"train.output_dir={tmp_path}", f"train.cache_dir={cache}"],),
+    )[0]
     got, ref = {m["step"]: m for m in metrics}[1], fp8_reference[1]
     assert ref["calib/hist_bytes"] == got["calib/hist_bytes"] == 8 * (4 * 4096 + 7)
     assert ref["rollout/sampling_rounds"] == got["rollout/sampling_rounds"] >= 1
@@ -90,9 +121,13 @@ def test_loss_aggregation_modes_match_one_rank(reference, tmp_path, agg):
     runs = {}
     for world in (1, 2):
         out = tmp_path / f"dp{world}"
-        metrics = run_distributed(trainer_body, world_size=world,
-                                  args=(SMALL + [f"loss.agg={agg}", f"train.output_dir={out}",
-                                                 f"train.cache_dir={cache}"],))[0]
+        metrics = run_distributed(
+            trainer_body,
+            world_size=world,
+            args=(
+                SMALL + [f"loss.agg={agg}", f"train.output_dir={out}", f"train.cache_dir={cache}"],
+            ),
+        )[0]
         runs[world] = {m["step"]: m for m in metrics}[1]
     for key in KEYS:
         assert math.isclose(runs[2][key], runs[1][key], rel_tol=1e-4, abs_tol=1e-6), (agg, key)

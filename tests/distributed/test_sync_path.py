@@ -25,18 +25,22 @@ def _body(rank, world, overrides):
 
             def capture(buckets, *, version):
                 buckets = list(buckets)
-                received.extend([(b.index, [(n, t.clone()) for n, t in b.tensors])
-                                 for b in buckets])
+                received.extend(
+                    [(b.index, [(n, t.clone()) for n, t in b.tensors]) for b in buckets]
+                )
                 real(iter(buckets), version=version)
 
             trainer.engine.update_weights = capture
         trainer.sync_weights(version=1)
         g = trainer.groups
-        full = iter_full_params(trainer.actor.model, tp_group=g.tp, pp_group=g.pp,
-                                dst_global_rank=g.driver_rank)
+        full = iter_full_params(
+            trainer.actor.model, tp_group=g.tp, pp_group=g.pp, dst_global_rank=g.driver_rank
+        )
         options = trainer.engine.export_options if trainer.is_driver else {}
-        expected = [(b.index, list(b.tensors)) for b in export_for_rollout(
-            full, trainer.cfg.model, trainer.cfg.rollout.fp8, **options)]
+        expected = [
+            (b.index, list(b.tensors))
+            for b in export_for_rollout(full, trainer.cfg.model, trainer.cfg.rollout.fp8, **options)
+        ]
         version = trainer.engine.weight_version() if trainer.is_driver else None
     finally:
         trainer.close()
@@ -53,8 +57,12 @@ def _body(rank, world, overrides):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_trainer_sync_sends_the_export_function_output(tmp_path, tp):
-    overrides = SMALL + ["sft.steps=0", "rollout.fp8.weight_quant=blockwise",
-                         f"parallel.tensor_model_parallel_size={tp}",
-                         f"train.output_dir={tmp_path / 'run'}", f"train.cache_dir={tmp_path}"]
+    overrides = SMALL + [
+        "sft.steps=0",
+        "rollout.fp8.weight_quant=blockwise",
+        f"parallel.tensor_model_parallel_size={tp}",
+        f"train.output_dir={tmp_path / 'run'}",
+        f"train.cache_dir={tmp_path}",
+    ]
     version, fp8_tensors = run_distributed(_body, world_size=tp, args=(overrides,))[0]
     assert version == 1 and fp8_tensors == 14  # 7 linears x 2 layers arrive as e4m3 codes

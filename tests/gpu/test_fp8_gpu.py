@@ -16,8 +16,10 @@ import torch
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-needs_te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
-                              reason="needs transformer-engine (pip install -e '.[gpu]')")
+needs_te = pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is None,
+    reason="needs transformer-engine (pip install -e '.[gpu]')",
+)
 
 
 @contextlib.contextmanager
@@ -72,15 +74,18 @@ def test_emulated_per_tensor_gemm_matches_scaled_mm(fast_accum):
     from megatron_rl_fp8.fp8.accumulation import accumulation_error_bound, hopper_matmul
 
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the accumulation model is Hopper's (sm_90); Ada and Blackwell tensor cores "
-                    "accumulate differently")
+        pytest.skip(
+            "the accumulation model is Hopper's (sm_90); Ada and Blackwell tensor cores "
+            "accumulate differently"
+        )
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(256, 512, device="cuda", generator=g)
     w = torch.randn(384, 512, device="cuda", generator=g) * 0.05
     xq, sx = quantize_per_tensor(x)
     wq, sw = quantize_per_tensor(w)
-    hw = torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=torch.float32,
-                          use_fast_accum=fast_accum)
+    hw = torch._scaled_mm(
+        xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=torch.float32, use_fast_accum=fast_accum
+    )
 
     # The emulator reads exactly the values the tensor core reads.
     a = quantize_operand(x, "tensorwise_current", "input", dim=-1)
@@ -98,11 +103,13 @@ def test_emulated_per_tensor_gemm_matches_scaled_mm(fast_accum):
     gamma_k = k * 2**-24 / (1 - k * 2**-24)
     e_hw, e_emu, e_fp32 = (t.double() - exact for t in (hw, emu, fp32))
 
-    print(f"\n_scaled_mm(use_fast_accum={fast_accum}) vs exact: rms {_rms(e_hw):.3e} max "
-          f"{e_hw.abs().max().item():.3e} (max/bound {(e_hw.abs() / bound).max().item():.3f}); "
-          f"emulation hopper: rms {_rms(e_emu):.3e} max {e_emu.abs().max().item():.3e}; "
-          f"emulation fp32: rms {_rms(e_fp32):.3e}; outputs beyond the float32 bound: "
-          f"{(e_hw.abs() > gamma_k * total_abs).float().mean().item():.1%}")
+    print(
+        f"\n_scaled_mm(use_fast_accum={fast_accum}) vs exact: rms {_rms(e_hw):.3e} max "
+        f"{e_hw.abs().max().item():.3e} (max/bound {(e_hw.abs() / bound).max().item():.3f}); "
+        f"emulation hopper: rms {_rms(e_emu):.3e} max {e_emu.abs().max().item():.3e}; "
+        f"emulation fp32: rms {_rms(e_fp32):.3e}; outputs beyond the float32 bound: "
+        f"{(e_hw.abs() > gamma_k * total_abs).float().mean().item():.1%}"
+    )
     assert (e_emu.abs() <= bound).all()
     assert (e_hw.abs() <= bound).all(), "the hardware lost more than the model allows"
     assert ((hw.double() - emu.double()).abs() <= 2 * bound).all()
@@ -119,9 +126,17 @@ def _te_step(rank, world, recipe):
     from megatron_rl_fp8.trainer.config import OptimConfig
 
     g = parallel.initialize(parallel.ParallelConfig(), seed=1)
-    mc = ModelConfig(arch="qwen3", num_layers=2, hidden_size=256, ffn_hidden_size=512,
-                     num_attention_heads=4, num_query_groups=2, vocab_size=128,
-                     max_position_embeddings=64, params_dtype="bfloat16")
+    mc = ModelConfig(
+        arch="qwen3",
+        num_layers=2,
+        hidden_size=256,
+        ffn_hidden_size=512,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        params_dtype="bfloat16",
+    )
     actor = Actor(mc, OptimConfig(), g, fp8=FP8Config(recipe=recipe))
     assert not actor.fp8_emulated and actor.config.fp8 == "e4m3"
     ids = torch.randint(4, 128, (16, 32), generator=torch.Generator().manual_seed(0)).cuda()

@@ -20,8 +20,14 @@ import torch
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
-SHORT = ["sft.steps=100", "train.steps=4", "train.eval_interval=2", "train.eval_prompts=32",
-         "train.save_interval=2", "loss.calib.interval=2"]
+SHORT = [
+    "sft.steps=100",
+    "train.steps=4",
+    "train.eval_interval=2",
+    "train.eval_prompts=32",
+    "train.save_interval=2",
+    "loss.calib.interval=2",
+]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run: pytest -m gpu)")
@@ -29,8 +35,16 @@ SHORT = ["sft.steps=100", "train.steps=4", "train.eval_interval=2", "train.eval_
 def test_tiny_job_trains_on_cuda(tmp_path, config):
     out = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    cmd = [sys.executable, "-m", "megatron_rl_fp8", "train", config, *SHORT,
-           f"train.output_dir={out}", f"train.cache_dir={tmp_path / 'cache'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_rl_fp8",
+        "train",
+        config,
+        *SHORT,
+        f"train.output_dir={out}",
+        f"train.cache_dir={tmp_path / 'cache'}",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]

@@ -33,15 +33,31 @@ from megatron_rl_fp8.metrics.logger import read_metrics
 ROWS = 8 * 4
 VOCAB = 53  # examples/tiny_cpu.yaml model.vocab_size
 OVERRIDES = [
-    "sft.steps=100", "sft.batch_size=32", "train.steps=6", "train.prompts_per_step=8",
-    "rollout.n_samples_per_prompt=4", "train.micro_batch_size=16", "train.save_interval=3",
-    "train.eval_interval=3", "train.eval_prompts=32", "optim.lr=3e-4", "loss.calib.interval=2",
+    "sft.steps=100",
+    "sft.batch_size=32",
+    "train.steps=6",
+    "train.prompts_per_step=8",
+    "rollout.n_samples_per_prompt=4",
+    "train.micro_batch_size=16",
+    "train.save_interval=3",
+    "train.eval_interval=3",
+    "train.eval_prompts=32",
+    "optim.lr=3e-4",
+    "loss.calib.interval=2",
 ]
 
 
 def _cmd(out: Path, cache: Path) -> list[str]:
-    return [sys.executable, "-m", "megatron_rl_fp8", "train", "examples/tiny_cpu_fp8.yaml", *OVERRIDES,
-            f"train.output_dir={out}", f"train.cache_dir={cache}"]
+    return [
+        sys.executable,
+        "-m",
+        "megatron_rl_fp8",
+        "train",
+        "examples/tiny_cpu_fp8.yaml",
+        *OVERRIDES,
+        f"train.output_dir={out}",
+        f"train.cache_dir={cache}",
+    ]
 
 
 def _env():
@@ -89,8 +105,13 @@ def test_run_learns_and_stays_in_bounds(uninterrupted):
         assert 0.0 < m["train/entropy"] < math.log(VOCAB)
         # Zero when no group of the step has reward variance (all advantages 0).
         assert m["train/grad_norm"] >= 0
-        assert limits.lower_limits[0] <= m["calib/lower"] <= 1.0 <= m["calib/upper"] \
-            <= limits.upper_limits[1], (step, m["calib/lower"], m["calib/upper"])
+        assert (
+            limits.lower_limits[0]
+            <= m["calib/lower"]
+            <= 1.0
+            <= m["calib/upper"]
+            <= limits.upper_limits[1]
+        ), (step, m["calib/lower"], m["calib/upper"])
 
 
 def _metric_values(m: dict) -> dict:
@@ -123,8 +144,9 @@ def _alive(pids: list[int]) -> list[int]:
 def test_kill_and_restart_resumes_without_duplicates(tmp_path, cache, uninterrupted):
     out = tmp_path / "run"
     latest = out / "checkpoints" / "latest"
-    proc = subprocess.Popen(_cmd(out, cache), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _cmd(out, cache), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if latest.exists() and latest.read_text().strip() == "iter_0000003":

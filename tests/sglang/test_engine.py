@@ -42,9 +42,16 @@ from megatron_rl_fp8.sync.quantize import quantize_for_rollout
 
 pytestmark = pytest.mark.sglang
 
-MC = ModelConfig(arch="qwen3", num_layers=2, hidden_size=128, ffn_hidden_size=512,
-                 num_attention_heads=4, num_query_groups=2, vocab_size=53,
-                 max_position_embeddings=32)
+MC = ModelConfig(
+    arch="qwen3",
+    num_layers=2,
+    hidden_size=128,
+    ffn_hidden_size=512,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=53,
+    max_position_embeddings=32,
+)
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10], [1, 20, 21, 22, 23, 24, 25], [1, 30]]
 FP8 = RolloutFP8Config(weight_quant="blockwise")
 LOGPROB_TOL = 1e-4
@@ -71,9 +78,18 @@ def _buckets(eng, named):
 
 
 def _engine(py, tmp, transport, **kw) -> SGLangEngine:
-    cfg = RolloutConfig(fp8=FP8, sglang=SGLangConfig(
-        python=py, transport=transport, work_dir=str(tmp), bucket_mb=0.25,
-        startup_timeout_s=240, request_timeout_s=120, **kw))
+    cfg = RolloutConfig(
+        fp8=FP8,
+        sglang=SGLangConfig(
+            python=py,
+            transport=transport,
+            work_dir=str(tmp),
+            bucket_mb=0.25,
+            startup_timeout_s=240,
+            request_timeout_s=120,
+            **kw,
+        ),
+    )
     return SGLangEngine(cfg, _hf_cfg(), pad_token_id=0, eos_token_id=2)
 
 
@@ -85,13 +101,13 @@ def _local(sd, version):
 
 
 def _assert_greedy_match(eng, sd, version):
-    ref = _local(sd, version).generate(PROMPTS, n=1, greedy=True, max_new_tokens=8,
-                                       temperature=1.0)
+    ref = _local(sd, version).generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
     got = eng.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
     for a, b in zip(got, ref):
         assert a.response_ids == b.response_ids
-        assert max(abs(x - y) for x, y in zip(a.response_logprobs, b.response_logprobs)) \
-            < LOGPROB_TOL
+        assert (
+            max(abs(x - y) for x, y in zip(a.response_logprobs, b.response_logprobs)) < LOGPROB_TOL
+        )
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +146,14 @@ def test_sampled_logprobs_are_log_softmax_at_temperature(tensor_engine):
     for c in completions:
         ids = torch.tensor([c.prompt_ids + c.response_ids])
         with torch.no_grad():
-            logits = model(ids).logits[0, len(c.prompt_ids) - 1:-1].float()
-        want = torch.log_softmax(logits / t, -1).gather(
-            -1, torch.tensor(c.response_ids)[:, None])[:, 0]
-        assert torch.allclose(torch.tensor(c.response_logprobs), want, atol=LOGPROB_TOL), \
-            (c.response_logprobs, want.tolist())
+            logits = model(ids).logits[0, len(c.prompt_ids) - 1 : -1].float()
+        want = torch.log_softmax(logits / t, -1).gather(-1, torch.tensor(c.response_ids)[:, None])[
+            :, 0
+        ]
+        assert torch.allclose(torch.tensor(c.response_logprobs), want, atol=LOGPROB_TOL), (
+            c.response_logprobs,
+            want.tolist(),
+        )
 
 
 class _Recorder(KillServerAt):
@@ -168,18 +187,22 @@ def _sync_through_fault(eng, version, spec, restarts=1):
         assert set(hook.versions.get(point, [])) <= {-1}, (point, hook.versions)
 
 
-@pytest.mark.parametrize("spec", [
-    "begin_update",  # seen in CI: died after a rollout, before the sync
-    "push@3",  # a few buckets in: the server holds a mix of two versions
-    "end_update",
-    "check_version",
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "begin_update",  # seen in CI: died after a rollout, before the sync
+        "push@3",  # a few buckets in: the server holds a mix of two versions
+        "end_update",
+        "check_version",
+    ],
+)
 def test_server_killed_during_a_sync_is_relaunched_on_the_new_version(tensor_engine, spec):
     _sync_through_fault(tensor_engine, tensor_engine.weight_version() + 1, spec)
 
 
 def test_server_killed_in_a_rollout_and_again_in_its_relaunch_recovers_within_max_restarts(
-        tensor_engine):
+    tensor_engine,
+):
     eng = tensor_engine
     version = eng.weight_version()
     sd, before = _weights(seed=version), eng.stats["restarts"]
@@ -203,8 +226,9 @@ def test_disk_and_distributed_transports_match_local_engine_and_recover(tensor_e
             eng.cfg.transport = transport
             version += 1
             sd = _weights(seed=version)
-            eng.update_weights(_buckets(eng, quantize_for_rollout(sd.items(), FP8)),
-                               version=version)
+            eng.update_weights(
+                _buckets(eng, quantize_for_rollout(sd.items(), FP8)), version=version
+            )
             _assert_greedy_match(eng, sd, version)
             pushed, buckets = eng.stats["buckets"] - buckets, eng.stats["buckets"]
             assert pushed > 1 if transport == "distributed" else pushed == 0
@@ -214,7 +238,8 @@ def test_disk_and_distributed_transports_match_local_engine_and_recover(tensor_e
         eng.cfg.transport = "distributed"
         eng.update_weights(
             _buckets(eng, quantize_for_rollout(_weights(seed=version + 2).items(), FP8)),
-                           version=version + 2)  # forms the group on the relaunched server
+            version=version + 2,
+        )  # forms the group on the relaunched server
         _sync_through_fault(eng, version + 3, "push@2")
     finally:
         eng.cfg.transport = "tensor"
@@ -229,8 +254,10 @@ def test_restarts_are_bounded_and_a_failure_leaves_nothing_running(tensor_engine
     pgid = eng.server_pid()
     eng.fault_hook = KillServerAt(eng, "generate,startup")
     try:
-        with pytest.raises(SGLangServerError,
-                           match=r"rollout\.sglang\.max_restarts=1.*server log: .*server-\d+\.log"):
+        with pytest.raises(
+            SGLangServerError,
+            match=r"rollout\.sglang\.max_restarts=1.*server log: .*server-\d+\.log",
+        ):
             eng.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
     finally:
         eng.fault_hook = None
@@ -249,15 +276,20 @@ def test_a_server_that_cannot_bind_its_port_fails_fast_with_a_clear_error(sglang
         eng = _engine(sglang_py, tmp_path, "tensor", port=port, max_restarts=0)
         t0 = time.monotonic()
         try:
-            with pytest.raises(SGLangServerError, match=rf"max_restarts=0\); last error: .*"
-                                                        rf"could not bind port {port}"):
-                eng.update_weights(_buckets(eng, quantize_for_rollout(_weights(0).items(), FP8)),
-                                   version=0)
+            with pytest.raises(
+                SGLangServerError,
+                match=rf"max_restarts=0\); last error: .*"
+                rf"could not bind port {port}",
+            ):
+                eng.update_weights(
+                    _buckets(eng, quantize_for_rollout(_weights(0).items(), FP8)), version=0
+                )
         finally:
             eng.shutdown()
     assert time.monotonic() - t0 < 120
     assert eng.weight_version() == -1
     assert server_group_pids(int((tmp_path / "server.pid").read_text())) == []
+
 
 # A trainer in miniature: an SGLangEngine whose first sync launches the server.
 _TRAINER = """
@@ -287,9 +319,13 @@ def test_sigkilled_trainer_leaves_no_server_process_behind(sglang_py, tmp_path):
     # Killed while SGLang's scheduler and detokenizer are still importing, before they arm their
     # own parent-death signal: without the guard they survive the trainer (seen: for good).
     root = Path(__file__).resolve().parents[2]
-    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, sglang_py, str(tmp_path)],
-                               cwd=root, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONPATH": str(root)})
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, sglang_py, str(tmp_path)],
+        cwd=root,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     pgid = None
     try:
         deadline = time.monotonic() + 240

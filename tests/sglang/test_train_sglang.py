@@ -27,23 +27,38 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sglang_args(py, work):
-    return ["rollout.engine=sglang", f"rollout.sglang.python={py}",
-            f"rollout.sglang.work_dir={work}", "rollout.sglang.startup_timeout_s=300"]
+    return [
+        "rollout.engine=sglang",
+        f"rollout.sglang.python={py}",
+        f"rollout.sglang.work_dir={work}",
+        "rollout.sglang.startup_timeout_s=300",
+    ]
 
 
 def test_tiny_run_survives_a_killed_server(sglang_py, tmp_path):
     # steps=2: sync 0 launches the server, step 1's sync meets the fault (relaunch), step 2's
     # rollout and the final evaluation run on the relaunched server.
     out, work = tmp_path / "run", tmp_path / "sglang"
-    cmd = [sys.executable, "-m", "megatron_rl_fp8", "train", "examples/tiny_cpu.yaml", *SMALL,
-           "train.steps=2", "train.eval_interval=2", f"train.output_dir={out}",
-           f"train.cache_dir={tmp_path / 'cache'}", *_sglang_args(sglang_py, work)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_rl_fp8",
+        "train",
+        "examples/tiny_cpu.yaml",
+        *SMALL,
+        "train.steps=2",
+        "train.eval_interval=2",
+        f"train.output_dir={out}",
+        f"train.cache_dir={tmp_path / 'cache'}",
+        *_sglang_args(sglang_py, work),
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.setdefault("OMP_NUM_THREADS", "2")
     env[FAULT_ENV] = "begin_update"
     with open(tmp_path / "train.log", "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            timeout=900, check=False).returncode
+        rc = subprocess.run(
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900, check=False
+        ).returncode
     text = (tmp_path / "train.log").read_text()
     assert rc == 0, text[-3000:]
     assert "weight update to version 1: /update_weight_version" in text, text[-3000:]
@@ -56,9 +71,14 @@ def test_tiny_run_survives_a_killed_server(sglang_py, tmp_path):
 
 
 def test_tp2_trainer_syncs_into_sglang(sglang_py, tmp_path):
-    overrides = [*SMALL, "train.steps=2", "parallel.tensor_model_parallel_size=2",
-                 f"train.output_dir={tmp_path / 'run'}", f"train.cache_dir={tmp_path / 'cache'}",
-                 *_sglang_args(sglang_py, tmp_path / "sglang")]
+    overrides = [
+        *SMALL,
+        "train.steps=2",
+        "parallel.tensor_model_parallel_size=2",
+        f"train.output_dir={tmp_path / 'run'}",
+        f"train.cache_dir={tmp_path / 'cache'}",
+        *_sglang_args(sglang_py, tmp_path / "sglang"),
+    ]
     metrics = run_distributed(trainer_body, world_size=2, args=(overrides,), timeout=900)[0]
     assert [m["step"] for m in metrics] == [0, 1, 2]
     _assert_rollout_matches_trainer(metrics)

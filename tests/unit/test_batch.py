@@ -7,9 +7,15 @@ from megatron_rl_fp8.trainer.batch import build_rl_batch, build_sft_batch, rows_
 
 def test_rl_batch_aligns_labels_masks_and_logprobs():
     comps = [
-        Completion(prompt_ids=[1, 5, 6], response_ids=[7, 2], response_logprobs=[-0.1, -0.2], finished=True),
-        Completion(prompt_ids=[1, 5], response_ids=[8, 9, 10], response_logprobs=[-1.0, -2.0, -3.0],
-                   finished=False),
+        Completion(
+            prompt_ids=[1, 5, 6], response_ids=[7, 2], response_logprobs=[-0.1, -0.2], finished=True
+        ),
+        Completion(
+            prompt_ids=[1, 5],
+            response_ids=[8, 9, 10],
+            response_logprobs=[-1.0, -2.0, -3.0],
+            finished=False,
+        ),
     ]
     b = build_rl_batch(comps, torch.tensor([0.5, -0.5]), pad_id=0)
     assert b["input_ids"].tolist() == [[1, 5, 6, 7, 2], [1, 5, 8, 9, 10]]
@@ -23,7 +29,10 @@ def test_rl_batch_aligns_labels_masks_and_logprobs():
 
 
 def test_sft_batch_moves_mask_to_label_positions():
-    collated = {"input_ids": torch.tensor([[1, 4, 5, 2]]), "loss_mask": torch.tensor([[0.0, 0.0, 1.0, 1.0]])}
+    collated = {
+        "input_ids": torch.tensor([[1, 4, 5, 2]]),
+        "loss_mask": torch.tensor([[0.0, 0.0, 1.0, 1.0]]),
+    }
     b = build_sft_batch(collated, pad_id=0)
     assert b["labels"].tolist() == [[4, 5, 2, 0]]
     assert b["loss_mask"].tolist() == [[0.0, 1.0, 1.0, 0.0]]

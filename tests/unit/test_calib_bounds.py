@@ -50,8 +50,9 @@ def test_calibration_restores_bf16_clip_share_and_balance():
     fp8_share_nominal, _ = _exact_stats(fp8, adv, mask, *nominal)
     assert fp8_share_nominal > 2 * bf16_share > 0  # the FP8 failure mode is visible
 
-    lower, upper, stats = calibrated_clip_bounds(fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH,
-                                                 return_stats=True)
+    lower, upper, stats = calibrated_clip_bounds(
+        fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH, return_stats=True
+    )
     assert lower < nominal[0]
     fp8_share, fp8_balance = _exact_stats(fp8, adv, mask, lower, upper)
     assert fp8_share == pytest.approx(bf16_share, rel=0.05)
@@ -68,10 +69,12 @@ def test_calibration_restores_bf16_clip_share_and_balance():
 @pytest.mark.parametrize("strategy", ["balance", "shift"])
 def test_histogram_bounds_agree_with_exact_reference(strategy):
     fp8, bf16, adv, mask = _fp8_biased_batch(seed=1)
-    lower, upper = calibrated_clip_bounds(fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH,
-                                          strategy=strategy)
-    ref_lower, ref_upper = exact_calibrated_clip_bounds(fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH,
-                                                        strategy=strategy)
+    lower, upper = calibrated_clip_bounds(
+        fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH, strategy=strategy
+    )
+    ref_lower, ref_upper = exact_calibrated_clip_bounds(
+        fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH, strategy=strategy
+    )
     assert math.log(lower) == pytest.approx(math.log(ref_lower), abs=BIN_WIDTH)
     assert math.log(upper) == pytest.approx(math.log(ref_upper), abs=2 * BIN_WIDTH)
     if strategy == "shift":
@@ -86,9 +89,14 @@ def test_masked_and_zero_advantage_tokens_are_ignored():
     junk_fp8[4:] = float("nan")  # padding may hold NaN
     extra_mask = torch.zeros(8, 256, dtype=torch.bool)
     extra_mask[:4] = True  # response tokens, but with zero advantage
-    got = calibrated_clip_bounds(torch.cat([fp8, junk_fp8]), torch.cat([bf16, junk_fp8]),
-                                 torch.cat([adv, torch.zeros(8)]), torch.cat([mask, extra_mask]),
-                                 EPS_LOW, EPS_HIGH)
+    got = calibrated_clip_bounds(
+        torch.cat([fp8, junk_fp8]),
+        torch.cat([bf16, junk_fp8]),
+        torch.cat([adv, torch.zeros(8)]),
+        torch.cat([mask, extra_mask]),
+        EPS_LOW,
+        EPS_HIGH,
+    )
     assert got == base
 
 
@@ -96,8 +104,11 @@ def test_hist_bytes_do_not_depend_on_token_count():
     sizes = set()
     for b in (4, 64):
         fp8, bf16, adv, mask = _fp8_biased_batch(b=b, t=128)
-        sizes.add(calibrated_clip_bounds(fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH,
-                                         return_stats=True)[2]["hist_bytes"])
+        sizes.add(
+            calibrated_clip_bounds(fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH, return_stats=True)[2][
+                "hist_bytes"
+            ]
+        )
     assert sizes == {8 * (4 * 4096 + 7)}
 
 
@@ -106,8 +117,9 @@ def test_no_negative_tokens_gives_nominal_bounds():
     adv = adv.abs() + 0.1
     lower, upper = calibrated_clip_bounds(fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH)
     assert (lower, upper) == pytest.approx((1 - EPS_LOW, 1 + EPS_HIGH))
-    assert exact_calibrated_clip_bounds(fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH) == \
-        pytest.approx((1 - EPS_LOW, 1 + EPS_HIGH))
+    assert exact_calibrated_clip_bounds(fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH) == pytest.approx(
+        (1 - EPS_LOW, 1 + EPS_HIGH)
+    )
 
 
 def test_no_positive_tokens_keeps_nominal_upper():
@@ -124,13 +136,15 @@ def test_q_zero_loosens_lower_just_enough_to_clip_nothing():
     mask = torch.ones(16, 64, dtype=torch.bool)
     fp8 = bf16.clone()
     fp8[adv < 0, 0] = math.log(0.7)  # FP8 pushes one token per negative sequence below 0.8
-    lower, _, stats = calibrated_clip_bounds(fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH,
-                                             return_stats=True)
+    lower, _, stats = calibrated_clip_bounds(
+        fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH, return_stats=True
+    )
     assert stats["bf16_neg_lower_clipfrac"] == 0.0
     assert stats["fp8_neg_lower_clipfrac_nominal"] > 0.0
     assert 0.7 - 1e-3 < lower <= 0.7
-    assert exact_calibrated_clip_bounds(fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH)[0] == \
-        pytest.approx(0.7)
+    assert exact_calibrated_clip_bounds(fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH)[
+        0
+    ] == pytest.approx(0.7)
     # Without FP8 tokens below the nominal bound either, the nominal bound stays.
     lower, _ = calibrated_clip_bounds(bf16, bf16, adv, mask, EPS_LOW, EPS_HIGH)
     assert lower == pytest.approx(1 - EPS_LOW)
@@ -146,11 +160,16 @@ def test_safety_limits_clamp_and_unreachable_balance_unclips_every_positive_toke
     # answer unclips every positive token (never below nominal) instead of jumping to the limit.
     shifted = fp8 - 1.5 * ~neg
     pos_max = math.exp(float(shifted[(adv > 0)[:, None].expand_as(fp8) & mask.bool()].max()))
-    _, upper = calibrated_clip_bounds(shifted, bf16, adv, mask, EPS_LOW, EPS_HIGH,
-                                      upper_limits=(1.01, 1.6))
+    _, upper = calibrated_clip_bounds(
+        shifted, bf16, adv, mask, EPS_LOW, EPS_HIGH, upper_limits=(1.01, 1.6)
+    )
     assert upper == 1 + EPS_HIGH and pos_max < upper
-    assert exact_calibrated_clip_bounds(shifted, bf16, adv, mask, EPS_LOW, EPS_HIGH,
-                                        upper_limits=(1.01, 1.6))[1] == 1 + EPS_HIGH
+    assert (
+        exact_calibrated_clip_bounds(
+            shifted, bf16, adv, mask, EPS_LOW, EPS_HIGH, upper_limits=(1.01, 1.6)
+        )[1]
+        == 1 + EPS_HIGH
+    )
     # Positive ratios spread past nominal (x2), negative ones inflated (+1 in log) so the BF16
     # balance is out of reach: the bound is the bin edge just above the largest positive ratio.
     pos_t = (adv > 0)[:, None].expand_as(fp8) & mask.bool()

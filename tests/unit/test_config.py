@@ -36,17 +36,27 @@ def test_field_validation_is_reported_with_its_section():
     "overrides, world, message",
     [
         ({"parallel": {"tensor_model_parallel_size": 2}}, 3, "world size 3 is not divisible"),
-        ({"parallel": {"pipeline_model_parallel_size": 2}, "model": {"num_layers": 3}}, 2,
-         "num_layers=3 is not divisible"),
-        ({"parallel": {"tensor_model_parallel_size": 4}}, 4, "num_query_groups=2 must both be divisible"),
+        (
+            {"parallel": {"pipeline_model_parallel_size": 2}, "model": {"num_layers": 3}},
+            2,
+            "num_layers=3 is not divisible",
+        ),
+        (
+            {"parallel": {"tensor_model_parallel_size": 4}},
+            4,
+            "num_query_groups=2 must both be divisible",
+        ),
         ({"train": {"micro_batch_size": 48}}, 1, "multiple of data-parallel size"),
     ],
 )
 def test_impossible_layouts(overrides, world, message):
     base = load_config()
     data = {k: v for k, v in overrides.items()}
-    cfg = from_dict(RunConfig, {**{"model": vars(base.model)}, **data}) if "model" not in data else \
-        from_dict(RunConfig, data)
+    cfg = (
+        from_dict(RunConfig, {**{"model": vars(base.model)}, **data})
+        if "model" not in data
+        else from_dict(RunConfig, data)
+    )
     with pytest.raises(ConfigError, match=message):
         cfg.validate(world_size=world)
 
@@ -77,7 +87,9 @@ def test_yaml_round_trip(tmp_path):
 
 
 def test_base_include_merges_sections(tmp_path):
-    (tmp_path / "parent.yaml").write_text("train:\n  steps: 7\n  seed: 3\nfp8:\n  recipe: rowwise\n")
+    (tmp_path / "parent.yaml").write_text(
+        "train:\n  steps: 7\n  seed: 3\nfp8:\n  recipe: rowwise\n"
+    )
     (tmp_path / "child.yaml").write_text("base: parent.yaml\ntrain:\n  steps: 9\n")
     cfg = load_config(tmp_path / "child.yaml", ["train.seed=4"])
     assert (cfg.train.steps, cfg.train.seed, cfg.fp8.recipe) == (9, 4, "rowwise")
@@ -93,26 +105,34 @@ def test_shipped_precision_modes_differ_only_in_fp8():
     from megatron_rl_fp8.config import EXAMPLES_DIR
     from megatron_rl_fp8.config_utils import to_dict
 
-    modes = {name: to_dict(load_config(EXAMPLES_DIR / f"{name}.yaml"))
-             for name in ("tiny_cpu", "tiny_cpu_fp8_rollout", "tiny_cpu_fp8")}
+    modes = {
+        name: to_dict(load_config(EXAMPLES_DIR / f"{name}.yaml"))
+        for name in ("tiny_cpu", "tiny_cpu_fp8_rollout", "tiny_cpu_fp8")
+    }
     for d in modes.values():
         d["train"].pop("output_dir")
-    bf16, rollout_only, full = modes["tiny_cpu"], modes["tiny_cpu_fp8_rollout"], modes["tiny_cpu_fp8"]
+    bf16, rollout_only, full = (
+        modes["tiny_cpu"],
+        modes["tiny_cpu_fp8_rollout"],
+        modes["tiny_cpu_fp8"],
+    )
     assert bf16["fp8"]["recipe"] == "bf16" and bf16["rollout"]["fp8"]["weight_quant"] == "bf16"
     assert rollout_only["fp8"]["recipe"] == "bf16"
     assert rollout_only["rollout"]["fp8"]["weight_quant"] == "blockwise"
     assert full["fp8"]["recipe"] == "blockwise"
     assert full["rollout"]["fp8"]["weight_quant"] == "blockwise"
     for d in (rollout_only, full):
-        assert {k: v for k, v in d.items() if k not in ("fp8", "rollout")} == \
-            {k: v for k, v in bf16.items() if k not in ("fp8", "rollout")}
+        assert {k: v for k, v in d.items() if k not in ("fp8", "rollout")} == {
+            k: v for k, v in bf16.items() if k not in ("fp8", "rollout")
+        }
 
 
 def test_calibration_needs_two_updates_per_step():
     with pytest.raises(ConfigError, match="updates_per_step >= 2"):
         load_config(None, ["fp8.recipe=blockwise", "train.updates_per_step=1"]).validate()
-    load_config(None, ["fp8.recipe=blockwise", "train.updates_per_step=1",
-                       "loss.calib.enabled=false"]).validate()
+    load_config(
+        None, ["fp8.recipe=blockwise", "train.updates_per_step=1", "loss.calib.enabled=false"]
+    ).validate()
 
 
 def test_every_setting_has_help_and_the_config_command_shows_it(capsys):

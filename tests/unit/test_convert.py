@@ -33,13 +33,27 @@ TOKENIZER = Path(__file__).resolve().parents[2] / "megatron_rl_fp8/data/assets/t
 
 def tiny_model_config(arch: str, *, hidden: int = 64, layers: int = 2) -> ModelConfig:
     # llama tied, the Qwens untied: both embedding layouts are exercised.
-    return ModelConfig(arch=arch, num_layers=layers, hidden_size=hidden, ffn_hidden_size=2 * hidden,
-                       num_attention_heads=4, num_query_groups=2, vocab_size=53,
-                       tie_word_embeddings=arch == "llama")
+    return ModelConfig(
+        arch=arch,
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=2 * hidden,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=53,
+        tie_word_embeddings=arch == "llama",
+    )
 
 
-def make_hf_model(path: Path, arch: str, *, hidden: int = 64, dtype=torch.float32, seed: int = 0,
-                  max_shard_size: str = "40KB") -> Path:
+def make_hf_model(
+    path: Path,
+    arch: str,
+    *,
+    hidden: int = 64,
+    dtype=torch.float32,
+    seed: int = 0,
+    max_shard_size: str = "40KB",
+) -> Path:
     """A random-weight transformers model saved as several safetensors shards + tokenizer."""
     import transformers
 
@@ -71,15 +85,25 @@ def hf_dir(request, tmp_path_factory):
 
 
 def _no_leftovers(out: Path) -> bool:
-    return not out.exists() and not any(p.name.startswith(f".{out.name}.") for p in out.parent.iterdir())
+    return not out.exists() and not any(
+        p.name.startswith(f".{out.name}.") for p in out.parent.iterdir()
+    )
 
 
 # -- the mapping additions -----------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ARCHS)
 def test_plan_pieces_rebuild_hf_state_to_mcore(arch):
     """The row-block plan the writer uses gives exactly hf_state_to_mcore's fused tensors."""
-    mc = ModelConfig(arch=arch, num_layers=2, hidden_size=48, ffn_hidden_size=40,
-                     num_attention_heads=6, num_query_groups=2, head_dim=8, vocab_size=30)
+    mc = ModelConfig(
+        arch=arch,
+        num_layers=2,
+        hidden_size=48,
+        ffn_hidden_size=40,
+        num_attention_heads=6,
+        num_query_groups=2,
+        head_dim=8,
+        vocab_size=30,
+    )
     gen = torch.Generator().manual_seed(0)
     hf = {n: torch.randn(s, generator=gen) for n, s in expected_hf_shapes(mc).items()}
     full = hf_state_to_mcore(hf, mc)
@@ -95,23 +119,50 @@ def test_plan_pieces_rebuild_hf_state_to_mcore(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tied", [False, True])
 def test_model_config_from_hf_inverts_hf_config(arch, tied):
-    mc = ModelConfig(arch=arch, num_layers=3, hidden_size=96, ffn_hidden_size=200,
-                     num_attention_heads=6, num_query_groups=3, head_dim=24, vocab_size=77,
-                     max_position_embeddings=512, rope_theta=1e6, norm_eps=1e-5,
-                     tie_word_embeddings=tied, params_dtype="float32")
+    mc = ModelConfig(
+        arch=arch,
+        num_layers=3,
+        hidden_size=96,
+        ffn_hidden_size=200,
+        num_attention_heads=6,
+        num_query_groups=3,
+        head_dim=24,
+        vocab_size=77,
+        max_position_embeddings=512,
+        rope_theta=1e6,
+        norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        params_dtype="float32",
+    )
     back, notes = model_config_from_hf(hf_config(mc).to_dict(), params_dtype="float32")
     assert back == mc and notes == []
 
 
 def test_model_config_from_hf_reads_v4_style_llama31():
     """A transformers-4 style Llama 3.1 config (rope_theta + rope_scaling at top level)."""
-    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
-           "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
-           "rope_scaling": {"factor": 8.0, "rope_type": "llama3"}, "rms_norm_eps": 1e-5,
-           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu"}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "rope_type": "llama3"},
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "hidden_act": "silu",
+    }
     mc, notes = model_config_from_hf(cfg)
-    assert (mc.arch, mc.kv_channels, mc.rope_theta, mc.params_dtype) == ("llama", 128, 5e5, "bfloat16")
+    assert (mc.arch, mc.kv_channels, mc.rope_theta, mc.params_dtype) == (
+        "llama",
+        128,
+        5e5,
+        "bfloat16",
+    )
     assert mc.padded_vocab_size(1) == 128256 and mc.padded_vocab_size(8) == 129024
     assert mc.rope_scaling_factor == 8.0 and notes == []
     assert model_config_from_hf({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})[1]
@@ -127,8 +178,9 @@ def test_model_config_from_hf_rejects_unknown_architecture():
 # -- round trips ---------------------------------------------------------------------------------
 def test_roundtrip_is_bit_exact(hf_dir, tmp_path):
     mcore = tmp_path / "mcore"
-    stats = hf_to_mcore(hf_dir, mcore, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                        progress=False)
+    stats = hf_to_mcore(
+        hf_dir, mcore, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, progress=False
+    )
     assert (mcore / "latest").read_text().strip() == "iter_0000000"
     state = json.loads((mcore / "iter_0000000/trainer_state.json").read_text())
     assert state["padded_vocab_size"] == 256 and state["model"]["vocab_size"] == 53
@@ -143,7 +195,9 @@ def test_roundtrip_is_bit_exact(hf_dir, tmp_path):
     index = json.loads((back / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(src) and len(set(index["weight_map"].values())) > 1
     assert all((back / f).is_file() for f in index["weight_map"].values())
-    assert json.loads((back / "config.json").read_text()) == json.loads((hf_dir / "config.json").read_text())
+    assert json.loads((back / "config.json").read_text()) == json.loads(
+        (hf_dir / "config.json").read_text()
+    )
     for f in TOKENIZER.iterdir():
         assert (back / f.name).read_bytes() == f.read_bytes()
     assert _no_leftovers(tmp_path / "never") and not list(tmp_path.glob(".*partial"))
@@ -197,11 +251,15 @@ def test_wrong_shape_is_named_and_nothing_written(tmp_path):
     hf = _broken_copy(make_hf_model(tmp_path / "src", "qwen3"), tmp_path / "hf")
 
     def shrink(tensors, index):
-        tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:-1]
+        tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][
+            :-1
+        ]
 
     _rewrite_shard(hf, shrink)
     out = tmp_path / "out"
-    with pytest.raises(ConvertError, match=r"wrong shape.*up_proj.weight \(127, 64\) \(expected \(128, 64\)\)"):
+    with pytest.raises(
+        ConvertError, match=r"wrong shape.*up_proj.weight \(127, 64\) \(expected \(128, 64\)\)"
+    ):
         hf_to_mcore(hf, out, progress=False)
     assert _no_leftovers(out)
 
@@ -212,7 +270,8 @@ def test_unexpected_tensor_is_named(tmp_path):
     def add(tensors, index):
         tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
         index["weight_map"]["model.layers.0.mlp.extra.weight"] = index["weight_map"][
-            "model.layers.1.mlp.up_proj.weight"]
+            "model.layers.1.mlp.up_proj.weight"
+        ]
 
     _rewrite_shard(hf, add)
     with pytest.raises(ConvertError, match=r"unexpected \['model.layers.0.mlp.extra.weight'\]"):
@@ -247,7 +306,9 @@ def test_mcore_to_hf_rejects_mismatched_config_and_keeps_existing_out(tmp_path):
     (out / "keep.txt").write_text("precious")
     with pytest.raises(ConvertError, match="not empty; pass --overwrite"):
         mcore_to_hf(tmp_path / "m", out, hf_config_dir=a, progress=False)
-    with pytest.raises(ConvertError, match=r"missing \[.*linear_qkv.bias.*unexpected \[.*q_layernorm"):
+    with pytest.raises(
+        ConvertError, match=r"missing \[.*linear_qkv.bias.*unexpected \[.*q_layernorm"
+    ):
         mcore_to_hf(tmp_path / "m", out, hf_config_dir=b, overwrite=True, progress=False)
     assert (out / "keep.txt").read_text() == "precious"
     mcore_to_hf(tmp_path / "m", out, hf_config_dir=a, overwrite=True, progress=False)
@@ -266,8 +327,8 @@ def test_unsupported_architecture_writes_nothing(tmp_path):
 
 
 # -- FP8 export ----------------------------------------------------------------------------------
-E4M3_REL = 2.0 ** -4   # half an ulp of a 3-bit mantissa, relative, in the normal range
-E4M3_SUB = 2.0 ** -10  # half the subnormal spacing (2^-9), in units of the block scale
+E4M3_REL = 2.0**-4  # half an ulp of a 3-bit mantissa, relative, in the normal range
+E4M3_SUB = 2.0**-10  # half the subnormal spacing (2^-9), in units of the block scale
 
 
 @pytest.fixture(scope="module")
@@ -281,17 +342,39 @@ def fp8_export(tmp_path_factory):
 def test_fp8_export_format(fp8_export):
     hf, out = fp8_export
     cfg = json.loads((out / "config.json").read_text())
-    skip = ["lm_head"] + [f"model.layers.1.{m}" for m in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    skip = ["lm_head"] + [
+        f"model.layers.1.{m}"
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
     assert cfg["quantization_config"] == {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128], "modules_to_not_convert": skip}
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": skip,
+    }
     src, q = read_hf(hf), read_hf(out)
     fp8_names = {n for n, t in q.items() if t.dtype == torch.float8_e4m3fn}
-    assert fp8_names == {f"model.layers.0.{m}.weight" for m in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert fp8_names == {
+        f"model.layers.0.{m}.weight"
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    }
     for name in fp8_names:  # every weight within the E4M3 rounding bound of its block scale
         scale = q[name + "_scale_inv"]
         assert scale.dtype == torch.float32
@@ -301,7 +384,9 @@ def test_fp8_export_format(fp8_export):
         s = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
         assert ((deq - w).abs() <= E4M3_REL * w.abs() + E4M3_SUB * s + 1e-12).all(), name
     others = set(src) - fp8_names
-    assert all(q[n].dtype == torch.bfloat16 and torch.equal(q[n], src[n].bfloat16()) for n in others)
+    assert all(
+        q[n].dtype == torch.bfloat16 and torch.equal(q[n], src[n].bfloat16()) for n in others
+    )
     assert set(q) == set(src) | {n + "_scale_inv" for n in fp8_names}
 
 
@@ -330,8 +415,11 @@ def test_fp8_export_logits_within_fp8_error(fp8_export):
     for n, t in q.items():
         if n.endswith("_scale_inv"):
             continue
-        deq[n] = (dequantize_blockwise(t, q[n + "_scale_inv"], dtype=torch.float32)
-                  if t.dtype == torch.float8_e4m3fn else t.float())
+        deq[n] = (
+            dequantize_blockwise(t, q[n + "_scale_inv"], dtype=torch.float32)
+            if t.dtype == torch.float8_e4m3fn
+            else t.float()
+        )
     ids = torch.randint(0, 53, (3, 16), generator=torch.Generator().manual_seed(0))
     ref = _logits({n: t.bfloat16().float() for n, t in src.items()}, ids, hf)
     got = _logits(deq, ids, hf)
@@ -351,7 +439,9 @@ def test_fp8_export_loads_with_transformers_finegrained_fp8(fp8_export):
     import transformers
 
     hf, out = fp8_export
-    skip = json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    skip = json.loads((out / "config.json").read_text())["quantization_config"][
+        "modules_to_not_convert"
+    ]
     qc = transformers.FineGrainedFP8Config(dequantize=True, modules_to_not_convert=skip)
     model = transformers.AutoModelForCausalLM.from_pretrained(out, quantization_config=qc)
     q = read_hf(out)
@@ -367,17 +457,65 @@ def test_cli_convert_subcommand_runs_all_three(tmp_path, capsys):
     from megatron_rl_fp8.cli import main
 
     hf = make_hf_model(tmp_path / "hf", "qwen3", hidden=128)
-    assert main(["convert", "hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "m"),
-                 "--tp", "2", "--no-progress"]) == 0
-    assert main(["convert", "mcore-to-hf", "--ckpt", str(tmp_path / "m"), "--hf-config", str(hf),
-                 "--out", str(tmp_path / "back"), "--dtype", "bfloat16", "--no-progress"]) == 0
-    assert main(["convert", "export-fp8", "--ckpt", str(tmp_path / "m"), "--hf-config", str(hf),
-                 "--out", str(tmp_path / "fp8"), "--keep-first-layers", "1", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "hf-to-mcore",
+                "--hf",
+                str(hf),
+                "--out",
+                str(tmp_path / "m"),
+                "--tp",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "convert",
+                "mcore-to-hf",
+                "--ckpt",
+                str(tmp_path / "m"),
+                "--hf-config",
+                str(hf),
+                "--out",
+                str(tmp_path / "back"),
+                "--dtype",
+                "bfloat16",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "convert",
+                "export-fp8",
+                "--ckpt",
+                str(tmp_path / "m"),
+                "--hf-config",
+                str(hf),
+                "--out",
+                str(tmp_path / "fp8"),
+                "--keep-first-layers",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split(":")[0] for ln in lines] == ["hf-to-mcore", "mcore-to-hf", "export-fp8"]
     assert all(" tensors, " in ln and "GB/s) -> " in ln for ln in lines)
     src, back = read_hf(hf), read_hf(tmp_path / "back")
-    assert all(back[n].dtype == torch.bfloat16 and torch.equal(back[n], src[n].bfloat16()) for n in src)
+    assert all(
+        back[n].dtype == torch.bfloat16 and torch.equal(back[n], src[n].bfloat16()) for n in src
+    )
     assert json.loads((tmp_path / "back/config.json").read_text())["torch_dtype"] == "bfloat16"
     fp8 = read_hf(tmp_path / "fp8")  # from the dist checkpoint: layer 0 kept, layer 1 quantized
     assert fp8["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
@@ -387,6 +525,8 @@ def test_cli_convert_subcommand_runs_all_three(tmp_path, capsys):
 def test_cli_reports_errors_with_exit_code_2(tmp_path, capsys):
     from megatron_rl_fp8.cli import main
 
-    assert main(["convert", "hf-to-mcore", "--hf", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert (
+        main(["convert", "hf-to-mcore", "--hf", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    )
     assert "config.json not found" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

@@ -20,7 +20,9 @@ def test_inert_when_cuda_is_available(monkeypatch):
 
 
 def test_enable_redirects_cuda_and_disable_restores():
-    originals = {name: getattr(torch.cuda, name) for name in ("current_device", "synchronize", "Stream")}
+    originals = {
+        name: getattr(torch.cuda, name) for name in ("current_device", "synchronize", "Stream")
+    }
     was_active = cpu_compat.is_active()
     cpu_compat.disable()
     try:

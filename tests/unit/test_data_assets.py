@@ -20,8 +20,11 @@ def test_shipped_files_are_small_and_well_formed():
     train, val = build_datasets(TaskConfig())
     assert len(train) == 20_000 and len(val) == 256
     for r in train.records + val.records:
-        a, op, b = (r["prompt"][:-1].partition("+") if "+" in r["prompt"]
-                    else r["prompt"][:-1].partition("-"))
+        a, op, b = (
+            r["prompt"][:-1].partition("+")
+            if "+" in r["prompt"]
+            else r["prompt"][:-1].partition("-")
+        )
         assert r["prompt"].endswith("=") and op in "+-"
         assert int(r["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
         assert max(len(a), len(b)) <= 3
@@ -53,8 +56,10 @@ def test_default_lengths_fit_the_task_config():
     train, val = build_datasets(cfg)
     # Raises if any prompt or answer overflows the default limits.
     examples = sft_examples(
-        tok, train.records + val.records,
-        max_prompt_len=cfg.max_prompt_len, max_response_len=cfg.max_response_len,
+        tok,
+        train.records + val.records,
+        max_prompt_len=cfg.max_prompt_len,
+        max_response_len=cfg.max_response_len,
     )
     assert max(len(e.input_ids) for e in examples) <= 9 + 5
 

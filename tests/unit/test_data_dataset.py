@@ -18,11 +18,14 @@ def _records(n):
 
 
 def test_loads_jsonl_with_custom_fields_and_int_answers(tmp_path):
-    path = _write(tmp_path / "p.jsonl", [
-        json.dumps({"question": "1+2=", "target": 3, "extra": "ignored"}),
-        "",
-        json.dumps({"question": "5-7=", "target": "-2"}),
-    ])
+    path = _write(
+        tmp_path / "p.jsonl",
+        [
+            json.dumps({"question": "1+2=", "target": 3, "extra": "ignored"}),
+            "",
+            json.dumps({"question": "5-7=", "target": "-2"}),
+        ],
+    )
     recs = load_records(path, prompt_field="question", answer_field="target")
     assert recs == [{"prompt": "1+2=", "answer": "3"}, {"prompt": "5-7=", "answer": "-2"}]
     ds = PromptDataset.from_file(path, prompt_field="question", answer_field="target")
@@ -70,7 +73,8 @@ def test_parquet_round_trip(tmp_path):
     path = tmp_path / "p.parquet"
     pq.write_table(pa.table({"q": ["1+2=", "3+4="], "a": [3, 7]}), path)
     assert load_records(path, prompt_field="q", answer_field="a") == [
-        {"prompt": "1+2=", "answer": "3"}, {"prompt": "3+4=", "answer": "7"}
+        {"prompt": "1+2=", "answer": "3"},
+        {"prompt": "3+4=", "answer": "7"},
     ]
     pq.write_table(pa.table({"q": ["1+2="]}), path)
     with pytest.raises(ValueError, match=r"row 0: missing field 'a'"):

@@ -30,15 +30,18 @@ def test_layout_and_mask(tok):
 def test_length_limits(tok):
     with pytest.raises(ValueError, match="max_response_len=4"):
         sft_example(tok, "604+520=", "1124", max_response_len=4)
-    assert len(sft_example(tok, "604+520=", "1124", max_prompt_len=9, max_response_len=5)
-               .input_ids) == 14
+    assert (
+        len(sft_example(tok, "604+520=", "1124", max_prompt_len=9, max_response_len=5).input_ids)
+        == 14
+    )
     with pytest.raises(ValueError, match="outside the tokenizer vocabulary"):
         sft_example(tok, "1+1=", "Two")
 
 
 def test_collate_right_pads(tok):
-    examples = sft_examples(tok, [{"prompt": "1+2=", "answer": "3"},
-                                  {"prompt": "604+520=", "answer": "1124"}])
+    examples = sft_examples(
+        tok, [{"prompt": "1+2=", "answer": "3"}, {"prompt": "604+520=", "answer": "1124"}]
+    )
     batch = collate(examples)
     ids, mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
     assert ids.dtype == torch.long and mask.dtype == torch.float32 and attn.dtype == torch.long

@@ -74,8 +74,9 @@ def _literal_model(a: torch.Tensor, b: torch.Tensor, chunk: int | None, bits: in
     return out
 
 
-def _bit_level_hopper(ca: torch.Tensor, cb: torch.Tensor, chunk: int | None,
-                      bits: int) -> torch.Tensor:
+def _bit_level_hopper(
+    ca: torch.Tensor, cb: torch.Tensor, chunk: int | None, bits: int
+) -> torch.Tensor:
     """A finer model of the FP8 tensor core, in the codes domain (FP8 values before scaling).
 
     Per 32-element instruction, the 32 exact products and the accumulator are aligned to the
@@ -91,14 +92,17 @@ def _bit_level_hopper(ca: torch.Tensor, cb: torch.Tensor, chunk: int | None,
     for c0 in range(0, k, chunk):
         acc = torch.zeros(m, cb.shape[1], dtype=torch.float64)
         for s0 in range(c0, min(c0 + chunk, k), 32):
-            products = ca[:, None, s0:s0 + 32] * cb[s0:s0 + 32].t()[None]  # exact: 4-bit x 4-bit
+            products = (
+                ca[:, None, s0 : s0 + 32] * cb[s0 : s0 + 32].t()[None]
+            )  # exact: 4-bit x 4-bit
             terms = torch.cat([acc[..., None], products], dim=-1)
             _, e = torch.frexp(terms.abs().amax(dim=-1, keepdim=True))  # leading bit 2^(e-1)
             q = torch.ldexp(torch.ones_like(terms[..., :1]), e - 1 - bits)
             total = (torch.trunc(terms / q) * q).sum(dim=-1)
             mant, e2 = torch.frexp(total)
-            acc = torch.ldexp(torch.trunc(torch.ldexp(mant, torch.full_like(e2, bits + 1))),
-                              e2 - bits - 1)
+            acc = torch.ldexp(
+                torch.trunc(torch.ldexp(mant, torch.full_like(e2, bits + 1))), e2 - bits - 1
+            )
         y += acc.float()
     return y
 
@@ -120,8 +124,12 @@ def test_matches_literal_definition_on_ragged_k(chunk):
     assert torch.equal(y, _literal_model(a, b, chunk, bits=4))
     exact = a.double() @ b.double()
     assert not torch.equal(y.double(), exact)  # 5 significant bits: truncation really happened
-    assert (y.double() - exact).abs().le(accumulation_error_bound(a, b, chunk=chunk,
-                                                                   mantissa_bits=4)).all()
+    assert (
+        (y.double() - exact)
+        .abs()
+        .le(accumulation_error_bound(a, b, chunk=chunk, mantissa_bits=4))
+        .all()
+    )
 
 
 def test_promotion_interval_matters():
@@ -129,8 +137,10 @@ def test_promotion_interval_matters():
     the error (the bound's u * sum_c sum_s A[c,s] grows with steps per chunk)."""
     a, b, *_ = _per_tensor_operands(64, 512, 96, seed=2)
     exact = a.double() @ b.double()
-    errs = [_rms(hopper_matmul(a, b, chunk=c, mantissa_bits=13).double() - exact)
-            for c in (32, 128, None)]
+    errs = [
+        _rms(hopper_matmul(a, b, chunk=c, mantissa_bits=13).double() - exact)
+        for c in (32, 128, None)
+    ]
     assert errs[0] < errs[1] < errs[2]
 
 
@@ -142,8 +152,9 @@ def test_full_precision_is_float32_accumulation():
     y = hopper_matmul(a, b, chunk=128, mantissa_bits=23)
     gamma_k = 320 * EPS32 / (1 - 320 * EPS32)
     assert ((y.double() - (a @ b).double()).abs() <= 2 * gamma_k * total_abs).all()
-    assert ((y.double() - exact).abs() <= accumulation_error_bound(a, b, chunk=128,
-                                                                   mantissa_bits=23)).all()
+    assert (
+        (y.double() - exact).abs() <= accumulation_error_bound(a, b, chunk=128, mantissa_bits=23)
+    ).all()
 
 
 def test_default_accumulation_is_todays_gemm_bit_for_bit():
@@ -188,8 +199,9 @@ def test_error_is_the_predicted_bias_with_mixed_signs(chunk):
     exact = a.double() @ b.double()
     err = hopper_matmul(a, b, chunk=chunk, mantissa_bits=13).double() - exact
     assert (err.abs() <= accumulation_error_bound(a, b, chunk=chunk, mantissa_bits=13)).all()
-    per_step = torch.bmm(a.double().reshape(64, k // 32, 32).transpose(0, 1),
-                         b.double().reshape(k // 32, 32, 48))
+    per_step = torch.bmm(
+        a.double().reshape(64, k // 32, 32).transpose(0, 1), b.double().reshape(k // 32, 32, 48)
+    )
     prefix = per_step.view(k // step, step // 32, 64, 48).cumsum(dim=1)
     direction = -(2.0**-13) * prefix.sum(dim=(0, 1))
     slope = ((err * direction).sum() / (direction * direction).sum()).item()
@@ -244,8 +256,12 @@ def test_blockwise_promotes_in_fprop_too():
     (scales are applied in float32), so accum_fast_fprop does not apply."""
     x = torch.randn(40, 512, generator=_gen(13))
     w = torch.randn(64, 512, generator=_gen(14)) * 0.05
-    ys = [FP8LinearEmulator(FP8Config(recipe="blockwise", accumulation="hopper",
-                                      accum_fast_fprop=fast))(x, w) for fast in (True, False)]
+    ys = [
+        FP8LinearEmulator(
+            FP8Config(recipe="blockwise", accumulation="hopper", accum_fast_fprop=fast)
+        )(x, w)
+        for fast in (True, False)
+    ]
     assert torch.equal(ys[0], ys[1])
     qx = quantize_operand(x, "blockwise", "input", dim=-1)
     qw = quantize_operand(w, "blockwise", "weight", dim=-1)
@@ -263,28 +279,39 @@ def test_bf16_inputs_keep_their_dtype():
 
 
 # -- config ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, field", [
-    ({"accumulation": "fp16"}, "FP8Config.accumulation"),
-    ({"accum_chunk": 100}, "FP8Config.accum_chunk"),
-    ({"accum_chunk": 0}, "FP8Config.accum_chunk"),
-    ({"accum_mantissa_bits": 0}, "FP8Config.accum_mantissa_bits"),
-    ({"accum_mantissa_bits": 24}, "FP8Config.accum_mantissa_bits"),
-    ({"accum_fast_fprop": "yes"}, "FP8Config.accum_fast_fprop"),
-    ({"recipe": "mxfp8", "accumulation": "hopper"}, "FP8Config.accumulation"),
-    ({"recipe": "blockwise", "accumulation": "hopper", "accum_chunk": 256},
-     "FP8Config.accum_chunk"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"accumulation": "fp16"}, "FP8Config.accumulation"),
+        ({"accum_chunk": 100}, "FP8Config.accum_chunk"),
+        ({"accum_chunk": 0}, "FP8Config.accum_chunk"),
+        ({"accum_mantissa_bits": 0}, "FP8Config.accum_mantissa_bits"),
+        ({"accum_mantissa_bits": 24}, "FP8Config.accum_mantissa_bits"),
+        ({"accum_fast_fprop": "yes"}, "FP8Config.accum_fast_fprop"),
+        ({"recipe": "mxfp8", "accumulation": "hopper"}, "FP8Config.accumulation"),
+        (
+            {"recipe": "blockwise", "accumulation": "hopper", "accum_chunk": 256},
+            "FP8Config.accum_chunk",
+        ),
+    ],
+)
 def test_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         FP8Config(**kwargs)
 
 
 def test_config_from_yaml_overrides():
-    cfg = load_config(None, ["fp8.recipe=blockwise", "fp8.accumulation=hopper",
-                             "fp8.accum_chunk=64", "fp8.accum_mantissa_bits=12"])
+    cfg = load_config(
+        None,
+        [
+            "fp8.recipe=blockwise",
+            "fp8.accumulation=hopper",
+            "fp8.accum_chunk=64",
+            "fp8.accum_mantissa_bits=12",
+        ],
+    )
     fp8 = cfg.fp8
     assert (fp8.accumulation, fp8.accum_chunk, fp8.accum_mantissa_bits) == ("hopper", 64, 12)
     assert fp8.accum_fast_fprop is True
     with pytest.raises(ConfigError, match="accum_chunk"):
-        load_config(None, ["fp8.recipe=blockwise", "fp8.accumulation=hopper",
-                           "fp8.accum_chunk=96"])
+        load_config(None, ["fp8.recipe=blockwise", "fp8.accumulation=hopper", "fp8.accum_chunk=96"])

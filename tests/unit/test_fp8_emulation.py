@@ -138,7 +138,11 @@ def test_quantization_error_metrics():
     x[0, 0] = 1e5  # one outlier: hurts tensorwise much more than blockwise
     errs = {r: quantization_error(x, r) for r in ["bf16", *RECIPES]}
     assert set(errs["blockwise"]) == {
-        "rel_error", "max_abs_error", "amax", "underflow_frac", "saturated_frac"
+        "rel_error",
+        "max_abs_error",
+        "amax",
+        "underflow_frac",
+        "saturated_frac",
     }
     assert errs["bf16"]["rel_error"] < 2.0**-8
     assert errs["tensorwise_current"]["underflow_frac"] > 0.01

@@ -20,10 +20,11 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU 
 
 
 def _run(args: list[str], timeout: int = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _table_rows(stdout: str) -> list[list[str]]:
@@ -39,8 +40,15 @@ def test_bench_gemm_cpu_smoke(tmp_path):
         import bench_gemm
     finally:
         sys.path.pop(0)
-    out = _run([sys.executable, "tools/bench_gemm.py", "--cpu-smoke", "--json",
-                str(tmp_path / "gemm.json")])
+    out = _run(
+        [
+            sys.executable,
+            "tools/bench_gemm.py",
+            "--cpu-smoke",
+            "--json",
+            str(tmp_path / "gemm.json"),
+        ]
+    )
     assert out.returncode == 0, out.stderr
     rows = json.loads((tmp_path / "gemm.json").read_text())["rows"]
     table = _table_rows(out.stdout)
@@ -59,8 +67,17 @@ def test_bench_gemm_cpu_smoke(tmp_path):
 
 
 def test_bench_actor_cpu_smoke(tmp_path):
-    out = _run([sys.executable, "tools/bench_actor.py", "--cpu-smoke", "--peak-tflops", "0.5",
-                "--json", str(tmp_path / "actor.json")])
+    out = _run(
+        [
+            sys.executable,
+            "tools/bench_actor.py",
+            "--cpu-smoke",
+            "--peak-tflops",
+            "0.5",
+            "--json",
+            str(tmp_path / "actor.json"),
+        ]
+    )
     assert out.returncode == 0, out.stderr
     r = json.loads((tmp_path / "actor.json").read_text())
     assert (r["rows"], r["seq"], r["micro_batch"], r["layers"]) == (4, 16, 2, 2)
@@ -95,9 +112,14 @@ def test_actor_flops_match_qwen3_published_sizes():
 @cpu_only
 def test_gpu_check_stops_clearly_without_a_gpu(tmp_path):
     env_python = {"PYTHON": sys.executable}
-    out = subprocess.run(["bash", "tools/gpu_check.sh", "--out", str(tmp_path / "o")], cwd=ROOT,
-                         env={**os.environ, **env_python}, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        ["bash", "tools/gpu_check.sh", "--out", str(tmp_path / "o")],
+        cwd=ROOT,
+        env={**os.environ, **env_python},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     assert "no CUDA GPU" in out.stdout
     assert "torch " in (tmp_path / "o" / "versions.txt").read_text()

@@ -17,7 +17,7 @@ from megatron_rl_fp8.loss import (
 def _hand_grpo(rewards, g, norm_std, unbiased, eps=1e-6):
     out = []
     for start in range(0, len(rewards), g):
-        grp = rewards[start:start + g]
+        grp = rewards[start : start + g]
         mean = sum(grp) / g
         var = sum((x - mean) ** 2 for x in grp) / (g - 1 if unbiased else g)
         for x in grp:
@@ -29,8 +29,9 @@ def _hand_grpo(rewards, g, norm_std, unbiased, eps=1e-6):
 @pytest.mark.parametrize("unbiased", [False, True])
 def test_grpo_advantages_match_hand(norm_std, unbiased):
     rewards = [1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 2.0, -1.0, 0.0, 3.0]
-    got = grpo_advantages(torch.tensor(rewards, dtype=torch.float64), 4, norm_std=norm_std,
-                          unbiased=unbiased)
+    got = grpo_advantages(
+        torch.tensor(rewards, dtype=torch.float64), 4, norm_std=norm_std, unbiased=unbiased
+    )
     assert got.tolist() == pytest.approx(_hand_grpo(rewards, 4, norm_std, unbiased), rel=1e-12)
     assert got[4:8].abs().max().item() == 0.0  # identical rewards -> zero advantage
 

@@ -57,8 +57,11 @@ def _hand(log_prob, old, adv, mask, agg, clip_c=None, token_weight=None):
                 continue
             lt, gt = _hand_token(float(log_prob[i, j]), float(old[i, j]), float(adv[i]), clip_c)
             w = 1.0 if token_weight is None else float(token_weight[i, j])
-            scale = {"token-mean": 1 / n_tok, "seq-mean-token-sum": 1 / n_seq,
-                     "seq-mean-token-mean": 1 / (n_seq * lens[i])}[agg]
+            scale = {
+                "token-mean": 1 / n_tok,
+                "seq-mean-token-sum": 1 / n_seq,
+                "seq-mean-token-mean": 1 / (n_seq * lens[i]),
+            }[agg]
             loss += scale * w * lt
             grad[i, j] = scale * w * gt
     return loss, grad
@@ -69,8 +72,9 @@ def _hand(log_prob, old, adv, mask, agg, clip_c=None, token_weight=None):
 def test_loss_and_grad_match_hand_implementation(agg, clip_c):
     log_prob, old, adv, mask = _batch(spread=0.8)
     lp = log_prob.clone().requires_grad_(True)
-    loss, metrics = policy_loss(lp, old, adv, mask, clip_low=LOW, clip_high=HIGH, clip_c=clip_c,
-                                agg=agg)
+    loss, metrics = policy_loss(
+        lp, old, adv, mask, clip_low=LOW, clip_high=HIGH, clip_c=clip_c, agg=agg
+    )
     loss.backward()
     ref_loss, ref_grad = _hand(log_prob, old, adv, mask, agg, clip_c)
     assert loss.item() == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
@@ -82,8 +86,9 @@ def test_loss_and_grad_match_hand_implementation(agg, clip_c):
 def test_per_token_advantages_equal_broadcast_sequence_advantages():
     log_prob, old, adv, mask = _batch()
     a = policy_loss(log_prob, old, adv, mask, clip_low=LOW, clip_high=HIGH)[0]
-    b = policy_loss(log_prob, old, adv[:, None].expand_as(log_prob), mask, clip_low=LOW,
-                    clip_high=HIGH)[0]
+    b = policy_loss(
+        log_prob, old, adv[:, None].expand_as(log_prob), mask, clip_low=LOW, clip_high=HIGH
+    )[0]
     assert a.item() == pytest.approx(b.item(), rel=1e-14)
 
 
@@ -116,8 +121,9 @@ def test_global_counts_make_micro_batch_losses_sum_to_full_batch(agg):
     else:
         counts = {"global_seq_count": float((mask.sum(-1) > 0).sum())}
     total = sum(
-        policy_loss(log_prob[s], old[s], adv[s], mask[s], clip_low=LOW, clip_high=HIGH, agg=agg,
-                    **counts)[0]
+        policy_loss(
+            log_prob[s], old[s], adv[s], mask[s], clip_low=LOW, clip_high=HIGH, agg=agg, **counts
+        )[0]
         for s in (slice(0, 3), slice(3, 4), slice(4, 12))  # uneven micro-batches
     )
     assert total.item() == pytest.approx(full.item(), rel=1e-12)
@@ -126,8 +132,16 @@ def test_global_counts_make_micro_batch_losses_sum_to_full_batch(agg):
 def test_wrong_global_count_for_agg_raises():
     log_prob, old, adv, mask = _batch()
     with pytest.raises(ValueError, match="global_seq_count"):
-        policy_loss(log_prob, old, adv, mask, clip_low=LOW, clip_high=HIGH,
-                    agg="seq-mean-token-sum", global_token_count=10)
+        policy_loss(
+            log_prob,
+            old,
+            adv,
+            mask,
+            clip_low=LOW,
+            clip_high=HIGH,
+            agg="seq-mean-token-sum",
+            global_token_count=10,
+        )
     with pytest.raises(ValueError, match="global_token_count"):
         aggregate_loss(log_prob, mask, "token-mean", global_seq_count=3)
     with pytest.raises(ValueError, match="agg="):
@@ -141,8 +155,15 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="clip_c"):
         policy_loss(log_prob, old, adv, mask, clip_low=LOW, clip_high=HIGH, clip_c=0.5)
     with pytest.raises(ValueError, match="rollout_log_prob"):
-        policy_loss(log_prob, old, adv, mask, clip_low=LOW, clip_high=HIGH,
-                    is_correction=ISCorrectionConfig())
+        policy_loss(
+            log_prob,
+            old,
+            adv,
+            mask,
+            clip_low=LOW,
+            clip_high=HIGH,
+            is_correction=ISCorrectionConfig(),
+        )
 
 
 def test_empty_mask_gives_zero_loss_and_finite_metrics():
@@ -159,16 +180,26 @@ def test_nan_and_inf_padding_do_not_leak_into_loss_or_grad():
 
     def run(lp, old_lp, rollout_lp, ref_lp):
         lp = lp.clone().requires_grad_(True)
-        loss, metrics = policy_loss(lp, old_lp, adv, mask, clip_low=LOW, clip_high=HIGH,
-                                    rollout_log_prob=rollout_lp, is_correction=is_cfg,
-                                    ref_log_prob=ref_lp, kl_coef=0.1)
+        loss, metrics = policy_loss(
+            lp,
+            old_lp,
+            adv,
+            mask,
+            clip_low=LOW,
+            clip_high=HIGH,
+            rollout_log_prob=rollout_lp,
+            is_correction=is_cfg,
+            ref_log_prob=ref_lp,
+            kl_coef=0.1,
+        )
         loss.backward()
         return loss, lp.grad, metrics
 
     ref_loss, ref_grad, _ = run(log_prob, old, old + 0.05, old - 0.1)
     dirty_old = old.masked_fill(~mask, float("-inf"))
-    loss, grad, metrics = run(log_prob.masked_fill(~mask, float("nan")), dirty_old,
-                              dirty_old + 0.05, dirty_old - 0.1)
+    loss, grad, metrics = run(
+        log_prob.masked_fill(~mask, float("nan")), dirty_old, dirty_old + 0.05, dirty_old - 0.1
+    )
     assert metrics["is_weight_mean"].item() < 1  # the sequence weights really act
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-14)
     torch.testing.assert_close(grad, ref_grad)
@@ -203,8 +234,16 @@ def test_importance_weights_and_corrected_loss(level, mode):
     assert m["is_weight_mean"].item() == pytest.approx(ref_w[mask].mean().item())
 
     lp = log_prob.clone().requires_grad_(True)
-    loss, metrics = policy_loss(lp, old, adv, mask, clip_low=LOW, clip_high=HIGH,
-                                rollout_log_prob=rollout, is_correction=cfg)
+    loss, metrics = policy_loss(
+        lp,
+        old,
+        adv,
+        mask,
+        clip_low=LOW,
+        clip_high=HIGH,
+        rollout_log_prob=rollout,
+        is_correction=cfg,
+    )
     loss.backward()
     ref_loss, ref_grad = _hand(log_prob, old, adv, mask, "token-mean", token_weight=ref_w)
     assert loss.item() == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
@@ -216,8 +255,9 @@ def test_rollout_log_prob_alone_only_adds_mismatch_metrics():
     log_prob, old, adv, mask = _batch()
     rollout = old - 0.1
     plain, _ = policy_loss(log_prob, old, adv, mask, clip_low=LOW, clip_high=HIGH)
-    loss, m = policy_loss(log_prob, old, adv, mask, clip_low=LOW, clip_high=HIGH,
-                          rollout_log_prob=rollout)
+    loss, m = policy_loss(
+        log_prob, old, adv, mask, clip_low=LOW, clip_high=HIGH, rollout_log_prob=rollout
+    )
     assert loss.item() == plain.item()
     assert m["rollout_kl_k1"].item() == pytest.approx(-0.1)
     assert m["token_mult_prob_error"].item() == pytest.approx(math.exp(0.1))
@@ -243,8 +283,17 @@ def test_kl_estimators_and_penalty_term():
         kl_penalty(log_prob, ref, "k4")
 
     base, _ = policy_loss(log_prob, old, adv, mask, clip_low=LOW, clip_high=HIGH)
-    loss, m = policy_loss(log_prob, old, adv, mask, clip_low=LOW, clip_high=HIGH,
-                          ref_log_prob=ref, kl_coef=0.1, kl_kind="k3")
+    loss, m = policy_loss(
+        log_prob,
+        old,
+        adv,
+        mask,
+        clip_low=LOW,
+        clip_high=HIGH,
+        ref_log_prob=ref,
+        kl_coef=0.1,
+        kl_kind="k3",
+    )
     k3 = torch.exp(-d) - 1 + d
     assert loss.item() == pytest.approx(base.item() + 0.1 * k3[mask].mean().item(), rel=1e-12)
     assert m["kl_ref"].item() == pytest.approx(k3[mask].mean().item())

@@ -14,9 +14,16 @@ from megatron_rl_fp8.sync.quantize import (
     quantize_for_rollout,
 )
 
-MODEL = ModelConfig(arch="qwen3", num_layers=2, hidden_size=128, ffn_hidden_size=320,
-                    num_attention_heads=4, num_query_groups=2, vocab_size=53,
-                    max_position_embeddings=32)
+MODEL = ModelConfig(
+    arch="qwen3",
+    num_layers=2,
+    hidden_size=128,
+    ffn_hidden_size=320,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=53,
+    max_position_embeddings=32,
+)
 BLOCKWISE = RolloutFP8Config(weight_quant="blockwise")
 
 
@@ -31,9 +38,14 @@ def _hf_state(seed=0):
 def test_which_weights_are_fp8():
     assert is_fp8_weight("model.layers.0.self_attn.q_proj.weight")
     assert is_fp8_weight("model.layers.11.mlp.down_proj.weight")
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-                 "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_norm.weight",
-                 "model.layers.0.self_attn.q_proj.bias"):
+    for name in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.self_attn.q_norm.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+    ):
         assert not is_fp8_weight(name), name
 
 
@@ -94,11 +106,17 @@ def test_engine_loads_fp8_weights_and_quantizes_linear_inputs():
     engine.update_weights(rollout_buckets(state.items(), BLOCKWISE), version=3)
     assert engine.weight_version() == 3
     params = dict(engine.model.named_parameters())
-    codes, scale = (t for n, t in quantize_for_rollout(
-        [("model.layers.1.mlp.gate_proj.weight", state["model.layers.1.mlp.gate_proj.weight"])],
-        BLOCKWISE))
-    assert torch.equal(params["model.layers.1.mlp.gate_proj.weight"],
-                       dequantize_blockwise(codes, scale, dtype=torch.float32))
+    codes, scale = (
+        t
+        for n, t in quantize_for_rollout(
+            [("model.layers.1.mlp.gate_proj.weight", state["model.layers.1.mlp.gate_proj.weight"])],
+            BLOCKWISE,
+        )
+    )
+    assert torch.equal(
+        params["model.layers.1.mlp.gate_proj.weight"],
+        dequantize_blockwise(codes, scale, dtype=torch.float32),
+    )
     assert torch.equal(params["model.embed_tokens.weight"], state["model.embed_tokens.weight"])
 
     # Every FP8 linear sees an input already on the e4m3 grid of its 1x128 groups: quantizing
@@ -108,6 +126,7 @@ def test_engine_loads_fp8_weights_and_quantizes_linear_inputs():
     def grab(name):
         def hook(_m, args, _out):
             seen[name] = args[0].detach()
+
         return hook
 
     for name, mod in engine.model.named_modules():

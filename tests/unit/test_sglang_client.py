@@ -29,24 +29,34 @@ from megatron_rl_fp8.rollout.sglang import (
 
 
 def test_config_defaults_and_overrides():
-    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.transport=distributed",
-                             "rollout.sglang.bucket_mb=64", "rollout.sglang.tp_size=2"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=sglang",
+            "rollout.sglang.transport=distributed",
+            "rollout.sglang.bucket_mb=64",
+            "rollout.sglang.tp_size=2",
+        ],
+    )
     s = cfg.rollout.sglang
     assert cfg.rollout.engine == "sglang"
     assert (s.transport, s.bucket_mb, s.tp_size, s.max_restarts) == ("distributed", 64.0, 2, 2)
     assert load_config(None, []).rollout.engine == "local"
 
 
-@pytest.mark.parametrize("override, match", [
-    ("rollout.engine=vllm", "rollout.engine"),
-    ("rollout.sglang.transport=nccl", "transport"),
-    ("rollout.sglang.bucket_mb=0", "bucket_mb"),
-    ("rollout.sglang.tp_size=0", "tp_size"),
-    ("rollout.sglang.mem_fraction_static=1.5", "mem_fraction_static"),
-    ("rollout.sglang.max_restarts=-1", "max_restarts"),
-    ("rollout.sglang.request_timeout_s=0", "request_timeout_s"),
-    ("rollout.sglang.port=70000", "port"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("rollout.engine=vllm", "rollout.engine"),
+        ("rollout.sglang.transport=nccl", "transport"),
+        ("rollout.sglang.bucket_mb=0", "bucket_mb"),
+        ("rollout.sglang.tp_size=0", "tp_size"),
+        ("rollout.sglang.mem_fraction_static=1.5", "mem_fraction_static"),
+        ("rollout.sglang.max_restarts=-1", "max_restarts"),
+        ("rollout.sglang.request_timeout_s=0", "request_timeout_s"),
+        ("rollout.sglang.port=70000", "port"),
+    ],
+)
 def test_config_rejects_bad_values_naming_the_field(override, match):
     with pytest.raises((ConfigError, ValueError), match=match):
         load_config(None, [override])
@@ -60,8 +70,16 @@ def test_extra_args_may_not_override_engine_owned_flags():
 
 def test_server_command_cpu_and_gpu():
     cfg = SGLangConfig(tp_size=2, extra_args=["--log-level", "warning"])
-    cpu = server_command(cfg, python="/py", model_path="/m", port=31000, device="cpu",
-                         dtype="float32", fp8_checkpoint=False, weight_version="3")
+    cpu = server_command(
+        cfg,
+        python="/py",
+        model_path="/m",
+        port=31000,
+        device="cpu",
+        dtype="float32",
+        fp8_checkpoint=False,
+        weight_version="3",
+    )
     assert cpu[:3] == ["/py", "-m", "sglang.launch_server"]
     flags = dict(zip(cpu[3::1], cpu[4::1]))
     assert flags["--model-path"] == "/m" and flags["--port"] == "31000"
@@ -70,37 +88,54 @@ def test_server_command_cpu_and_gpu():
     assert flags["--mem-fraction-static"] == "0.05"
     assert "--skip-tokenizer-init" in cpu and "--quantization" not in cpu
     assert cpu[-2:] == ["--log-level", "warning"]
-    gpu = server_command(SGLangConfig(), python="/py", model_path="/m", port=1, device="cuda",
-                         dtype="bfloat16", fp8_checkpoint=True, weight_version="0")
+    gpu = server_command(
+        SGLangConfig(),
+        python="/py",
+        model_path="/m",
+        port=1,
+        device="cuda",
+        dtype="bfloat16",
+        fp8_checkpoint=True,
+        weight_version="0",
+    )
     assert "--device" not in gpu and "--mem-fraction-static" not in gpu
     assert gpu[gpu.index("--quantization") + 1] == "fp8"
 
 
 def test_sampling_params_greedy_and_sampled():
-    g = sampling_params(max_new_tokens=5, temperature=0.7, top_p=0.9, greedy=True,
-                        eos_token_id=2, seed=11)
+    g = sampling_params(
+        max_new_tokens=5, temperature=0.7, top_p=0.9, greedy=True, eos_token_id=2, seed=11
+    )
     assert g["temperature"] == 0.0 and g["top_p"] == 1.0 and "sampling_seed" not in g
-    s = sampling_params(max_new_tokens=5, temperature=0.7, top_p=0.9, greedy=False,
-                        eos_token_id=2, seed=11)
+    s = sampling_params(
+        max_new_tokens=5, temperature=0.7, top_p=0.9, greedy=False, eos_token_id=2, seed=11
+    )
     assert (s["temperature"], s["top_p"], s["sampling_seed"]) == (0.7, 0.9, 11)
     assert s["stop_token_ids"] == [2] and s["max_new_tokens"] == 5 and s["top_k"] == -1
 
 
 def _answer(ids, lps, version="4", spans=None):
-    return {"output_ids": ids, "meta_info": {
-        "weight_version": version,
-        "weight_versions": spans if spans is not None else [{"version": version, "start": 0,
-                                                             "end": len(ids)}],
-        "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}}
+    return {
+        "output_ids": ids,
+        "meta_info": {
+            "weight_version": version,
+            "weight_versions": spans
+            if spans is not None
+            else [{"version": version, "start": 0, "end": len(ids)}],
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)],
+        },
+    }
 
 
 def test_parse_completion_checks_version_and_alignment():
-    c = parse_completion([1, 5], _answer([7, 8, 2], [-0.1, -0.2, -0.3]), eos_token_id=2,
-                         expected_version="4")
+    c = parse_completion(
+        [1, 5], _answer([7, 8, 2], [-0.1, -0.2, -0.3]), eos_token_id=2, expected_version="4"
+    )
     assert c.prompt_ids == [1, 5] and c.response_ids == [7, 8, 2] and c.finished
     assert c.response_logprobs == [-0.1, -0.2, -0.3]
-    trunc = parse_completion([1], _answer([7, 8], [-0.1, -0.2]), eos_token_id=2,
-                             expected_version="4")
+    trunc = parse_completion(
+        [1], _answer([7, 8], [-0.1, -0.2]), eos_token_id=2, expected_version="4"
+    )
     assert not trunc.finished
     with pytest.raises(_ServerGone, match="expected '5'"):
         parse_completion([1], _answer([7], [-0.1]), eos_token_id=2, expected_version="5")
@@ -128,13 +163,16 @@ def test_missing_server_python_names_the_field_and_the_fix(tmp_path):
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.models.hf_mapping import hf_config
 
-    cfg = RolloutConfig(engine="sglang", sglang=SGLangConfig(python=str(tmp_path / "nope"),
-                                                             work_dir=str(tmp_path / "w")))
+    cfg = RolloutConfig(
+        engine="sglang",
+        sglang=SGLangConfig(python=str(tmp_path / "nope"), work_dir=str(tmp_path / "w")),
+    )
     with pytest.raises(FileNotFoundError, match="rollout.sglang.python.*install_sglang_cpu"):
         build_engine(cfg, hf_config(ModelConfig(vocab_size=53)), pad_token_id=0, eos_token_id=2)
 
 
 # -- fault injection, process lifetime (no SGLang needed: the guard runs any command) -----------
+
 
 def test_fault_spec_parses_points_and_occurrences_and_names_the_variable_on_error():
     assert parse_fault_spec("push@3, generate,push") == {"push": {1, 3}, "generate": {1}}
@@ -164,8 +202,10 @@ def _engine_cfg(tmp_path, transport="disk", **kw):
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.models.hf_mapping import hf_config
 
-    cfg = RolloutConfig(engine="sglang", sglang=SGLangConfig(
-        python="", work_dir=str(tmp_path), transport=transport, **kw))
+    cfg = RolloutConfig(
+        engine="sglang",
+        sglang=SGLangConfig(python="", work_dir=str(tmp_path), transport=transport, **kw),
+    )
     return cfg, hf_config(ModelConfig(vocab_size=53))
 
 
@@ -206,8 +246,10 @@ def test_a_hung_server_counts_as_gone():
 
 # A stand-in server: its main process starts a grandchild that, like SGLang's scheduler during
 # its imports, has no parent-death signal, then sleeps argv[1] seconds and exits with code 3.
-_TREE = ("import subprocess, sys, time; subprocess.Popen(['sleep', '600']); "
-         "time.sleep(float(sys.argv[1])); sys.exit(3)")
+_TREE = (
+    "import subprocess, sys, time; subprocess.Popen(['sleep', '600']); "
+    "time.sleep(float(sys.argv[1])); sys.exit(3)"
+)
 # A trainer: launches the tree through spawn_guarded (from a thread that then ends, when asked:
 # PR_SET_PDEATHSIG fires on that thread's exit too, which the guard must ignore), prints the
 # group id, then waits to be killed.
@@ -234,9 +276,13 @@ def _start_trainer(server_seconds: float, launch_from: str):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.Popen([sys.executable, "-c", _TRAINER, _TREE, str(server_seconds),
-                             launch_from], stdout=subprocess.PIPE, text=True, cwd=root,
-                            env={**os.environ, "PYTHONPATH": str(root)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, _TREE, str(server_seconds), launch_from],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     return proc, int(proc.stdout.readline())
 
 

@@ -28,8 +28,16 @@ from megatron_rl_fp8.sync.buckets import (
 from megatron_rl_fp8.sync.quantize import SCALE_SUFFIX, dequantize_stream, is_fp8_weight
 from tests.dist_utils import run_distributed
 
-MODEL = dict(arch="qwen3", num_layers=2, hidden_size=256, ffn_hidden_size=384,
-             num_attention_heads=4, num_query_groups=2, vocab_size=53, max_position_embeddings=32)
+MODEL = dict(
+    arch="qwen3",
+    num_layers=2,
+    hidden_size=256,
+    ffn_hidden_size=384,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=53,
+    max_position_embeddings=32,
+)
 
 
 def _hf_state(mc: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -61,8 +69,12 @@ def test_buckets_respect_the_bound_and_keep_order():
 
 def test_scale_travels_with_its_weight():
     w = "model.layers.0.mlp.up_proj.weight"
-    named = [("a", torch.zeros(24)), (w, torch.zeros(20, dtype=torch.float8_e4m3fn)),
-             (w + SCALE_SUFFIX, torch.zeros(4)), ("b", torch.zeros(1))]
+    named = [
+        ("a", torch.zeros(24)),
+        (w, torch.zeros(20, dtype=torch.float8_e4m3fn)),
+        (w + SCALE_SUFFIX, torch.zeros(4)),
+        ("b", torch.zeros(1)),
+    ]
     buckets = list(iter_buckets(named, bucket_bytes=100))
     owner = {n: b.index for b in buckets for n in b.names}
     assert owner[w] == owner[w + SCALE_SUFFIX]
@@ -75,8 +87,11 @@ def test_fp8_round_trip_within_e4m3_bound(quant):
     mcore = hf_state_to_mcore(hf, mc, padded_vocab_size=128)
     fp8 = RolloutFP8Config(weight_quant=quant)
     stats = ExportStats()
-    exported = [(n, t) for b in export_for_rollout(mcore.items(), mc, fp8, bucket_mb=0.25,
-                                                    stats=stats) for n, t in b.tensors]
+    exported = [
+        (n, t)
+        for b in export_for_rollout(mcore.items(), mc, fp8, bucket_mb=0.25, stats=stats)
+        for n, t in b.tensors
+    ]
     names = [n for n, _ in exported]
     assert stats.buckets > 1 and stats.tensors == len(exported)
     assert stats.bytes_out == sum(tensor_bytes(t) for _, t in exported)
@@ -94,7 +109,8 @@ def test_fp8_round_trip_within_e4m3_bound(quant):
         scale = scales[name]
         if scale.dim() == 2:  # per-block scale broadcast to elements
             scale = scale.repeat_interleave(128, 0)[: ref.shape[0]].repeat_interleave(128, 1)[
-                :, : ref.shape[1]]
+                :, : ref.shape[1]
+            ]
         bound = ref.abs() / 16 + scale * 2.0**-10 + 1e-12
         assert ((got - ref).abs() <= bound).all(), name
         assert (got - ref).abs().max() > 0  # really quantized
@@ -104,8 +120,11 @@ def test_bf16_export_is_exact_and_casts_on_request():
     mc = ModelConfig(**MODEL)
     hf = _hf_state(mc, seed=3)
     mcore = hf_state_to_mcore(hf, mc, padded_vocab_size=128)
-    out = dict(n_t for b in export_for_rollout(mcore.items(), mc, RolloutFP8Config(), bucket_mb=1)
-               for n_t in b.tensors)
+    out = dict(
+        n_t
+        for b in export_for_rollout(mcore.items(), mc, RolloutFP8Config(), bucket_mb=1)
+        for n_t in b.tensors
+    )
     assert set(out) == set(hf)
     assert all(torch.equal(out[k], hf[k]) for k in hf)
     cast = dict(rollout_stream(hf.items(), RolloutFP8Config(), dequantize_to=torch.bfloat16))
@@ -154,11 +173,14 @@ def _export_body(rank, world, tp, pp, model_kw):
         unwrap,
     )
 
-    g = parallel.initialize(parallel.ParallelConfig(tensor_model_parallel_size=tp,
-                                                    pipeline_model_parallel_size=pp), seed=1)
+    g = parallel.initialize(
+        parallel.ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        seed=1,
+    )
     mc = ModelConfig(**model_kw)
-    model = build_gpt_model(mc, transformer_config(mc, tensor_model_parallel_size=tp,
-                                                   pipeline_model_parallel_size=pp))
+    model = build_gpt_model(
+        mc, transformer_config(mc, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    )
     names = _global_names(unwrap(model))
     with torch.no_grad():
         for local, p in model.named_parameters():
@@ -172,8 +194,11 @@ def _export_body(rank, world, tp, pp, model_kw):
     for quant in ("bf16", "blockwise"):  # two syncs of the same weights
         fp8 = RolloutFP8Config(weight_quant=quant)
         stream = iter_full_params(model, tp_group=g.tp, pp_group=g.pp, dst_global_rank=0)
-        out[quant] = [(n, t.clone()) for b in export_for_rollout(stream, mc, fp8, bucket_mb=0.5)
-                      for n, t in b.tensors]
+        out[quant] = [
+            (n, t.clone())
+            for b in export_for_rollout(stream, mc, fp8, bucket_mb=0.5)
+            for n, t in b.tensors
+        ]
     parallel.destroy()
     if rank != 0:
         return None
@@ -183,8 +208,9 @@ def _export_body(rank, world, tp, pp, model_kw):
 
 
 def _run_export(world, tp, pp):
-    return torch.load(io.BytesIO(run_distributed(_export_body, world_size=world,
-                                                 args=(tp, pp, MODEL))[0]))
+    return torch.load(
+        io.BytesIO(run_distributed(_export_body, world_size=world, args=(tp, pp, MODEL))[0])
+    )
 
 
 def test_tp2_and_pp2_export_streams_equal_tp1():

@@ -13,14 +13,17 @@ from megatron_rl_fp8.models.hf_mapping import (
 from megatron_rl_fp8.sync.gather import merge_tp_shards, split_tp_shard, tp_partition_dim
 
 
-@pytest.mark.parametrize("name, shape", [
-    ("decoder.layers.0.self_attention.linear_qkv.weight", (32, 8)),
-    ("decoder.layers.0.mlp.linear_fc1.weight", (24, 8)),
-    ("decoder.layers.0.mlp.linear_fc2.weight", (8, 12)),
-    ("decoder.layers.0.self_attention.linear_proj.weight", (8, 16)),
-    ("embedding.word_embeddings.weight", (256, 8)),
-    ("decoder.layers.0.input_layernorm.weight", (8,)),
-])
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("decoder.layers.0.self_attention.linear_qkv.weight", (32, 8)),
+        ("decoder.layers.0.mlp.linear_fc1.weight", (24, 8)),
+        ("decoder.layers.0.mlp.linear_fc2.weight", (8, 12)),
+        ("decoder.layers.0.self_attention.linear_proj.weight", (8, 16)),
+        ("embedding.word_embeddings.weight", (256, 8)),
+        ("decoder.layers.0.input_layernorm.weight", (8,)),
+    ],
+)
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_split_then_merge_is_identity(name, shape, tp):
     full = torch.randn(shape)
@@ -37,11 +40,22 @@ def test_fc1_shards_hold_gate_and_up_halves():
 
 
 def test_qkv_split_follows_group_interleave():
-    m = ModelConfig(arch="qwen2", hidden_size=8, num_attention_heads=4, num_query_groups=2, head_dim=2)
+    m = ModelConfig(
+        arch="qwen2", hidden_size=8, num_attention_heads=4, num_query_groups=2, head_dim=2
+    )
     # rows per group: q (2 heads * 2) + k (2) + v (2) = 8; two groups.
     rows = torch.arange(16.0)[:, None]
     out = dict(mcore_to_hf("decoder.layers.3.self_attention.linear_qkv.weight", rows, m))
-    assert out["model.layers.3.self_attn.q_proj.weight"].flatten().tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert out["model.layers.3.self_attn.q_proj.weight"].flatten().tolist() == [
+        0,
+        1,
+        2,
+        3,
+        8,
+        9,
+        10,
+        11,
+    ]
     assert out["model.layers.3.self_attn.k_proj.weight"].flatten().tolist() == [4, 5, 12, 13]
     assert out["model.layers.3.self_attn.v_proj.weight"].flatten().tolist() == [6, 7, 14, 15]
 
