@@ -73,7 +73,7 @@ def bench_export(
     state: dict[str, torch.Tensor], mc: ModelConfig, bucket_mb: float, repeats: int = 2
 ) -> list[dict]:
     """Best of ``repeats`` for every row (the first pass also pays first-touch page faults)."""
-    from megatron_rl_fp8.rollout.sglang import _flatten
+    from megatron_rl_fp8.rollout.sglang.transports import _flatten
 
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     rows = []

@@ -17,15 +17,15 @@ from megatron_rl_fp8.rollout.sglang import (
     KillServerAt,
     SGLangEngine,
     SGLangServerError,
-    _flatten,
-    _Http,
-    _ServerGone,
     parse_completion,
     parse_fault_spec,
     sampling_params,
     server_command,
     server_group_pids,
 )
+from megatron_rl_fp8.rollout.sglang.errors import _ServerGone
+from megatron_rl_fp8.rollout.sglang.http import Http
+from megatron_rl_fp8.rollout.sglang.transports import _flatten
 
 
 def test_config_defaults_and_overrides():
@@ -228,7 +228,7 @@ def test_weight_group_fails_fast_when_the_server_is_gone(tmp_path):
 
     cfg, hf = _engine_cfg(tmp_path, transport="distributed", request_timeout_s=60)
     eng = SGLangEngine(cfg, hf, pad_token_id=0, eos_token_id=2)
-    eng._http = _Http(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    eng._http = Http(f"http://127.0.0.1:{free_port()}")  # nothing listens there
     t0 = time.monotonic()
     with pytest.raises(_ServerGone, match="init_weights_update_group"):
         eng._ensure_group()
@@ -241,7 +241,7 @@ def test_a_hung_server_counts_as_gone():
     with socket.create_server(("127.0.0.1", 0)) as listener:  # accepts, never answers
         port = listener.getsockname()[1]
         with pytest.raises(_ServerGone, match="no answer within 0.5 s"):
-            _Http(f"http://127.0.0.1:{port}").call("/generate", {}, timeout=0.5)
+            Http(f"http://127.0.0.1:{port}").call("/generate", {}, timeout=0.5)
 
 
 # A stand-in server: its main process starts a grandchild that, like SGLang's scheduler during
@@ -329,3 +329,10 @@ def _kill_pg(pgid):
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def test_export_options_tell_the_export_path_how_to_send_weights(tmp_path):
+    # No server needed: the options come from the config and the device.
+    cfg = RolloutConfig(sglang=SGLangConfig(python="", work_dir=str(tmp_path), bucket_mb=64))
+    eng = SGLangEngine(cfg, None, pad_token_id=0, eos_token_id=2)
+    assert eng.export_options == {"bucket_mb": 64, "dequantize_to": torch.float32}

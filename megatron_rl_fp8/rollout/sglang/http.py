@@ -1,0 +1,151 @@
+"""The HTTP side of the SGLang engine: the JSON calls it makes, request and answer formats."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from megatron_rl_fp8.rollout.base import Completion
+from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError, _ServerGone
+
+
+def sampling_params(
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    greedy: bool,
+    eos_token_id: int,
+    seed: int | None,
+) -> dict:
+    """One request's ``sampling_params`` (greedy = temperature 0, SGLang's argmax path)."""
+    params: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "stop_token_ids": [eos_token_id],
+        "temperature": 0.0 if greedy else temperature,
+        "top_p": 1.0 if greedy else top_p,
+        "top_k": -1,
+    }
+    if seed is not None and not greedy:
+        params["sampling_seed"] = seed
+    return params
+
+
+def parse_completion(
+    prompt: list[int], answer: dict, *, eos_token_id: int, expected_version: str
+) -> Completion:
+    """A ``/generate`` answer -> Completion, after checking it came from ``expected_version``."""
+    meta = answer.get("meta_info", {})
+    versions = {meta.get("weight_version")} | {
+        s.get("version") for s in meta.get("weight_versions") or []
+    }
+    versions.discard(None)
+    if versions != {expected_version}:
+        raise _ServerGone(
+            f"completion produced by weight version(s) {sorted(versions)}, "
+            f"expected {expected_version!r}"
+        )
+    ids = [int(t) for t in answer["output_ids"]]
+    lp = meta.get("output_token_logprobs") or []
+    if len(lp) != len(ids) or any(int(e[1]) != t for e, t in zip(lp, ids)):
+        raise SGLangServerError(
+            "SGLang returned logprobs that do not line up with the output ids "
+            f"({len(lp)} logprobs for {len(ids)} tokens)"
+        )
+    finished = bool(ids) and ids[-1] == eos_token_id
+    return Completion(
+        prompt_ids=list(prompt),
+        response_ids=ids,
+        response_logprobs=[float(e[0]) for e in lp],
+        finished=finished,
+    )
+
+
+class Http:
+    """The few JSON calls the engine makes (stdlib only: the trainer's venv needs no extra)."""
+
+    def __init__(self, base_url: str):
+        self.base_url = base_url
+
+    def call(
+        self, path: str, payload: dict | None = None, *, timeout: float, method: str | None = None
+    ) -> Any:
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(
+            self.base_url + path,
+            data=data,
+            method=method or ("GET" if data is None else "POST"),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:2000]
+            if e.code >= 500:
+                raise _ServerGone(f"{path}: HTTP {e.code}: {detail}") from e
+            raise SGLangServerError(f"{path}: HTTP {e.code}: {detail}") from e
+        except TimeoutError as e:  # a hung server: it is relaunched like a dead one
+            raise _ServerGone(f"{path}: no answer within {timeout:g} s") from e
+        except (urllib.error.URLError, ConnectionError, OSError) as e:
+            raise _ServerGone(f"{path}: {e}") from e
+        try:
+            return json.loads(body) if body else None
+        except json.JSONDecodeError:
+            return body.decode(errors="replace")
+
+    def ok(self, path: str, payload: dict | None = None, *, timeout: float) -> dict:
+        """POST expecting SGLang's ``{"success": true, ...}``."""
+        out = self.call(path, payload if payload is not None else {}, timeout=timeout)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise SGLangServerError(f"{path} failed: {out.get('message')}")
+        return out
+
+
+# -- the HTTP side of one weight sync (SGLang 0.5.23 accepts tensor/distributed updates only
+#    between /begin_weight_update and /end_weight_update) ------------------------------------
+def begin_update(http: Http, version: int, *, timeout: float) -> None:
+    """Mark the server ``"<v>-partial"`` (aborting requests in flight), open the update session."""
+    http.ok(
+        "/update_weight_version",
+        {"new_version": f"{version}-partial", "abort_all_requests": True},
+        timeout=timeout,
+    )
+    http.ok("/begin_weight_update", {}, timeout=timeout)
+
+
+def end_update(http: Http, version: int, *, timeout: float) -> None:
+    """Close the update session, mark the server ``"<v>"`` and flush its KV/radix cache."""
+    http.ok("/end_weight_update", {}, timeout=timeout)
+    http.ok(
+        "/update_weight_version",
+        {"new_version": str(version), "abort_all_requests": True},
+        timeout=timeout,
+    )
+    out = http.call("/flush_cache", {}, timeout=timeout)
+    if isinstance(out, dict) and out.get("success") is False:
+        raise SGLangServerError(f"/flush_cache failed after the weight update: {out}")
+
+
+def update_from_disk(http: Http, path, version: int, *, timeout: float) -> None:
+    """The ``disk`` transport: the server reloads the shards of ``path`` as version ``version``."""
+    http.ok(
+        "/update_weights_from_disk",
+        {
+            "model_path": str(path),
+            "weight_version": str(version),
+            "abort_all_requests": True,
+            "flush_cache": True,
+        },
+        timeout=timeout,
+    )
+
+
+def check_version(http: Http, expected: str, *, timeout: float) -> None:
+    """The server must report weight version ``expected`` (``/model_info``)."""
+    info = http.call("/model_info", timeout=timeout)
+    got = info.get("weight_version") if isinstance(info, dict) else None
+    if got != expected:
+        raise _ServerGone(f"SGLang server reports weight version {got!r}, expected {expected!r}")

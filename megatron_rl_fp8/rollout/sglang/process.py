@@ -1,0 +1,303 @@
+"""The SGLang server as a process: command line, environment, guard, ports, process groups.
+
+The server runs under a tiny guard process (``_GUARD``, stdlib only) in a process group of its
+own, so it can never outlive the trainer (see the guard's comment below).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
+from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError, _ServerGone
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+# The guard: the process the engine actually starts (with the server's python, stdlib only). It
+# leads the server's process group, runs `sglang.launch_server` as its child and kills the whole
+# group (itself included) when (a) the trainer dies, however it dies, or (b) the server's main
+# process exits. SGLang's own children arm their parent-death signal only after their imports
+# (~20 s on CPU), so (b) is what keeps a crash during startup from leaking them. Parent death is
+# seen twice over: PR_SET_PDEATHSIG (Linux; instant) and a once-a-second getppid() check
+# (everywhere). PDEATHSIG also fires when only the trainer *thread* that launched the guard exits,
+# so the handler re-checks getppid() before acting. Linux also gets PDEATHSIG=SIGKILL on the
+# server's main process itself, set in a preexec_fn here (safe: the guard has one thread), not in
+# the multi-threaded trainer.
+_GUARD = r"""# mrf8-sglang-guard: see _GUARD in megatron_rl_fp8/rollout/sglang/process.py
+import ctypes, os, signal, subprocess, sys, time
+trainer, cmd = int(sys.argv[1]), sys.argv[2:]
+
+def kill_group(*_):
+    os.killpg(0, signal.SIGKILL)
+
+def on_parent_signal(*_):
+    if os.getppid() != trainer:
+        kill_group()
+
+def arm(sig):
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+
+signal.signal(signal.SIGUSR1, on_parent_signal)
+signal.signal(signal.SIGTERM, kill_group)
+arm(signal.SIGUSR1)
+if os.getppid() != trainer:  # the trainer died before prctl
+    kill_group()
+server = subprocess.Popen(cmd, preexec_fn=lambda: arm(signal.SIGKILL))
+while server.poll() is None:
+    time.sleep(1)
+    if os.getppid() != trainer:
+        kill_group()
+print(f"[mrf8 guard] server exited with code {server.returncode}; killing its process group",
+      flush=True)
+kill_group()
+"""
+
+
+def spawn_guarded(
+    cmd: list[str],
+    *,
+    python: str,
+    stdout,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+) -> subprocess.Popen:
+    """Start ``cmd`` under the guard (``_GUARD``, run by ``python``) in a new session and process
+    group, whose id is the returned process's pid. The group dies with this process, and when
+    ``cmd``'s own process exits."""
+    return subprocess.Popen(
+        [python, "-c", _GUARD, str(os.getpid()), *cmd],
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+
+
+def server_group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``. Linux reads /proc; elsewhere the
+    answer is ``[pgid]`` while any member can still be signalled, else ``[]``."""
+    if not Path("/proc/self/stat").exists():
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue  # exited while we looked
+        # Fields after the parenthesised command name: state, ppid, pgrp, ...
+        state, _ppid, pgrp = stat.rsplit(")", 1)[1].split()[:3]
+        if int(pgrp) == pgid and state not in "ZX":
+            pids.append(int(entry.name))
+    return pids
+
+
+def _kill_group(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGKILL ``proc``'s process group, reap ``proc``, and wait (bounded) for the rest to go.
+
+    SIGKILL, not a graceful SIGTERM: the server holds nothing worth saving (its weights are on disk)
+    and SGLang answers SIGTERM on its children with a crash report that sleeps 5 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + timeout
+    while server_group_pids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def pick_port(low: int = 15000, high: int = 22000) -> int:
+    """A free TCP port for a server that binds it only later (uvicorn binds ~20-40 s after launch).
+
+    Not from the kernel's ephemeral range (32768+, where ``bind(0)`` ports come from): every
+    outgoing connection takes its local port there, and one of them took a server's port during
+    its startup in testing (the server then hung instead of exiting). Not SGLang's own range
+    either (22000-29999, where it picks its NCCL port). Random with a private generator: the
+    trainer seeds the global one, and two runs on one host must not pick alike."""
+    import random
+    import socket
+
+    for port in random.Random().sample(range(low, high), 64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    from megatron_rl_fp8.parallel import free_port
+
+    return free_port()
+
+
+def resolve_python(cfg: SGLangConfig) -> str:
+    """The interpreter that runs the server (``cfg.python``; relative to the repository root)."""
+    if not cfg.python:
+        return sys.executable
+    path = Path(cfg.python).expanduser()
+    if not path.is_absolute():
+        path = REPO_ROOT / path
+    if not path.exists():
+        raise FileNotFoundError(
+            f"rollout.sglang.python={cfg.python!r}: {path} does not exist. Install SGLang's CPU "
+            "engine with `tools/install_sglang_cpu.sh` (creates .venv-sglang), or point "
+            "rollout.sglang.python at a python that has sglang (empty = this interpreter)"
+        )
+    return str(path)
+
+
+def resolve_device(cfg: SGLangConfig) -> str:
+    if cfg.device != "auto":
+        return cfg.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def server_command(
+    cfg: SGLangConfig,
+    *,
+    python: str,
+    model_path: Path,
+    port: int,
+    device: str,
+    dtype: str,
+    fp8_checkpoint: bool,
+    weight_version: str,
+) -> list[str]:
+    """The ``sglang.launch_server`` command line (pure function: unit-tested)."""
+    cmd = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model_path),
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(cfg.tp_size),
+        "--dtype",
+        dtype,
+        "--skip-tokenizer-init",
+        "--weight-version",
+        weight_version,
+        "--random-seed",
+        str(cfg.random_seed),
+    ]
+    if device == "cpu":
+        # The CPU engine (PLATFORM_NOTES): torch-native attention, KV pool sized from host memory.
+        cmd += ["--device", "cpu", "--attention-backend", "torch_native"]
+    if cfg.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+    elif device == "cpu":
+        cmd += ["--mem-fraction-static", "0.05"]
+    if cfg.max_total_tokens is not None:
+        cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
+    if fp8_checkpoint:
+        cmd += ["--quantization", "fp8"]
+    return cmd + list(cfg.extra_args)
+
+
+def server_env(cfg: SGLangConfig, device: str) -> dict[str, str]:
+    """The server's environment: ours, minus the trainer's torch.distributed variables (the
+    server builds its own process groups), plus the CPU engine switch and ``cfg.env``."""
+    env = dict(os.environ)
+    if device == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+    ):
+        env.pop(key, None)
+    env.update(cfg.env)
+    return env
+
+
+def log_tail(path: Path, n: int = 30) -> str:
+    """The last ``n`` lines of a server log (for error messages)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def launch_guarded_server(
+    cfg: SGLangConfig,
+    *,
+    python: str,
+    device: str,
+    dtype: str,
+    fp8_checkpoint: bool,
+    model_path: Path,
+    version: str,
+    work_dir: Path,
+    log_path: Path,
+) -> tuple[subprocess.Popen, int]:
+    """Start one server on ``model_path`` under the guard; returns (guard process, port).
+
+    The command line heads the log. ``<work_dir>/server.pid`` names the live process group, for
+    operators and tests: ``kill -9 -- -$(cat server.pid)`` stops all of it."""
+    port = cfg.port or pick_port()
+    cmd = server_command(
+        cfg,
+        python=python,
+        model_path=model_path,
+        port=port,
+        device=device,
+        dtype=dtype,
+        fp8_checkpoint=fp8_checkpoint,
+        weight_version=version,
+    )
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = spawn_guarded(
+            cmd, python=python, stdout=log, env=server_env(cfg, device), cwd=work_dir
+        )
+    (work_dir / "server.pid").write_text(f"{proc.pid}\n")
+    return proc, port
+
+
+def wait_healthy(
+    proc: subprocess.Popen, http, log_path: Path, *, port: int, timeout_s: float
+) -> None:
+    """Poll ``/health`` until the server answers; a server that exits, cannot bind its port or
+    stays silent past ``timeout_s`` (``rollout.sglang.startup_timeout_s``) is a failed launch."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise _ServerGone(f"SGLang server exited during startup; see {log_path}")
+        if "error while attempting to bind" in log_tail(log_path, 50):
+            # uvicorn could not bind the port; SGLang 0.5.23 then hangs instead of exiting.
+            raise _ServerGone(f"SGLang server could not bind port {port}; see {log_path}")
+        try:
+            http.call("/health", timeout=5)
+            return
+        except SGLangServerError:
+            time.sleep(0.5)
+    raise _ServerGone(
+        f"SGLang server not healthy after rollout.sglang.startup_timeout_s={timeout_s}s; "
+        f"see {log_path}"
+    )

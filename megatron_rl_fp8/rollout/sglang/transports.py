@@ -1,0 +1,219 @@
+"""How weights reach the SGLang server: the ``tensor`` and ``distributed`` pushes, and the disk
+copy every sync writes (the restart source, and the ``disk`` transport's input).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_rl_fp8.fp8.config import RolloutFP8Config
+from megatron_rl_fp8.rollout.sglang.errors import _ServerGone
+from megatron_rl_fp8.rollout.sglang.http import Http
+from megatron_rl_fp8.rollout.sglang.process import pick_port
+from megatron_rl_fp8.sync.buckets import Bucket
+from megatron_rl_fp8.sync.quantize import SCALE_SUFFIX
+
+
+def push_tensor(http: Http, bucket: Bucket, *, tp_size: int, timeout: float) -> None:
+    """``tensor`` transport: one shared-memory buffer per dtype, handles over HTTP."""
+    import base64
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
+
+    # One flat shared-memory buffer per dtype per bucket (one file, not one per tensor), and
+    # never the trainer's own storages (sharing would move them into shared memory).
+    flat = _flatten(bucket.tensors)
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(flat)
+    payload = base64.b64encode(buf.getvalue()).decode()
+    http.ok(
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": [payload] * tp_size, "flush_cache": False},
+        timeout=timeout,
+    )
+    del flat  # the server has copied the values when the call returns
+
+
+def push_distributed(
+    http: Http, group: tuple, bucket: Bucket, *, device: str, timeout: float
+) -> None:
+    """``distributed`` transport: a broadcast per tensor over the private group ``(pg, name)``
+    while the server's ``/update_weights_from_distributed`` call receives them."""
+    tensors = [t.contiguous() for _, t in bucket.tensors]
+    if device == "cuda":
+        tensors = [t.cuda() for t in tensors]
+    payload = {
+        "names": bucket.names,
+        "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+        "shapes": [list(t.shape) for t in tensors],
+        "group_name": group[1],
+        "flush_cache": False,
+    }
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(
+            http.ok,
+            "/update_weights_from_distributed",
+            payload,
+            timeout=timeout,
+        )
+        try:
+            for t in tensors:  # the server posts its receives in this order
+                opts = torch.distributed.BroadcastOptions()
+                opts.rootRank = 0
+                group[0].broadcast([t], opts).wait()
+        except RuntimeError as e:
+            reply.cancel()
+            raise _ServerGone(f"broadcast to the SGLang server failed: {e}") from e
+        reply.result()
+
+
+def join_sender_group(
+    http: Http, *, host: str, tp_size: int, device: str, name: str, timeout: float
+) -> tuple:
+    """Form the private group of the ``distributed`` transport with the server's TP ranks:
+    ``(process group, name)``."""
+    port = pick_port()
+    world = 1 + tp_size
+    backend = "nccl" if device == "cuda" else "gloo"
+    payload = {
+        "master_address": host,
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": world,
+        "group_name": name,
+        "backend": backend,
+    }
+    # Our side joins in a daemon thread while the HTTP call makes the server join; the reply
+    # comes only once both sides are in. If the call fails instead (server gone), the
+    # rendezvous can never complete: it is left to time out in its thread, not waited for.
+    joined: dict[str, Any] = {}
+
+    def join():
+        try:
+            joined["pg"] = new_sender_group(host, port, world, name, backend, timeout_s=timeout)
+        except Exception as e:  # noqa: BLE001 - reported by the caller below
+            joined["error"] = e
+
+    thread = threading.Thread(target=join, name="mrf8-sglang-weight-group", daemon=True)
+    thread.start()
+    http.ok("/init_weights_update_group", payload, timeout=timeout)
+    thread.join(timeout)
+    if "pg" not in joined:
+        raise _ServerGone(
+            f"the weight-sync group with the SGLang server did not form: "
+            f"{joined.get('error', 'timed out')}"
+        )
+    return joined["pg"], name
+
+
+def destroy_sender_group(group: tuple) -> None:
+    """Drop our side of the distributed transport's group (the server's side dies with it)."""
+    try:
+        torch.distributed.destroy_process_group(group[0])
+    except (RuntimeError, ValueError, KeyError):
+        pass  # already torn down by a failed collective: nothing left to free
+
+
+def new_sender_group(
+    host: str, port: int, world_size: int, group_name: str, backend: str, *, timeout_s: float
+):
+    """Rank 0 of a private process group with the server's TP ranks (ranks 1..world_size-1).
+
+    It is built the way SGLang's ``init_custom_process_group`` builds the receiving side (a TCP
+    rendezvous store prefixed with the group name, then c10d's group factory), so the two sides
+    agree on store keys; it is *not* the default group, so the trainer's collectives are untouched.
+    """
+    import datetime
+    import inspect
+
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world = next(
+        c10d.rendezvous(f"tcp://{host}:{port}", 0, world_size, timeout=timeout)
+    )
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    params = inspect.signature(c10d._new_process_group_helper).parameters
+    options = {"backend_options" if "backend_options" in params else "pg_options": None}
+    pg, _ = c10d._new_process_group_helper(
+        world,
+        rank,
+        [],
+        c10d.Backend(backend),
+        store,
+        group_name=group_name,
+        timeout=timeout,
+        **options,
+    )
+    return pg
+
+
+def _flatten(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Copies of ``named`` as views into one fresh contiguous buffer per dtype."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out: list[tuple[str, torch.Tensor] | None] = [None] * len(named)
+    for dtype, idx in by_dtype.items():
+        flat = torch.empty(sum(named[i][1].numel() for i in idx), dtype=dtype)
+        offset = 0
+        for i in idx:
+            name, t = named[i]
+            view = flat[offset : offset + t.numel()].view(t.shape)
+            view.copy_(t)
+            out[i] = (name, view)
+            offset += t.numel()
+    return out  # type: ignore[return-value]
+
+
+def _save_shard(bucket: Bucket, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, t in bucket.tensors:
+        t = t.detach().contiguous()
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()  # safetensors refuses views that share a storage
+        tensors[name] = t
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    tmp.rename(path)
+
+
+def _per_tensor_scale_names(named):
+    # SGLang's per-tensor FP8 checkpoints name the dequantisation scale ``weight_scale``.
+    for name, t in named:
+        if name.endswith("weight" + SCALE_SUFFIX):
+            name = name[: -len(SCALE_SUFFIX)] + "_scale"
+        yield name, t
+
+
+def write_checkpoint_files(
+    path: Path,
+    weight_map: dict[str, str],
+    hf_config,
+    *,
+    serve_dtype: str,
+    fp8: RolloutFP8Config | None,
+) -> None:
+    """``config.json`` and the safetensors index that make the shards in ``path`` a checkpoint
+    the server can start from (``fp8``: an FP8 checkpoint with ``quantization_config``)."""
+    config = hf_config.to_dict()
+    config["torch_dtype"] = config["dtype"] = serve_dtype
+    if fp8 is not None:
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+        if fp8.weight_quant == "blockwise":
+            qc["weight_block_size"] = list(fp8.weight_block)
+        config["quantization_config"] = qc
+    (path / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
