@@ -23,6 +23,24 @@ def field(default=dataclasses.MISSING, *, help: str, default_factory=dataclasses
     return dataclasses.field(**kwargs)
 
 
+def check_literals(obj, owner: str) -> None:
+    """Check every ``Literal``-typed field of dataclass ``obj`` against its annotation.
+
+    The one check of enum-like values, called from ``__post_init__`` (so a config built in Python
+    is checked as well as one read from YAML); the annotation is the only list of valid values.
+    ``owner`` names the section in the error (``rollout.sglang``, ``FP8Config``).
+    """
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        tp = hints.get(f.name)
+        if get_origin(tp) is not Literal:
+            continue
+        value = getattr(obj, f.name)
+        if value not in get_args(tp):
+            choices = ", ".join(repr(a) for a in get_args(tp))
+            raise ValueError(f"{owner}.{f.name}={value!r} is not valid; choose one of {choices}")
+
+
 class ConfigError(ValueError):
     """A config value or layout is invalid; the message names the field and the fix."""
 

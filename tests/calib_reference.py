@@ -18,6 +18,7 @@ from megatron_rl_fp8.loss.calibration import (
     _clamp,
     _token_views,
 )
+from megatron_rl_fp8.loss.histogram import bin_index, hist_inverse_mass
 
 
 @torch.no_grad()
@@ -75,3 +76,32 @@ def exact_calibrated_clip_bounds(
             k = int(torch.searchsorted(cum, target_t))
             upper = math.exp(float(x8[pos][order][k]))
     return lower, _clamp(upper, upper_limits)
+
+
+# Plain histograms and quantiles read from them: the building blocks the packed calibration
+# histogram (loss/calibration.py) inlines, kept here to test the readers on simple inputs.
+def histogram(
+    values: torch.Tensor,
+    weights: torch.Tensor | None,
+    bins: int,
+    value_range: tuple[float, float],
+) -> torch.Tensor:
+    """float64 [bins] histogram of ``values`` (each token adds its weight, or 1).
+
+    Uses ``index_add_`` into a fixed-size buffer rather than ``torch.bincount``, which must find
+    the largest index first (a host-device sync on GPU).
+    """
+    idx = bin_index(values, bins, value_range).flatten()
+    src = (
+        torch.ones_like(idx, dtype=torch.float64)
+        if weights is None
+        else weights.flatten().to(torch.float64)
+    )
+    return torch.zeros(bins, dtype=torch.float64, device=values.device).index_add_(0, idx, src)
+
+
+def hist_quantile(counts: torch.Tensor, q: float, value_range: tuple[float, float]) -> float:
+    """The q-quantile (0 <= q <= 1) of the values counted in ``counts``."""
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"hist_quantile: q={q} must lie in [0, 1].")
+    return hist_inverse_mass(counts, q * float(counts.sum()), value_range)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
-from megatron_rl_fp8.config_utils import field
+from megatron_rl_fp8.config_utils import check_literals, field
 from megatron_rl_fp8.data.arithmetic import DEFAULT_TRAIN_PATH, DEFAULT_VAL_PATH
 from megatron_rl_fp8.data.dataset import SUPPORTED_SUFFIXES, PromptDataset
 
@@ -56,11 +56,7 @@ class TaskConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.name not in get_args(TaskName):
-            raise ValueError(
-                f"TaskConfig.name={self.name!r} is not a known task; use one of "
-                f"{get_args(TaskName)}"
-            )
+        check_literals(self, "TaskConfig")
         for attr in ("train_path", "val_path"):
             value = getattr(self, attr)
             if value is not None and Path(value).suffix not in SUPPORTED_SUFFIXES:

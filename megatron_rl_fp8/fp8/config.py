@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_rl_fp8.config_utils import field
+from megatron_rl_fp8.config_utils import check_literals, field
 
 Recipe = Literal[
     "bf16", "tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise", "mxfp8"
@@ -23,27 +23,9 @@ AmaxComputeAlgo = Literal["max", "most_recent"]
 RolloutWeightQuant = Literal["bf16", "blockwise", "per_tensor"]
 Accumulation = Literal["fp32", "hopper"]
 
-RECIPES: tuple[str, ...] = (
-    "bf16",
-    "tensorwise_delayed",
-    "tensorwise_current",
-    "rowwise",
-    "blockwise",
-    "mxfp8",
-)
-FORMATS: tuple[str, ...] = ("e4m3", "hybrid")
-AMAX_COMPUTE_ALGOS: tuple[str, ...] = ("max", "most_recent")
-ROLLOUT_WEIGHT_QUANTS: tuple[str, ...] = ("bf16", "blockwise", "per_tensor")
-ACCUMULATIONS: tuple[str, ...] = ("fp32", "hopper")
-
 HOPPER_MMA_K = 32
 """Elements of K one Hopper FP8 tensor-core instruction contracts (``wgmma.mma_async`` m64nNk32 for
 e4m3/e5m2): the granularity at which a kernel can promote its partial sums to float32."""
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
 
 
 def _check_non_negative_int(name: str, value: object) -> None:
@@ -134,9 +116,7 @@ class FP8Config:
     )
 
     def __post_init__(self) -> None:
-        _check_choice("FP8Config.recipe", self.recipe, RECIPES)
-        _check_choice("FP8Config.format", self.format, FORMATS)
-        _check_choice("FP8Config.amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS)
+        check_literals(self, "FP8Config")
         if (
             not isinstance(self.amax_history_len, int)
             or isinstance(self.amax_history_len, bool)
@@ -162,7 +142,6 @@ class FP8Config:
             )
 
     def _check_accumulation(self) -> None:
-        _check_choice("FP8Config.accumulation", self.accumulation, ACCUMULATIONS)
         chunk = self.accum_chunk
         if (
             not isinstance(chunk, int)
@@ -252,7 +231,7 @@ class RolloutFP8Config:
     )
 
     def __post_init__(self) -> None:
-        _check_choice("RolloutFP8Config.weight_quant", self.weight_quant, ROLLOUT_WEIGHT_QUANTS)
+        check_literals(self, "RolloutFP8Config")
         block = tuple(self.weight_block) if isinstance(self.weight_block, (list, tuple)) else None
         if (
             block is None

@@ -1,6 +1,6 @@
 """RL loss math as pure tensor functions, plus one distributed wrapper.
 
-* :mod:`.ppo`          clipped policy-gradient loss (PPO / GRPO / DAPO), aggregation, KL penalty;
+* :mod:`.ppo`          clipped policy-gradient loss (PPO / GRPO / DAPO) and its aggregation;
 * :mod:`.importance`   TIS / MIS weights for the train/rollout mismatch;
 * :mod:`.advantages`   GRPO advantages, DAPO dynamic sampling and overlong penalty;
 * :mod:`.histogram`    fixed-bin histograms and quantiles read from them;
@@ -23,10 +23,10 @@ from megatron_rl_fp8.loss.calibration import (
     calibrated_clip_bounds,
     ema_bounds,
 )
-from megatron_rl_fp8.loss.histogram import hist_mass_below, hist_quantile, histogram
+from megatron_rl_fp8.loss.histogram import hist_mass_below
 from megatron_rl_fp8.loss.importance import ISCorrectionConfig, importance_weights
 from megatron_rl_fp8.loss.masked import masked_mean, masked_sum
-from megatron_rl_fp8.loss.ppo import aggregate_loss, kl_penalty, policy_loss
+from megatron_rl_fp8.loss.ppo import aggregate_loss, policy_loss
 
 __all__ = [
     "CalibConfig",
@@ -39,10 +39,7 @@ __all__ = [
     "ema_bounds",
     "grpo_advantages",
     "hist_mass_below",
-    "hist_quantile",
-    "histogram",
     "importance_weights",
-    "kl_penalty",
     "masked_mean",
     "masked_sum",
     "overlong_reward_penalty",

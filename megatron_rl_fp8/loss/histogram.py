@@ -33,26 +33,6 @@ def bin_index(values: torch.Tensor, bins: int, value_range: tuple[float, float])
     return scaled.clamp_(0, bins - 1).long()
 
 
-def histogram(
-    values: torch.Tensor,
-    weights: torch.Tensor | None,
-    bins: int,
-    value_range: tuple[float, float],
-) -> torch.Tensor:
-    """float64 [bins] histogram of ``values`` (each token adds its weight, or 1).
-
-    Uses ``index_add_`` into a fixed-size buffer rather than ``torch.bincount``, which must find
-    the largest index first (a host-device sync on GPU).
-    """
-    idx = bin_index(values, bins, value_range).flatten()
-    src = (
-        torch.ones_like(idx, dtype=torch.float64)
-        if weights is None
-        else weights.flatten().to(torch.float64)
-    )
-    return torch.zeros(bins, dtype=torch.float64, device=values.device).index_add_(0, idx, src)
-
-
 def _width(weights: torch.Tensor, value_range: tuple[float, float]) -> float:
     lo, hi = value_range
     return (hi - lo) / weights.numel()
@@ -93,10 +73,3 @@ def hist_inverse_mass(
     k = int(torch.searchsorted(cum, torch.tensor([target], dtype=cum.dtype, device=cum.device)))
     before = float(cum[k]) - float(weights[k])
     return lo + (k + (target - before) / float(weights[k])) * w
-
-
-def hist_quantile(counts: torch.Tensor, q: float, value_range: tuple[float, float]) -> float:
-    """The q-quantile (0 <= q <= 1) of the values counted in ``counts``."""
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"hist_quantile: q={q} must lie in [0, 1].")
-    return hist_inverse_mass(counts, q * float(counts.sum()), value_range)

@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from megatron_rl_fp8.config_utils import field
+from megatron_rl_fp8.config_utils import check_literals, field
 from megatron_rl_fp8.loss.masked import masked_mean
 
 ISLevel = Literal["token", "sequence", "geometric"]
@@ -71,15 +71,7 @@ class ISCorrectionConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.level not in ("token", "sequence", "geometric"):
-            raise ValueError(
-                f"ISCorrectionConfig.level={self.level!r} is not supported; "
-                "use 'token', 'sequence' or 'geometric'."
-            )
-        if self.mode not in ("truncate", "mask"):
-            raise ValueError(
-                f"ISCorrectionConfig.mode={self.mode!r} is not supported; use 'truncate' or 'mask'."
-            )
+        check_literals(self, "ISCorrectionConfig")
         if not self.cap > 0:
             raise ValueError(
                 f"ISCorrectionConfig.cap={self.cap!r} must be > 0 (e.g. 2.0): it is the largest "

@@ -35,35 +35,10 @@ from megatron_rl_fp8.loss.importance import ISCorrectionConfig, importance_weigh
 from megatron_rl_fp8.loss.masked import masked_mean, masked_sum
 
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
-KLKind = Literal["k1", "k2", "k3"]
 
 # exp(20) ~ 5e8: far outside any clip bound, so clamping the log ratio changes no clipped loss, but
 # it keeps exp() finite when a bad token has log ratio in the hundreds (same guard as verl).
 _MAX_LOG_RATIO = 20.0
-
-
-def kl_penalty(
-    log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: KLKind = "k3"
-) -> torch.Tensor:
-    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman's k1/k2/k3).
-
-    With ``d = log_prob - ref_log_prob``:
-
-    * ``k1 = d``                      unbiased, high variance, can be negative;
-    * ``k2 = d**2 / 2``               biased, low variance, non-negative;
-    * ``k3 = exp(-d) - 1 + d``        unbiased, low variance, non-negative (GRPO's choice).
-
-    Returns a [B, T] tensor; mask and aggregate it like any token loss.
-    """
-    d = log_prob - ref_log_prob
-    if kind == "k1":
-        return d
-    if kind == "k2":
-        return 0.5 * d.square()
-    if kind == "k3":
-        neg_d = (-d).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        return torch.exp(neg_d) - 1.0 - neg_d
-    raise ValueError(f"kl_penalty kind={kind!r} is not supported; use 'k1', 'k2' or 'k3'.")
 
 
 def aggregate_loss(
@@ -131,9 +106,6 @@ def policy_loss(
     global_seq_count: float | torch.Tensor | None = None,
     rollout_log_prob: torch.Tensor | None = None,
     is_correction: ISCorrectionConfig | None = None,
-    ref_log_prob: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_kind: KLKind = "k3",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss and its diagnostics (see the module docstring for the math).
 
@@ -151,8 +123,6 @@ def policy_loss(
         is_correction: importance-sampling config, see :mod:`megatron_rl_fp8.loss.importance`.
             Rejected tokens get weight 0 but stay in the denominator, so the global counts stay
             valid and a rejection shrinks the update instead of renormalising it.
-        ref_log_prob, kl_coef, kl_kind: optional KL penalty to a reference policy added to each
-            token loss as ``kl_coef * kl_penalty(log_prob, ref_log_prob, kl_kind)``.
 
     Returns:
         ``(loss, metrics)``: ``loss`` is a 0-d tensor; ``metrics`` maps names to detached 0-d
@@ -162,7 +132,7 @@ def policy_loss(
         ``pg_clipfrac_pos_upper`` (the same, as a share of the negative / positive advantage
         tokens), ``pg_clipfrac_dual`` (with ``clip_c``), ``ppo_kl`` (k1 estimate,
         mean of old - new log-prob), ``ratio_mean`` / ``ratio_max`` / ``ratio_min``, plus
-        ``kl_ref`` and the ``is_*`` / ``rollout_*`` metrics when those inputs are given.
+        the ``is_*`` / ``rollout_*`` metrics when those inputs are given.
     """
     if isinstance(clip_low, (int, float)) and isinstance(clip_high, (int, float)):
         if not 0.0 < clip_low <= 1.0 <= clip_high:
@@ -221,21 +191,6 @@ def policy_loss(
         global_seq_count=global_seq_count,
     )
     loss = pg_loss
-    if ref_log_prob is not None and kl_coef != 0.0:
-        # Both inputs masked before the estimator, for the same NaN-padding reason as log_ratio.
-        kl = kl_penalty(
-            torch.where(mask_b, log_prob, torch.zeros_like(log_prob)),
-            ref_log_prob.detach().masked_fill(~mask_b, 0.0),
-            kl_kind,
-        )
-        loss = loss + kl_coef * aggregate_loss(
-            kl,
-            mask_f,
-            agg,
-            global_token_count=global_token_count,
-            global_seq_count=global_seq_count,
-        )
-        metrics["kl_ref"] = masked_mean(kl, mask_f).detach()
 
     with torch.no_grad():
         r = ratio.detach()

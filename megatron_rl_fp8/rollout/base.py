@@ -6,129 +6,12 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
-from megatron_rl_fp8.config_utils import field
+from megatron_rl_fp8.config_utils import check_literals, field
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
+from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.sync.buckets import Bucket
-
-
-@dataclasses.dataclass(kw_only=True)
-class SGLangConfig:
-    """The SGLang rollout server this run launches and owns (``rollout.engine: sglang``)."""
-
-    python: str = field(
-        ".venv-sglang/bin/python",
-        help="Python that runs `sglang.launch_server` (relative paths: from the repository root). "
-        "The default is the venv made by tools/install_sglang_cpu.sh; empty = the trainer's "
-        "own interpreter (SGLang installed next to the trainer, e.g. on GPU clusters).",
-    )
-    transport: Literal["tensor", "distributed", "disk"] = field(
-        "tensor",
-        help="How synced weights reach the server: tensor = shared memory, same node "
-        "(update_weights_from_tensor); distributed = a private NCCL/gloo group with the "
-        "server's TP ranks (update_weights_from_distributed); disk = safetensors files "
-        "(update_weights_from_disk).",
-    )
-    bucket_mb: float = field(512.0, help="Largest weight message to the server, in MiB.")
-    tp_size: int = field(1, help="Tensor-parallel size of the SGLang server.")
-    device: Literal["auto", "cpu", "cuda"] = field(
-        "auto",
-        help="Server device; auto = cuda when this process sees a GPU, else SGLang's CPU "
-        "engine (torch-native attention).",
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(
-        "auto",
-        help="Server activation/weight dtype; auto = float32 on CPU (matches the local "
-        "engine), bfloat16 on GPU.",
-    )
-    mem_fraction_static: float | None = field(
-        None,
-        help="SGLang --mem-fraction-static (weights + KV pool share of memory); None = "
-        "0.05 on CPU (host RAM), SGLang's own default on GPU.",
-    )
-    max_total_tokens: int | None = field(None, help="SGLang --max-total-tokens (KV pool cap).")
-    host: str = field("127.0.0.1", help="Address the server listens on and the trainer calls.")
-    port: int = field(0, help="Server port; 0 = pick a free one at every launch.")
-    work_dir: str = field(
-        "",
-        help="Where the server's model directory (last synced weights, the restart source) "
-        "and logs go; empty = <train.output_dir>/sglang when the trainer passes it, else "
-        "a temporary directory.",
-    )
-    startup_timeout_s: float = field(300.0, help="Seconds to wait for /health after a launch.")
-    request_timeout_s: float = field(
-        600.0,
-        help="Seconds one HTTP call (a whole rollout batch, one weight bucket) may take "
-        "before the server is declared hung and restarted.",
-    )
-    max_restarts: int = field(
-        2,
-        help="Server relaunches (each from the last complete synced weights) allowed per "
-        "engine call -- one rollout or one weight sync, and counting relaunches that die "
-        "in startup -- before the run fails with the server log.",
-    )
-    random_seed: int = field(0, help="SGLang --random-seed.")
-    env: dict[str, str] = field(
-        default_factory=dict, help="Extra environment variables for the server process."
-    )
-    extra_args: list[str] = field(
-        default_factory=list, help="Extra `sglang.launch_server` arguments, appended verbatim."
-    )
-
-    def __post_init__(self):
-        if self.transport not in ("tensor", "distributed", "disk"):
-            raise ValueError(
-                f"rollout.sglang.transport={self.transport!r} is not valid; choose "
-                "tensor, distributed or disk"
-            )
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(
-                f"rollout.sglang.device={self.device!r} is not valid; choose auto, cpu or cuda"
-            )
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"rollout.sglang.dtype={self.dtype!r} is not valid; choose auto, "
-                "float32, bfloat16 or float16"
-            )
-        if not self.bucket_mb > 0:
-            raise ValueError(f"rollout.sglang.bucket_mb must be > 0, got {self.bucket_mb}")
-        if self.tp_size < 1:
-            raise ValueError(f"rollout.sglang.tp_size must be >= 1, got {self.tp_size}")
-        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
-            raise ValueError(
-                "rollout.sglang.mem_fraction_static must be in (0, 1) or None, got "
-                f"{self.mem_fraction_static}"
-            )
-        if self.max_total_tokens is not None and self.max_total_tokens < 1:
-            raise ValueError(
-                f"rollout.sglang.max_total_tokens must be >= 1, got {self.max_total_tokens}"
-            )
-        if not 0 <= self.port < 65536:
-            raise ValueError(
-                f"rollout.sglang.port must be in [0, 65535] (0 = free port), got {self.port}"
-            )
-        for name in ("startup_timeout_s", "request_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"rollout.sglang.{name} must be > 0, got {getattr(self, name)}")
-        if self.max_restarts < 0:
-            raise ValueError(f"rollout.sglang.max_restarts must be >= 0, got {self.max_restarts}")
-        owned = {
-            "--model-path",
-            "--host",
-            "--port",
-            "--tp-size",
-            "--dtype",
-            "--weight-version",
-            "--skip-tokenizer-init",
-            "--device",
-        }
-        clash = sorted(a.split("=")[0] for a in self.extra_args if a.split("=")[0] in owned)
-        if clash:
-            raise ValueError(
-                f"rollout.sglang.extra_args sets {clash}, which the engine sets "
-                "itself; use the matching rollout.sglang fields instead"
-            )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -156,8 +39,7 @@ class RolloutConfig:
     )
 
     def __post_init__(self):
-        if self.engine not in ("local", "sglang"):
-            raise ValueError(f"rollout.engine={self.engine!r} is not valid; choose local or sglang")
+        check_literals(self, "rollout")
         if self.n_samples_per_prompt < 1:
             raise ValueError(
                 f"rollout.n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}"

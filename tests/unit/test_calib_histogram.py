@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl_fp8.loss import hist_mass_below, hist_quantile, histogram
+from megatron_rl_fp8.loss import hist_mass_below
 from megatron_rl_fp8.loss.histogram import bin_index, hist_inverse_mass
+from tests.calib_reference import hist_quantile, histogram
 
 RANGE = (-2.0, 2.0)
 BINS = 4096
