@@ -26,8 +26,8 @@ from megatron_rl_fp8.rollout.sglang.http import (
     begin_update,
     check_version,
     end_update,
+    generate_request,
     parse_completion,
-    sampling_params,
     update_from_disk,
 )
 from megatron_rl_fp8.rollout.sglang.process import (
@@ -389,24 +389,15 @@ class SGLangEngine:
                 "(the trainer's sync_weights) before generate"
             )
         rows = [p for p in prompts for _ in range(n)]
-        request = {
-            "input_ids": rows,
-            "sampling_params": [
-                sampling_params(
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    top_p=top_p,
-                    greedy=greedy,
-                    eos_token_id=self.eos_token_id,
-                    # Distinct, reproducible per-row seeds (honoured by SGLang's
-                    # deterministic sampling mode; otherwise a hint).
-                    seed=(seed * 1_000_003 + i) % (2**31),
-                )
-                for i in range(len(rows))
-            ],
-            "return_logprob": True,
-            "logprob_start_len": -1,
-        }
+        request = generate_request(
+            rows,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            greedy=greedy,
+            seed=seed,
+            eos_token_id=self.eos_token_id,
+        )
         self._restarts_left = self.cfg.max_restarts
         while True:  # ends: each pass returns, or relaunches within the bound, or raises
             try:

@@ -33,6 +33,38 @@ def sampling_params(
     return params
 
 
+def generate_request(
+    rows: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    greedy: bool,
+    seed: int,
+    eos_token_id: int,
+) -> dict:
+    """The ``/generate`` body for ``rows`` (token ids), asking for the sampled tokens' logprobs."""
+    params = [
+        # Distinct, reproducible per-row seeds (honoured by SGLang's deterministic sampling
+        # mode; otherwise a hint).
+        sampling_params(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            greedy=greedy,
+            eos_token_id=eos_token_id,
+            seed=(seed * 1_000_003 + i) % (2**31),
+        )
+        for i in range(len(rows))
+    ]
+    return {
+        "input_ids": rows,
+        "sampling_params": params,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }
+
+
 def parse_completion(
     prompt: list[int], answer: dict, *, eos_token_id: int, expected_version: str
 ) -> Completion:
