@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -19,8 +18,8 @@ from typing import Any
 import torch
 
 from megatron_rl_fp8.rollout.base import Completion, RolloutConfig
-from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError, _ServerGone
-from megatron_rl_fp8.rollout.sglang.faults import FAULT_ENV, KillServerAt
+from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError, _first_line, _ServerGone
+from megatron_rl_fp8.rollout.sglang.faults import fault_hook_from_env
 from megatron_rl_fp8.rollout.sglang.http import (
     Http,
     begin_update,
@@ -36,6 +35,8 @@ from megatron_rl_fp8.rollout.sglang.process import (
     log_tail,
     resolve_device,
     resolve_python,
+    resolve_work_dir,
+    serve_dtype,
     wait_healthy,
 )
 from megatron_rl_fp8.rollout.sglang.transports import (
@@ -71,22 +72,14 @@ class SGLangEngine:
         self.eos_token_id = eos_token_id
         self.python = resolve_python(self.cfg)
         self.device = resolve_device(self.cfg)
-        self.serve_dtype = (
-            self.cfg.dtype
-            if self.cfg.dtype != "auto"
-            else ("float32" if self.device == "cpu" else "bfloat16")
-        )
+        self.serve_dtype = serve_dtype(self.cfg, self.device)
         # FP8 GEMMs only on GPU; on CPU the FP8-rounded weights are sent in serve_dtype.
         self.fp8_checkpoint = self.fp8.enabled and self.device == "cuda"
         if self.cfg.transport == "tensor":
             # Shared-memory tensors to another process: file-descriptor passing fails between
             # unrelated processes (the server crashes on an authentication error), file names work.
             torch.multiprocessing.set_sharing_strategy("file_system")
-        work = self.cfg.work_dir or (Path(output_dir) / "sglang" if output_dir else None)
-        if work is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="mrf8-sglang-")
-            work = self._tmp.name
-        self.work_dir = Path(work).expanduser().resolve()
+        self.work_dir, self._tmp = resolve_work_dir(self.cfg, output_dir)
         self.weights_root = self.work_dir / "weights"
         self.weights_root.mkdir(parents=True, exist_ok=True)
         self._proc: subprocess.Popen | None = None  # the guard, leader of the server's group
@@ -102,16 +95,7 @@ class SGLangEngine:
         self.bucket_times: list[tuple[int, float]] = []  # (bytes, seconds) per pushed bucket
         # TESTING ONLY: called with a FAULT_POINTS name at each of those points (see KillServerAt).
         # None in real runs, which then pay one attribute check per point.
-        self.fault_hook: Callable[[str], None] | None = None
-        spec = os.environ.get(FAULT_ENV, "")
-        if spec:
-            self.fault_hook = KillServerAt(self, spec)
-            print(
-                f"[sglang] {FAULT_ENV}={spec!r}: the server will be SIGKILLed at these points "
-                "(fault injection, for tests only)",
-                file=sys.stderr,
-                flush=True,
-            )
+        self.fault_hook: Callable[[str], None] | None = fault_hook_from_env(self)
 
     # -- process ---------------------------------------------------------------------------------
     @property
@@ -367,7 +351,7 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         self._kill()
-        tmp = getattr(self, "_tmp", None)
+        tmp = self._tmp
         if tmp is not None:
             tmp.cleanup()
 
@@ -419,9 +403,3 @@ class SGLangEngine:
                 ]
             except _ServerGone as e:
                 self._relaunch(e, "a rollout")
-
-
-def _first_line(error: Exception | None) -> str:
-    if error is None:
-        return "restart requested"
-    return (str(error).splitlines() or [repr(error)])[0]

@@ -9,3 +9,9 @@ class SGLangServerError(RuntimeError):
 
 class _ServerGone(SGLangServerError):
     """The server died, hung or answered for the wrong weights: restart it and retry."""
+
+
+def _first_line(error: Exception | None) -> str:
+    if error is None:
+        return "restart requested"
+    return (str(error).splitlines() or [repr(error)])[0]

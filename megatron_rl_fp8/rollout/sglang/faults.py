@@ -6,6 +6,8 @@ path of the engine deterministically instead of killing on a timer.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -61,3 +63,18 @@ class KillServerAt:
         if n in self.plan.get(point, ()):
             self.fired.append(f"{point}@{n}")
             self.engine.kill_server()
+
+
+def fault_hook_from_env(engine: SGLangEngine) -> KillServerAt | None:
+    """The hook ``MRF8_SGLANG_FAULT`` asks for (read once, when the engine is built), or None."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return None
+    hook = KillServerAt(engine, spec)
+    print(
+        f"[sglang] {FAULT_ENV}={spec!r}: the server will be SIGKILLed at these points "
+        "(fault injection, for tests only)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return hook

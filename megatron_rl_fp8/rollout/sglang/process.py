@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -301,3 +302,23 @@ def wait_healthy(
         f"SGLang server not healthy after rollout.sglang.startup_timeout_s={timeout_s}s; "
         f"see {log_path}"
     )
+
+
+def serve_dtype(cfg: SGLangConfig, device: str) -> str:
+    """``rollout.sglang.dtype``; ``auto`` = float32 on the CPU engine, bfloat16 on GPUs."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return "float32" if device == "cpu" else "bfloat16"
+
+
+def resolve_work_dir(
+    cfg: SGLangConfig, output_dir
+) -> tuple[Path, tempfile.TemporaryDirectory | None]:
+    """The engine's directory (logs, ``server.pid``, the synced weights): ``cfg.work_dir``, else
+    ``<output_dir>/sglang``, else a temporary directory (returned too, to be cleaned up)."""
+    work = cfg.work_dir or (Path(output_dir) / "sglang" if output_dir else None)
+    tmp = None
+    if work is None:
+        tmp = tempfile.TemporaryDirectory(prefix="mrf8-sglang-")
+        work = tmp.name
+    return Path(work).expanduser().resolve(), tmp
