@@ -27,7 +27,6 @@ setup(
         "transformers>=4.51",
         "tokenizers",
         "safetensors",
-        "numpy",
         "pyyaml",
         "tqdm",
     ],

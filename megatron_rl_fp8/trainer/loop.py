@@ -22,6 +22,7 @@ from megatron_rl_fp8 import parallel
 from megatron_rl_fp8.config import RunConfig
 from megatron_rl_fp8.data import build_datasets, load_tokenizer
 from megatron_rl_fp8.loss import grpo_advantages
+from megatron_rl_fp8.metrics.console import print_step, progress_bar
 from megatron_rl_fp8.metrics.logger import MetricsLogger, print_rank0
 from megatron_rl_fp8.models.fp8 import weight_quantization_errors
 from megatron_rl_fp8.models.hf_mapping import hf_config
@@ -172,11 +173,11 @@ class Trainer:
             first.update(self.evaluate())
             self.logger.log(0, first)
             if self.is_driver:
-                _print_step(0, first)
+                print_step(0, first)
         else:
             self.sync_weights(version=self.step)
 
-        progress = _progress(self.is_driver, cfg.train.steps, self.step)
+        progress = progress_bar(self.is_driver, cfg.train.steps, self.step)
         steps_this_run = 0
         while self.step < cfg.train.steps:
             self.step += 1
@@ -207,7 +208,7 @@ class Trainer:
                 progress.update(1)
                 progress.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}")
                 if self.step % cfg.train.log_interval == 0:
-                    _print_step(self.step, metrics, progress)
+                    print_step(self.step, metrics, progress)
             if (
                 cfg.train.save_interval and self.step % cfg.train.save_interval == 0
             ) or self.step == cfg.train.steps:
@@ -224,40 +225,3 @@ class Trainer:
         if self.engine is not None:
             self.engine.shutdown()
         self.logger.close()
-
-
-def _progress(enabled: bool, total: int, initial: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        total=total,
-        initial=initial,
-        disable=not enabled,
-        desc="rl",
-        dynamic_ncols=True,
-        leave=False,
-    )
-
-
-_SHOWN = (
-    "rollout/reward_mean",
-    "eval/reward_mean",
-    "train/loss",
-    "train/entropy",
-    "train/pg_clipfrac",
-    "fp8/token_mult_prob_error",
-    "calib/lower",
-    "calib/upper",
-    "perf/step_time_s",
-    "sft/final_loss",
-)
-
-
-def _print_step(step: int, metrics: dict, progress=None) -> None:
-    parts = [
-        f"{k.removeprefix('rollout/').replace('/', '_')}={metrics[k]:.4g}"
-        for k in _SHOWN
-        if k in metrics
-    ]
-    line = f"step {step}: " + " ".join(parts)
-    (progress.write if progress is not None else print)(line)
