@@ -102,8 +102,9 @@ class Actor:
             else f"{self.fp8.recipe} ({'emulated' if self.fp8_emulated else 'Transformer Engine'})"
         )
         g = self.groups
+        dtype = str(self.config.params_dtype).removeprefix("torch.")
         return (
-            f"{n / 1e6:.2f}M parameters on this rank, {str(self.config.params_dtype)[6:]} on "
+            f"{n / 1e6:.2f}M parameters on this rank, {dtype} on "
             f"{g.device} (TP={g.tp_size} PP={g.pp_size} DP={g.dp_size}), FP8 {fp8}"
         )
 

@@ -44,8 +44,7 @@ class Trainer:
         self.cfg = cfg
         self.groups = parallel.initialize(cfg.parallel, seed=cfg.train.seed)
         cfg.validate(dist.get_world_size())
-        self.rank = dist.get_rank()
-        self.is_driver = self.rank == self.groups.driver_rank
+        self.is_driver = self.groups.is_driver
         self.out_dir = Path(cfg.train.output_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
 

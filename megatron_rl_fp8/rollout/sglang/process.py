@@ -116,11 +116,11 @@ def _kill_group(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
+        pass  # the group is already gone
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        pass
+        pass  # reaped later; the group's remaining members are waited for below
     deadline = time.monotonic() + timeout
     while server_group_pids(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
