@@ -29,6 +29,7 @@ setup(
         "safetensors",
         "pyyaml",
         "tqdm",
+        "math-verify>=0.9",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],

@@ -13,15 +13,18 @@ from pathlib import Path
 import yaml
 
 from megatron_rl_fp8.config_utils import ConfigError, field, from_dict, set_dotted, to_dict
+from megatron_rl_fp8.data.prompts import TokenizerConfig
 from megatron_rl_fp8.data.task import TaskConfig
 from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.models.config import ModelConfig
+from megatron_rl_fp8.models.pretrained import check_model_matches, fill_model_section
 from megatron_rl_fp8.parallel import ParallelConfig
 from megatron_rl_fp8.reward.verifiers import RewardConfig
 from megatron_rl_fp8.rollout.base import RolloutConfig
 from megatron_rl_fp8.trainer.config import OptimConfig, PolicyLossConfig, SFTConfig, TrainConfig
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+SFT_STEPS_FROM_SCRATCH = 300
 DEFAULT_CONFIG = EXAMPLES_DIR / "tiny_cpu.yaml"
 
 
@@ -29,6 +32,9 @@ DEFAULT_CONFIG = EXAMPLES_DIR / "tiny_cpu.yaml"
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig, help="Architecture and shapes.")
     parallel: ParallelConfig = field(default_factory=ParallelConfig, help="TP / PP layout.")
+    tokenizer: TokenizerConfig = field(
+        default_factory=TokenizerConfig, help="Tokenizer and prompt layout (chat template)."
+    )
     task: TaskConfig = field(default_factory=TaskConfig, help="Prompts and length limits.")
     reward: RewardConfig = field(default_factory=RewardConfig, help="Reward shaping.")
     rollout: RolloutConfig = field(default_factory=RolloutConfig, help="Sampling.")
@@ -41,9 +47,21 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig, help="Supervised warm start.")
     train: TrainConfig = field(default_factory=TrainConfig, help="Loop shape and outputs.")
 
+    def __post_init__(self):
+        if self.sft.steps is None:
+            # A random tiny model needs a supervised start to ever be rewarded; a pretrained one
+            # does not, and SFT on bare answers would only teach it a format.
+            self.sft.steps = 0 if self.model.pretrained else SFT_STEPS_FROM_SCRATCH
+
     def validate(self, world_size: int = 1) -> RunConfig:
         """Cross-section rules; raises ConfigError naming the fields involved."""
         p, m, t = self.parallel, self.model, self.train
+        check_model_matches(m, p.tensor_model_parallel_size)
+        self._check_reward()
+        try:
+            self.optim.resolved_lr_decay_steps(t.steps * t.updates_per_step)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         if world_size % (tp * pp):
             raise ConfigError(
@@ -99,6 +117,16 @@ class RunConfig:
                 f"model.max_position_embeddings={m.max_position_embeddings}"
             )
         return self
+
+    def _check_reward(self) -> None:
+        from megatron_rl_fp8.reward.verifiers import VERIFIERS
+
+        if getattr(self.reward, "function", None) is None and self.task.name not in VERIFIERS:
+            raise ConfigError(
+                f"task.name={self.task.name!r} has no verifier; known: {sorted(VERIFIERS)}. "
+                "Pick one, register yours (megatron_rl_fp8.reward.register_verifier) or set "
+                "reward.function: package.module:function"
+            )
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(to_dict(self), sort_keys=False)
@@ -157,4 +185,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(data, key, value)
+    if isinstance(data.get("model"), dict):
+        # A start checkpoint supplies the architecture; fields typed as well must agree with it.
+        data["model"] = fill_model_section(data["model"])
     return from_dict(RunConfig, data)

@@ -19,36 +19,66 @@ import random
 from pathlib import Path
 from typing import Any
 
+from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.data.prompts import check_messages
+
 SUPPORTED_SUFFIXES = (".jsonl", ".parquet")
 
 
-def _check_record(raw: Any, where: str, prompt_field: str, answer_field: str) -> dict[str, str]:
+class DataError(ConfigError):
+    """A prompt file or record is unusable; the message names the file (and line) and the field."""
+
+
+def get_dotted(raw: dict, path: str) -> Any:
+    """``raw["reward_model"]["ground_truth"]`` for ``path="reward_model.ground_truth"``; a key
+    that itself contains the dots wins (some exports flatten nested columns)."""
+    if path in raw:
+        return raw[path]
+    node: Any = raw
+    for i, key in enumerate(path.split(".")):
+        if not isinstance(node, dict) or key not in node:
+            have = sorted(node) if isinstance(node, dict) else type(node).__name__
+            prefix = ".".join(path.split(".")[:i]) or "record"
+            raise KeyError(f"missing field {path!r} ({prefix} has {have})")
+        node = node[key]
+    return node
+
+
+def _check_record(raw: Any, where: str, prompt_field: str, answer_field: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
-        raise ValueError(
+        raise DataError(
             f"{where}: expected a JSON object like "
             f'{{"{prompt_field}": "12+35=", "{answer_field}": "47"}}, got {type(raw).__name__}'
         )
-    for field in (prompt_field, answer_field):
-        if field not in raw:
-            raise ValueError(
-                f"{where}: missing field {field!r} (record has {sorted(raw)}); fix the data or "
-                f"set prompt_field/answer_field to the names the file uses"
-            )
-    prompt, answer = raw[prompt_field], raw[answer_field]
-    if not isinstance(prompt, str) or not prompt:
-        raise ValueError(
-            f"{where}: field {prompt_field!r} must be a non-empty string, got {prompt!r}"
+    values = {}
+    for field, name in ((prompt_field, "task.prompt_field"), (answer_field, "task.answer_field")):
+        try:
+            values[field] = get_dotted(raw, field)
+        except KeyError as e:
+            raise DataError(
+                f"{where}: {e.args[0]}; fix the data or set {name} to the (dotted) path the file "
+                "uses"
+            ) from None
+    prompt, answer = values[prompt_field], values[answer_field]
+    if isinstance(prompt, list):
+        problem = check_messages(prompt)
+        if problem:
+            raise DataError(f"{where}: field {prompt_field!r}: {problem}")
+    elif not isinstance(prompt, str) or not prompt:
+        raise DataError(
+            f"{where}: field {prompt_field!r} must be a non-empty string or a chat message list, "
+            f"got {prompt!r}"
         )
-    # Integer answers (common in Parquet exports) are accepted and kept as their decimal text;
-    # bool is an int subclass but never a meaningful answer.
-    if isinstance(answer, int) and not isinstance(answer, bool):
+    # Numeric answers (common in Parquet exports) are kept as their text; bool is an int subclass
+    # but never a meaningful answer.
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         answer = str(answer)
     if not isinstance(answer, str):
-        raise ValueError(f"{where}: field {answer_field!r} must be a string, got {answer!r}")
-    return {"prompt": prompt, "answer": answer}
+        raise DataError(f"{where}: field {answer_field!r} must be a string, got {answer!r}")
+    return {"prompt": prompt, "answer": answer, "where": where, "record": raw}
 
 
-def _read_jsonl(path: Path, prompt_field: str, answer_field: str) -> list[dict[str, str]]:
+def _read_jsonl(path: Path, prompt_field: str, answer_field: str) -> list[dict[str, Any]]:
     records = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -58,7 +88,7 @@ def _read_jsonl(path: Path, prompt_field: str, answer_field: str) -> list[dict[s
             try:
                 raw = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(
+                raise DataError(
                     f"{where}: invalid JSON ({e.msg} at column {e.colno}); each line must be one "
                     "JSON object"
                 ) from None
@@ -77,7 +107,7 @@ def _read_parquet_rows(path: Path) -> list[Any]:
     try:
         import pandas as pd
     except ImportError:
-        raise ImportError(
+        raise DataError(
             f"reading the Parquet prompt file {str(path)!r} needs pyarrow: `pip install pyarrow` "
             "(or convert the file to JSONL)"
         ) from None
@@ -87,18 +117,21 @@ def _read_parquet_rows(path: Path) -> list[Any]:
 def load_records(
     path: str | Path, *, prompt_field: str = "prompt", answer_field: str = "answer"
 ) -> list[dict[str, str]]:
-    """Read every record of a ``.jsonl`` or ``.parquet`` file as ``{"prompt", "answer"}`` dicts.
+    """Read every record of a ``.jsonl`` or ``.parquet`` file as ``{"prompt", "answer", "where",
+    "record"}`` dicts.
 
-    Source field names are mapped to the canonical keys ``prompt`` and ``answer``. Errors name the
-    file and line (JSONL) or row (Parquet, 0-based) and say how to fix the data.
+    The (dotted) source fields are mapped to the canonical keys ``prompt`` (a string or a chat
+    message list) and ``answer``; ``where`` is ``file:line`` (JSONL) or ``file: row i`` (Parquet,
+    0-based), ``record`` the whole source record (user reward functions get it). Errors are
+    :class:`DataError` naming the file and line and saying how to fix the data.
     """
     p = Path(path)
     if p.suffix not in SUPPORTED_SUFFIXES:
-        raise ValueError(
+        raise DataError(
             f"prompt file {str(p)!r} has suffix {p.suffix!r}; supported: {SUPPORTED_SUFFIXES}"
         )
     if not p.is_file():
-        raise FileNotFoundError(f"prompt file {str(p)!r} does not exist")
+        raise DataError(f"prompt file {str(p)!r} does not exist")
     if p.suffix == ".jsonl":
         records = _read_jsonl(p, prompt_field, answer_field)
     else:
@@ -107,7 +140,7 @@ def load_records(
             for i, raw in enumerate(_read_parquet_rows(p))
         ]
     if not records:
-        raise ValueError(f"prompt file {str(p)!r} holds no records")
+        raise DataError(f"prompt file {str(p)!r} holds no records")
     return records
 
 
@@ -130,7 +163,7 @@ class PromptDataset:
     ) -> None:
         if not records:
             raise ValueError(f"PromptDataset from {source} got no records")
-        self.records = [{"prompt": r["prompt"], "answer": r["answer"]} for r in records]
+        self.records = [dict(r) for r in records]
         self.seed = seed
         self.shuffle = shuffle
         self.source = source
@@ -171,7 +204,8 @@ class PromptDataset:
     def _fingerprint(self) -> str:
         h = hashlib.sha256()
         for r in self.records:
-            h.update(r["prompt"].encode() + b"\0" + r["answer"].encode() + b"\n")
+            prompt = r["prompt"] if isinstance(r["prompt"], str) else json.dumps(r["prompt"])
+            h.update(prompt.encode() + b"\0" + r["answer"].encode() + b"\n")
         return h.hexdigest()[:16]
 
     def next_batch(self, n: int) -> list[dict[str, Any]]:

@@ -24,6 +24,8 @@ from megatron_rl_fp8.data.tokenizer import PAD_ID, encode_text, prompt_token_ids
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from megatron_rl_fp8.data.prompts import PromptEncoder
+
 
 @dataclass(frozen=True)
 class SFTExample:
@@ -78,6 +80,23 @@ def sft_examples(
         )
         for r in records
     ]
+
+
+def sft_examples_from_records(
+    encoder: PromptEncoder, records: Iterable[Mapping]
+) -> list[SFTExample]:
+    """Examples from dataset records (already encoded: ``prompt_ids``), with the loss on
+    ``answer + eos`` as :func:`sft_example` lays it out; any tokenizer, any prompt format."""
+    out = []
+    for r in records:
+        prompt_ids, response_ids = list(r["prompt_ids"]), encoder.encode_answer(r["answer"])
+        out.append(
+            SFTExample(
+                input_ids=prompt_ids + response_ids,
+                loss_mask=[0.0] * len(prompt_ids) + [1.0] * len(response_ids),
+            )
+        )
+    return out
 
 
 def collate(examples: list[SFTExample], *, pad_id: int = PAD_ID) -> dict[str, torch.Tensor]:

@@ -119,8 +119,9 @@ def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerBase:
     """Load a tokenizer folder offline with ``transformers.AutoTokenizer``.
 
     ``path=None`` loads the shipped character tokenizer and checks that its special ids are the
-    module constants (``PAD_ID``, ``BOS_ID``, ``EOS_ID``). Any other folder is loaded as is; it must
-    define bos, eos and pad tokens because prompts, SFT examples and padding use them.
+    module constants (``PAD_ID``, ``BOS_ID``, ``EOS_ID``). Any other folder is loaded as is: BOS and
+    pad are optional, and where answers end is decided with its generation config
+    (``data.prompts.PromptEncoder``).
     """
     from transformers import AutoTokenizer
 
@@ -133,12 +134,6 @@ def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerBase:
         )
     # local_files_only: never reach for a model hub, even if `path` looks like a hub repo id.
     tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if getattr(tok, attr) is None:
-            raise ValueError(
-                f"tokenizer at {str(folder)!r} has no {attr.removesuffix('_id')}; set it in "
-                "tokenizer_config.json (the prompt/SFT helpers need bos, eos and pad)"
-            )
     if path is None:
         got = (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, len(tok))
         want = (PAD_ID, BOS_ID, EOS_ID, VOCAB_SIZE)

@@ -3,6 +3,7 @@
 * :mod:`.ppo`          clipped policy-gradient loss (PPO / GRPO / DAPO) and its aggregation;
 * :mod:`.importance`   TIS / MIS weights for the train/rollout mismatch;
 * :mod:`.advantages`   GRPO advantages, DAPO dynamic sampling and overlong penalty;
+* :mod:`.kl`           per-token KL estimators (k1, k2, k3, low_var_kl) for the reference penalty;
 * :mod:`.histogram`    fixed-bin histograms and quantiles read from them;
 * :mod:`.calibration`  calibrated clipping for FP8 (the only place that may all-reduce, over a
                        process group passed in by the caller); its knobs in :mod:`.calib_config`.
@@ -25,12 +26,14 @@ from megatron_rl_fp8.loss.calibration import (
 )
 from megatron_rl_fp8.loss.histogram import hist_mass_below
 from megatron_rl_fp8.loss.importance import ISCorrectionConfig, importance_weights
+from megatron_rl_fp8.loss.kl import KLType, kl_penalty
 from megatron_rl_fp8.loss.masked import masked_mean, masked_sum
 from megatron_rl_fp8.loss.ppo import aggregate_loss, policy_loss
 
 __all__ = [
     "CalibConfig",
     "ISCorrectionConfig",
+    "KLType",
     "aggregate_loss",
     "bounds_from_histogram",
     "build_calibration_histogram",
@@ -40,6 +43,7 @@ __all__ = [
     "grpo_advantages",
     "hist_mass_below",
     "importance_weights",
+    "kl_penalty",
     "masked_mean",
     "masked_sum",
     "overlong_reward_penalty",

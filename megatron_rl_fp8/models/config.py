@@ -12,8 +12,29 @@ Arch = Literal["llama", "qwen2", "qwen3"]
 
 @dataclasses.dataclass(kw_only=True)
 class ModelConfig:
-    """A dense decoder-only LLM in one of the supported families (RMSNorm, SwiGLU, RoPE, GQA)."""
+    """A dense decoder-only LLM in one of the supported families (RMSNorm, SwiGLU, RoPE, GQA).
 
+    With ``hf_checkpoint`` or ``load`` the shape fields are read from that checkpoint
+    (``models/pretrained.py``); fields given as well must agree with it.
+    """
+
+    hf_checkpoint: str | None = field(
+        None,
+        help="Start from this Hugging Face model folder (config.json, *.safetensors, tokenizer): "
+        "the shape fields below are read from its config.json and its weights are loaded at the "
+        "run's TP/PP. Ignored when the run resumes from its own checkpoint.",
+    )
+    load: str | None = field(
+        None,
+        help="Start from the weights of an `hf-to-mcore` output (or another run's checkpoints "
+        "folder) instead: weights only, no optimizer state, step 0. Ignored on resume.",
+    )
+    ref_checkpoint: str | None = field(
+        None,
+        help="The reference policy's weights for the KL penalty (loss.kl_coef > 0): an HF folder "
+        "or an hf-to-mcore output / checkpoints folder, of this architecture. null = the run's "
+        "starting weights (the policy at RL step 0, after any SFT warm start).",
+    )
     arch: Arch = field(
         "qwen3", help="Family: llama (no biases), qwen2 (QKV bias), qwen3 (QK-norm)."
     )
@@ -43,6 +64,9 @@ class ModelConfig:
     )
 
     def __post_init__(self):
+        for name in ("hf_checkpoint", "load", "ref_checkpoint"):
+            if getattr(self, name) == "":
+                raise ValueError(f"model.{name} is empty; give a folder or leave it out (null)")
         for name in (
             "num_layers",
             "hidden_size",
@@ -69,6 +93,11 @@ class ModelConfig:
                 f"model.hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                 f"{self.num_attention_heads}; set model.head_dim explicitly"
             )
+
+    @property
+    def pretrained(self) -> bool:
+        """True when the run starts from checkpoint weights rather than a random init."""
+        return self.hf_checkpoint is not None or self.load is not None
 
     @property
     def kv_channels(self) -> int:

@@ -2,49 +2,55 @@
 
 The registry is a plain typed dict from task name to function (no dotted-path strings), so a
 config naming a task can be checked against ``VERIFIERS`` before any server or weight is touched,
-and a new task is one :func:`register_verifier` call.
+and a new task is one :func:`register_verifier` call. Shipped tasks: ``arithmetic`` (here),
+``gsm8k`` and ``math`` (:mod:`megatron_rl_fp8.reward.math_tasks`).
 
-Responses reach a verifier as decoded text. Whether the special tokens were kept in that text
-depends on the rollout (``skip_special_tokens``), so verifiers cut the text at the first ``<eos>``
-or ``<pad>`` themselves and never rely on either being present. Whether generation stopped on
+Responses reach a verifier as decoded text; verifiers read it only up to the first ``<eos>`` or
+``<pad>`` (:func:`megatron_rl_fp8.reward.text.answer_region`). Whether generation stopped on
 ``<eos>`` or ran out of budget is the rollout's finish reason, not something text can show.
 
-Rewards are computed on the host from Python strings, then put in one float32 tensor.
+The one escape hatch from the registry is ``reward.function: "package.module:function"``, a
+user's *batch* reward function ``fn(completions, answers, records) -> list[float]`` that gets the
+whole dataset record of each prompt (for rewards a reference string cannot express). It is
+checked when the config is built: the module must import and the attribute must be a function
+taking three arguments.
+
+What one sample's reward is (:class:`ScoreJob`) is defined here; *where* it is computed (a pool of
+worker processes with per-sample timeouts) is :mod:`megatron_rl_fp8.reward.pool`. This module
+does not import torch at module level, because every pool worker imports it.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from megatron_rl_fp8.config_utils import field
-from megatron_rl_fp8.data.tokenizer import EOS_TOKEN, PAD_TOKEN
+from megatron_rl_fp8.reward.math_tasks import gsm8k_exact, gsm8k_format, math_boxed, math_format
+from megatron_rl_fp8.reward.text import answer_region
+
+if TYPE_CHECKING:
+    import torch
 
 Verifier = Callable[[str, str], float]
 """``verifier(response_text, answer) -> reward`` (0.0 or 1.0 for exact-match tasks)."""
 FormatCheck = Callable[[str], float]
 """``format_check(response_text) -> 1.0 if well formed else 0.0``."""
+BatchRewardFn = Callable[[list, list, list], list]
+"""``fn(completions: list[str], answers: list[str], records: list[dict]) -> list[float]``."""
 
-_END_MARKERS = (EOS_TOKEN, PAD_TOKEN)
 # ASCII digits only: `\d` would accept e.g. Arabic-Indic digits, which int() then parses.
 _INT = re.compile(r"[+-]?[0-9]+")
 _DECIMAL_TAIL = re.compile(r"\.[0-9]")
 # No shipped answer is longer than 4 characters; a cap keeps int() away from its 4300-digit limit
 # (ValueError) on a runaway response.
 _MAX_DIGITS = 32
-
-
-def _answer_region(response_text: str) -> str:
-    """The response up to its first end marker, with surrounding whitespace removed."""
-    end = len(response_text)
-    for marker in _END_MARKERS:
-        i = response_text.find(marker)
-        if i != -1:
-            end = min(end, i)
-    return response_text[:end].strip()
 
 
 def _parse_reference(answer: str | int) -> int:
@@ -70,7 +76,7 @@ def arithmetic_exact(response_text: str, answer: str | int) -> float:
     expected = _parse_reference(answer)
     if not isinstance(response_text, str):
         return 0.0
-    region = _answer_region(response_text)
+    region = answer_region(response_text)
     match = _INT.match(region)
     if match is None:
         return 0.0
@@ -86,13 +92,24 @@ def arithmetic_format(response_text: str) -> float:
     """1.0 if the response (up to ``<eos>``/``<pad>``, whitespace stripped) is one bare integer."""
     if not isinstance(response_text, str):
         return 0.0
-    return 1.0 if _INT.fullmatch(_answer_region(response_text)) else 0.0
+    return 1.0 if _INT.fullmatch(answer_region(response_text)) else 0.0
 
 
-VERIFIERS: dict[str, Verifier] = {"arithmetic": arithmetic_exact}
+VERIFIERS: dict[str, Verifier] = {
+    "arithmetic": arithmetic_exact,
+    "gsm8k": gsm8k_exact,
+    "math": math_boxed,
+}
 """Task name -> correctness verifier. Keys match ``TaskConfig.name``."""
-FORMAT_CHECKS: dict[str, FormatCheck] = {"arithmetic": arithmetic_format}
+FORMAT_CHECKS: dict[str, FormatCheck] = {
+    "arithmetic": arithmetic_format,
+    "gsm8k": gsm8k_format,
+    "math": math_format,
+}
 """Task name -> format check, used only when a format reward weight is configured."""
+WORKER_PRELOADS: dict[str, tuple[str, ...]] = {"math": ("math_verify",)}
+"""Task name -> modules its verifier imports lazily. Reward workers import them before taking
+work, so a sample's timeout is not spent importing sympy (about a second)."""
 
 
 def register_verifier(
@@ -101,8 +118,14 @@ def register_verifier(
     format_check: FormatCheck | None = None,
     *,
     overwrite: bool = False,
+    preload: Sequence[str] = (),
 ) -> None:
-    """Add a task's verifier (and optional format check) to the registries."""
+    """Add a task's verifier (and optional format check) to the registries.
+
+    To run in the reward pool (``reward.num_workers > 0``) the functions must be picklable, i.e.
+    defined at the top level of an importable module (no lambdas or nested functions).
+    ``preload`` names slow-to-import modules the verifier needs (see ``WORKER_PRELOADS``).
+    """
     if not callable(verifier) or (format_check is not None and not callable(format_check)):
         raise TypeError(f"register_verifier({task_name!r}): verifier/format_check must be callable")
     if task_name in VERIFIERS and not overwrite:
@@ -113,6 +136,8 @@ def register_verifier(
     VERIFIERS[task_name] = verifier
     if format_check is not None:
         FORMAT_CHECKS[task_name] = format_check
+    if preload:
+        WORKER_PRELOADS[task_name] = tuple(preload)
 
 
 def get_verifier(task_name: str) -> Verifier:
@@ -126,14 +151,84 @@ def get_verifier(task_name: str) -> Verifier:
         ) from None
 
 
+_FUNCTION_SPEC = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
+
+
+def load_reward_function(spec: str) -> BatchRewardFn:
+    """Import ``"package.module:function"`` and return the function.
+
+    Every way this can fail raises one one-line ``ValueError`` that names ``reward.function``, the
+    value and the fix, so a bad config stops before any rank starts.
+    """
+
+    def fail(problem: str, fix: str) -> ValueError:
+        return ValueError(f"reward.function={spec!r} {problem}; {fix}".replace("\n", " "))
+
+    if not isinstance(spec, str) or not _FUNCTION_SPEC.fullmatch(spec):
+        raise fail(
+            "is not of the form 'package.module:function'",
+            "write the module path, a colon, then the function name",
+        )
+    module_name, attr_path = spec.split(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or whatever the module raises while importing
+        raise fail(
+            f"cannot be loaded: importing {module_name!r} failed ({type(e).__name__}: {e})",
+            "install the package or put its folder on PYTHONPATH, and check the module path",
+        ) from None
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise fail(
+                f"cannot be loaded: {getattr(obj, '__name__', module_name)!r} has no attribute "
+                f"{part!r}",
+                "check the function name after the colon",
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise fail(
+            f"is a {type(obj).__name__}, not a function",
+            "point it at a function fn(completions, answers, records) -> list[float]",
+        )
+    try:
+        inspect.signature(obj).bind(None, None, None)
+    except TypeError:
+        raise fail(
+            f"has signature {inspect.signature(obj)} and cannot be called with 3 arguments",
+            "reward functions are called as fn(completions, answers, records) -> list[float]",
+        ) from None
+    except ValueError:  # some builtins have no inspectable signature; let the call decide
+        pass
+    return obj
+
+
+# Workers call the user function once per chunk; import and check it once per process.
+_cached_reward_function = functools.lru_cache(maxsize=None)(load_reward_function)
+
+
 @dataclass(kw_only=True)
 class RewardConfig:
-    """How responses are scored beyond the task's correctness verifier."""
+    """How responses are scored: the task's verifier or a user function, shaping, and the pool."""
 
     format_weight: float = field(
         default=0.0,
         help="Weight of the format bonus added to correctness (0 = off, the default). "
         "Reward = correct + format_weight * well_formed.",
+    )
+    function: str | None = field(
+        default=None,
+        help="'package.module:function', a batch reward function fn(completions, answers, "
+        "records) -> list[float] used instead of the task's verifier (None = the verifier).",
+    )
+    num_workers: int = field(
+        default=4,
+        help="Reward worker processes; each sample is scored under reward.timeout_s there. "
+        "0 = score in the driver process, with no timeout (tests, tiny CPU runs).",
+    )
+    timeout_s: float = field(
+        default=10.0,
+        help="Seconds one sample may take to score; past it the sample scores 0, is counted in "
+        "reward/timeouts, and its worker is replaced. A user function gets this per sample.",
     )
 
     def __post_init__(self) -> None:
@@ -142,6 +237,91 @@ class RewardConfig:
                 f"RewardConfig.format_weight={self.format_weight!r} must be in [0, 1]; a larger "
                 "bonus outweighs being correct. Use 0 to turn it off."
             )
+        if self.function is not None:
+            load_reward_function(self.function)
+        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int):
+            raise ValueError(f"reward.num_workers={self.num_workers!r} must be an integer >= 0")
+        if self.num_workers < 0:
+            raise ValueError(
+                f"reward.num_workers={self.num_workers} must be >= 0; use 0 to score in-process"
+            )
+        if (
+            isinstance(self.timeout_s, bool)
+            or not isinstance(self.timeout_s, (int, float))
+            or not math.isfinite(self.timeout_s)
+            or self.timeout_s <= 0
+        ):
+            raise ValueError(
+                f"reward.timeout_s={self.timeout_s!r} must be a positive number of seconds per "
+                "sample (e.g. 10)"
+            )
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    """What a reward is, for one task: correctness plus an optional format bonus.
+
+    ``reward_i = correct_i + format_weight * format_check(response_i)``, where ``correct_i`` is
+    ``verifier(response_i, answer_i)`` or, with a user function, its i-th output. The job is
+    picklable (functions by reference, the user function by its ``"module:function"`` string,
+    imported where the job runs), so the reward pool ships it to its workers once.
+    """
+
+    verifier: Verifier | None = None
+    function: str | None = None
+    format_check: FormatCheck | None = None
+    format_weight: float = 0.0
+    preload: tuple[str, ...] = ()
+
+    def prepare(self) -> None:
+        """Do the slow imports now (a worker calls this before it reports ready)."""
+        for name in self.preload:
+            importlib.import_module(name)
+        if self.function is not None:
+            load_reward_function(self.function)
+
+    def __call__(
+        self, responses: Sequence[str], answers: Sequence, records: Sequence[dict]
+    ) -> list[float]:
+        """Rewards of one chunk; raises if the verifier/function does (the caller decides)."""
+        if self.function is not None:
+            fn = _cached_reward_function(self.function)
+            out = fn(list(responses), list(answers), list(records))
+            if out is None or len(out) != len(responses):
+                got = "None" if out is None else f"{len(out)} values"
+                raise ValueError(
+                    f"reward.function={self.function!r} returned {got} for {len(responses)} "
+                    "completions; return one float per completion"
+                )
+            scores = [float(s) for s in out]
+        else:
+            scores = [float(self.verifier(r, a)) for r, a in zip(responses, answers)]
+        bad = [s for s in scores if not math.isfinite(s)]
+        if bad:
+            raise ValueError(f"reward is {bad[0]} (not finite); rewards must be finite floats")
+        if self.format_weight:
+            scores = [
+                s + self.format_weight * self.format_check(r) for s, r in zip(scores, responses)
+            ]
+        return scores
+
+
+def make_score_job(
+    task_name: str, *, format_weight: float = 0.0, function: str | None = None
+) -> ScoreJob:
+    """The :class:`ScoreJob` of a task; unknown tasks and a missing format check raise here."""
+    if format_weight and task_name not in FORMAT_CHECKS:
+        raise ValueError(
+            f"format_weight={format_weight} but task {task_name!r} has no format check; "
+            "set format_weight=0 or register one"
+        )
+    return ScoreJob(
+        verifier=None if function is not None else get_verifier(task_name),
+        function=function,
+        format_check=FORMAT_CHECKS.get(task_name) if format_weight else None,
+        format_weight=format_weight,
+        preload=WORKER_PRELOADS.get(task_name, ()) if function is None else (),
+    )
 
 
 def compute_rewards(
@@ -151,24 +331,19 @@ def compute_rewards(
     *,
     format_weight: float = 0.0,
 ) -> torch.Tensor:
-    """Score each response against its answer: float32 tensor of shape ``[len(responses)]``.
+    """Score each response against its answer, in this process: float32 ``[len(responses)]``.
 
     ``reward_i = verifier(response_i, answer_i) + format_weight * format_check(response_i)``; the
-    format term is skipped entirely when ``format_weight == 0``.
+    format term is skipped entirely when ``format_weight == 0``. Unlike
+    :class:`~megatron_rl_fp8.reward.pool.Rewarder` there is no timeout, and an exception in a
+    verifier propagates (a quick check or eval on trusted data wants to see it).
     """
+    import torch
+
     if len(responses) != len(answers):
         raise ValueError(
             f"compute_rewards got {len(responses)} responses but {len(answers)} answers; pass "
             "one answer per response (repeat each prompt's answer for its group)"
         )
-    verifier = get_verifier(task_name)
-    rewards = [verifier(r, a) for r, a in zip(responses, answers)]
-    if format_weight:
-        if task_name not in FORMAT_CHECKS:
-            raise ValueError(
-                f"format_weight={format_weight} but task {task_name!r} has no format check; "
-                "set format_weight=0 or register one"
-            )
-        check = FORMAT_CHECKS[task_name]
-        rewards = [r + format_weight * check(resp) for r, resp in zip(rewards, responses)]
-    return torch.tensor(rewards, dtype=torch.float32)
+    job = make_score_job(task_name, format_weight=format_weight)
+    return torch.tensor(job(responses, answers, [{}] * len(responses)), dtype=torch.float32)

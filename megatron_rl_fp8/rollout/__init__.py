@@ -3,6 +3,8 @@ factory the trainer calls so the engine kind is one config value."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from megatron_rl_fp8.rollout.base import Completion, RolloutConfig, RolloutEngine, SGLangConfig
 
 
@@ -11,7 +13,7 @@ def build_engine(
     hf_cfg,
     *,
     pad_token_id: int,
-    eos_token_id: int,
+    eos_token_id: int | Iterable[int],
     output_dir: str | None = None,
     device=None,
     dtype=None,

@@ -55,6 +55,15 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
+def eos_ids(eos_token_id: int | Iterable[int]) -> tuple[int, ...]:
+    """``eos_token_id`` as transformers takes it (one id or several, e.g. Qwen's ``<|im_end|>``
+    and ``<|endoftext|>``) -> the tuple of ids that end a completion."""
+    ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(int(i) for i in eos_token_id)
+    if not ids:
+        raise ValueError("eos_token_id: need at least one end-of-sequence id")
+    return ids
+
+
 @dataclasses.dataclass
 class Completion:
     """One sampled completion (token ids exclude the prompt; eos included when produced)."""
@@ -62,7 +71,7 @@ class Completion:
     prompt_ids: list[int]
     response_ids: list[int]
     response_logprobs: list[float]
-    finished: bool  # ended with eos (False = truncated at max_new_tokens)
+    finished: bool  # ended with an eos id (False = truncated at max_new_tokens)
 
 
 @runtime_checkable

@@ -19,7 +19,7 @@ import torch
 
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.fp8.quantize import fake_quant_groups
-from megatron_rl_fp8.rollout.base import Completion
+from megatron_rl_fp8.rollout.base import Completion, eos_ids
 from megatron_rl_fp8.sync.buckets import Bucket
 from megatron_rl_fp8.sync.quantize import dequantize_stream, is_fp8_weight
 
@@ -30,7 +30,7 @@ class LocalEngine:
         hf_config,
         *,
         pad_token_id: int,
-        eos_token_id: int,
+        eos_token_id: int | Iterable[int],
         dtype=torch.float32,
         fp8: RolloutFP8Config | None = None,
         device: str | torch.device = "cpu",
@@ -41,7 +41,7 @@ class LocalEngine:
         self.model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         self.model.to(self.device).eval()
         self.pad_token_id = pad_token_id
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_ids(eos_token_id)
         self.fp8 = fp8 or RolloutFP8Config()
         self._version = -1
         if self.fp8.enabled:
@@ -136,7 +136,7 @@ class LocalEngine:
                 top_p=None if greedy else top_p,
                 top_k=None,
                 pad_token_id=self.pad_token_id,
-                eos_token_id=self.eos_token_id,
+                eos_token_id=list(self.eos_token_ids),
                 output_logits=True,
                 return_dict_in_generate=True,
             )
@@ -150,8 +150,10 @@ class LocalEngine:
         completions = []
         for i, p in enumerate(expanded):
             toks = new_tokens[i].tolist()
-            finished = self.eos_token_id in toks
-            length = toks.index(self.eos_token_id) + 1 if finished else len(toks)
+            # The first end id ends the completion (generate pads the row after it).
+            stop = next((j for j, t in enumerate(toks) if t in self.eos_token_ids), None)
+            finished = stop is not None
+            length = stop + 1 if finished else len(toks)
             completions.append(
                 Completion(
                     prompt_ids=list(p),

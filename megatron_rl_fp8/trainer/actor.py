@@ -5,6 +5,9 @@ Loss scaling, written down once: the schedule divides each micro-batch loss by t
 micro-batches and Megatron DDP averages gradients over data-parallel ranks. Our losses are already
 normalised by the *global* token count of the mini-batch (so summing them over micro-batches and
 ranks gives the token mean); we multiply by ``num_microbatches * dp_size`` to cancel both.
+
+The learning rate follows Megatron's ``OptimizerParamScheduler`` (``optim.lr_*``), owned here next
+to the optimizer: one scheduler step per *applied* optimizer step, as Megatron's training loop.
 """
 
 from __future__ import annotations
@@ -24,6 +27,33 @@ from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.trainer.config import OptimConfig
 
 
+def build_opt_param_scheduler(optimizer, optim_cfg: OptimConfig, lr_decay_steps: int):
+    """Megatron's scheduler for ``optim_cfg`` at its step 0 (it sets every param group's lr now).
+
+    ``optimizer`` is anything with ``param_groups``; a group's own ``max_lr`` / ``min_lr`` (Megatron's
+    param groups carry them) take precedence over the scheduler's.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,  # Megatron's warmup starts at 0
+        max_lr=optim_cfg.lr,
+        min_lr=optim_cfg.min_lr,
+        lr_warmup_steps=optim_cfg.lr_warmup_steps,
+        lr_decay_steps=lr_decay_steps,
+        lr_decay_style=optim_cfg.lr_decay_style,
+        start_wd=optim_cfg.weight_decay,
+        end_wd=optim_cfg.weight_decay,
+        wd_incr_steps=0,
+        wd_incr_style="constant",
+        # On resume the run's config decides the schedule and the checkpoint only its position
+        # (so a resumed run may extend train.steps); load_state_dict then just replays num_steps.
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+    )
+
+
 def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict]:
     n = next(iter(batch.values())).shape[0]
     return [
@@ -39,7 +69,14 @@ class Actor:
         optim_cfg: OptimConfig,
         groups: Groups,
         fp8: FP8Config | None = None,
+        *,
+        init_weights: bool = True,
+        total_steps: int | None = None,
     ):
+        """``init_weights=False`` skips Megatron's random init (minutes of host time at 8B) for
+        a model whose every weight is loaded next (``models/pretrained.py``).
+        ``total_steps``: optimizer steps of the whole run (``train.steps *
+        train.updates_per_step``), the decay horizon when ``optim.lr_decay_steps`` is null."""
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -48,6 +85,8 @@ class Actor:
         from megatron.core.optimizer import OptimizerConfig
 
         self.model_cfg = model_cfg
+        self.optim_cfg = optim_cfg
+        self.lr_decay_steps = optim_cfg.resolved_lr_decay_steps(total_steps)
         self.groups = groups
         self.fp8 = fp8 or FP8Config()
         # FP8 through Transformer Engine where it can run (Megatron's own fp8 config); otherwise
@@ -62,6 +101,7 @@ class Actor:
             pipeline_model_parallel_size=groups.pp_size,
             on_cpu=on_cpu,
             use_te=use_te,
+            perform_initialization=init_weights,
             **te_fp8,
         )
         module = build_gpt_model(model_cfg, self.config, use_te=use_te)
@@ -81,6 +121,7 @@ class Actor:
         self.optimizer_config = OptimizerConfig(
             optimizer="adam",
             lr=optim_cfg.lr,
+            min_lr=optim_cfg.min_lr,  # each param group's max_lr / min_lr come from these two
             weight_decay=optim_cfg.weight_decay,
             adam_beta1=optim_cfg.adam_beta1,
             adam_beta2=optim_cfg.adam_beta2,
@@ -109,10 +150,14 @@ class Actor:
         )
 
     def reset_optimizer(self) -> None:
-        """Fresh Adam state (after the SFT warm start, so cached and fresh warm starts agree)."""
+        """Fresh Adam state and the lr schedule at its step 0 (after the SFT warm start, so
+        fresh, cached and skipped warm starts all begin RL alike)."""
         from megatron.core.optimizer import get_megatron_optimizer
 
         self.optimizer = get_megatron_optimizer(self.optimizer_config, [self.model])
+        self.opt_param_scheduler = build_opt_param_scheduler(
+            self.optimizer, self.optim_cfg, self.lr_decay_steps
+        )
 
     @property
     def module(self):
@@ -123,8 +168,16 @@ class Actor:
         return full_precision(self.module, self.config)
 
     def set_lr(self, lr: float) -> None:
+        """Pin a constant lr (the SFT warm start): the schedule is detached until
+        ``reset_optimizer``, which restarts it at step 0."""
+        self.opt_param_scheduler = None
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next optimizer step (every param group shares it)."""
+        return self.optimizer.param_groups[0]["lr"]
 
     # -- forward / backward ----------------------------------------------------------------------
     def _run(
@@ -212,6 +265,8 @@ class Actor:
         self.optimizer.zero_grad()
         out = self._run(micro_batches, loss_fn, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
+        if ok and self.opt_param_scheduler is not None:
+            self.opt_param_scheduler.step(increment=1)
         return out, float(grad_norm if grad_norm is not None else float("nan")), bool(ok)
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -228,3 +283,21 @@ class Actor:
         self.module.load_state_dict(loaded["model"])
         if "optimizer" in loaded:
             self.optimizer.load_state_dict(loaded["optimizer"])
+
+    def lr_schedule_state_dict(self) -> dict:
+        """The schedule's position and settings (plain numbers and strings: JSON-able)."""
+        return self.opt_param_scheduler.state_dict()
+
+    def load_lr_schedule_state_dict(self, state: dict) -> None:
+        """Continue the schedule at the position in ``state`` (after ``load_sharded``).
+
+        The run's config decides the schedule, the checkpoint only its position: Megatron's
+        optimizer load brought back the checkpoint's ``max_lr`` / ``min_lr`` in every param group
+        (they override the scheduler's), so the config's are put back before replaying the steps.
+        """
+        for group in self.optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = self.optim_cfg.lr, self.optim_cfg.min_lr
+        self.opt_param_scheduler = build_opt_param_scheduler(
+            self.optimizer, self.optim_cfg, self.lr_decay_steps
+        )
+        self.opt_param_scheduler.load_state_dict(state)

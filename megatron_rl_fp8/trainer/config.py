@@ -3,32 +3,95 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
-from megatron_rl_fp8.config_utils import field
+from megatron_rl_fp8.config_utils import check_literals, field
 from megatron_rl_fp8.loss.calib_config import CalibConfig
 from megatron_rl_fp8.loss.importance import ISCorrectionConfig
+from megatron_rl_fp8.loss.kl import KLType
 
 
 @dataclasses.dataclass(kw_only=True)
 class OptimConfig:
-    """Megatron optimizer settings (Adam)."""
+    """Megatron optimizer settings (Adam) and the learning-rate schedule.
 
-    lr: float = field(1e-4, help="Learning rate.")
-    weight_decay: float = field(0.0, help="Decoupled weight decay.")
+    The schedule is Megatron-Core's ``OptimizerParamScheduler``, advanced once per applied
+    optimizer step (``train.updates_per_step`` per RL step): linear warmup from 0 to ``lr`` over
+    ``lr_warmup_steps``, then ``lr_decay_style`` down to ``min_lr`` at ``lr_decay_steps``.
+    """
+
+    lr: float = field(1e-4, help="Peak learning rate (reached after the warmup).")
+    lr_warmup_steps: int = field(
+        0,
+        help="Optimizer steps of linear warmup from 0 to lr (as Megatron: the first update of a "
+        "warmup has lr 0).",
+    )
+    lr_decay_style: Literal["constant", "cosine", "linear"] = field(
+        "constant", help="After the warmup: keep lr, or decay it to min_lr at lr_decay_steps."
+    )
+    min_lr: float = field(0.0, help="Learning rate at the end of the decay (cosine, linear).")
+    lr_decay_steps: int | None = field(
+        None,
+        help="Optimizer step at which the decay reaches min_lr, warmup included (null = the "
+        "whole run: train.steps * train.updates_per_step).",
+    )
+    weight_decay: float = field(
+        0.0, help="Decoupled weight decay (not applied to biases and norm weights, as Megatron)."
+    )
     adam_beta1: float = field(0.9, help="Adam beta1.")
     adam_beta2: float = field(0.999, help="Adam beta2.")
     adam_eps: float = field(1e-8, help="Adam epsilon.")
     clip_grad: float = field(1.0, help="Global gradient-norm clip (0 disables).")
 
     def __post_init__(self):
+        for name in ("lr", "min_lr"):
+            # NaN passes every comparison below; reject it (and inf) by name first.
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
+            raise ValueError(
+                f"lr_decay_steps={self.lr_decay_steps} must be > lr_warmup_steps="
+                f"{self.lr_warmup_steps} (it counts the warmup), or null for the whole run"
+            )
+        check_literals(self, "optim")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0, got {self.clip_grad}")
+
+    def resolved_lr_decay_steps(self, total_steps: int | None) -> int:
+        """``lr_decay_steps``, or the run's ``total_steps`` optimizer steps
+        (``train.steps * train.updates_per_step``) when it is null.
+
+        Raises ``ValueError`` when a decaying schedule cannot be resolved (no ``total_steps``) or
+        its warmup does not end before the run does.
+        """
+        if self.lr_decay_steps is not None:
+            return self.lr_decay_steps
+        if self.lr_decay_style == "constant":
+            # Never decays; Megatron's scheduler still wants a horizon past the warmup.
+            return max(total_steps or 0, self.lr_warmup_steps + 1)
+        if total_steps is None:
+            raise ValueError(
+                f"optim.lr_decay_style={self.lr_decay_style!r} with optim.lr_decay_steps=null "
+                "decays over the whole run, whose length is not known here: pass the run's "
+                "optimizer steps (train.steps * train.updates_per_step) or set optim.lr_decay_steps"
+            )
+        if total_steps <= self.lr_warmup_steps:
+            raise ValueError(
+                f"optim.lr_warmup_steps={self.lr_warmup_steps} must end before the run's "
+                f"{total_steps} optimizer steps (train.steps * train.updates_per_step), where "
+                "optim.lr_decay_steps=null ends the decay; shorten the warmup or set lr_decay_steps"
+            )
+        return total_steps
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -68,6 +131,15 @@ class PolicyLossConfig:
         "overlong_buffer lose reward linearly (0 = off).",
     )
     overlong_penalty: float = field(1.0, help="DAPO: reward lost at rollout.max_new_tokens.")
+    kl_coef: float = field(
+        0.0,
+        help="Weight of a per-token KL(pi_theta || pi_ref) penalty against a frozen reference "
+        "policy (model.ref_checkpoint); 0 = off and no reference model is built (DAPO drops it).",
+    )
+    kl_type: KLType = field(
+        "low_var_kl",
+        help="KL estimator (loss/kl.py): k1, k2, k3, or low_var_kl (k3 with verl's clamps).",
+    )
 
     def __post_init__(self):
         if self.max_sampling_rounds < 1:
@@ -83,13 +155,22 @@ class PolicyLossConfig:
             raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
         if self.clip_c is not None and self.clip_c <= 1:
             raise ValueError(f"clip_c must be > 1 (or null to disable), got {self.clip_c}")
+        if not math.isfinite(self.kl_coef) or self.kl_coef < 0:
+            raise ValueError(
+                f"kl_coef must be a finite number >= 0 (0 = no KL penalty), got {self.kl_coef}"
+            )
+        check_literals(self, "loss")
 
 
 @dataclasses.dataclass(kw_only=True)
 class SFTConfig:
     """Supervised warm start so RL begins from a policy with non-zero reward."""
 
-    steps: int = field(300, help="SFT optimizer steps (0 = start RL from random init).")
+    steps: int | None = field(
+        None,
+        help="SFT optimizer steps before RL (0 = none). null = 300 from a random init (the tiny "
+        "task needs it), 0 from a pretrained start (model.hf_checkpoint / model.load).",
+    )
     batch_size: int = field(64, help="Examples per SFT step (global, across DP).")
     lr: float = field(3e-3, help="SFT learning rate.")
     cache: bool = field(
@@ -99,7 +180,7 @@ class SFTConfig:
     )
 
     def __post_init__(self):
-        if self.steps < 0 or self.batch_size < 1 or self.lr <= 0:
+        if (self.steps is not None and self.steps < 0) or self.batch_size < 1 or self.lr <= 0:
             raise ValueError(f"sft: need steps >= 0, batch_size >= 1, lr > 0; got {self}")
 
 

@@ -20,12 +20,14 @@ import torch.distributed as dist
 
 from megatron_rl_fp8 import parallel
 from megatron_rl_fp8.config import RunConfig
-from megatron_rl_fp8.data import build_datasets, load_tokenizer
+from megatron_rl_fp8.data import build_datasets, load_prompt_encoder
+from megatron_rl_fp8.data.prompts import check_vocab
 from megatron_rl_fp8.loss import grpo_advantages
 from megatron_rl_fp8.metrics.console import print_step, progress_bar
 from megatron_rl_fp8.metrics.logger import MetricsLogger, print_rank0
 from megatron_rl_fp8.models.fp8 import weight_quantization_errors
 from megatron_rl_fp8.models.hf_mapping import hf_config
+from megatron_rl_fp8.models.pretrained import load_converted, load_hf_weights
 from megatron_rl_fp8.rollout import build_engine
 from megatron_rl_fp8.sync.buckets import export_for_rollout
 from megatron_rl_fp8.sync.gather import iter_full_params
@@ -48,14 +50,24 @@ class Trainer:
         self.out_dir = Path(cfg.train.output_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
 
-        self.tokenizer = load_tokenizer()
-        if cfg.model.vocab_size < len(self.tokenizer):
-            raise ValueError(
-                f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                f"tokenizer's {len(self.tokenizer)} tokens"
+        # Tokenizer and every prompt are checked before any weight exists (one-line errors).
+        self.tokenizer = load_prompt_encoder(cfg.tokenizer, hf_checkpoint=cfg.model.hf_checkpoint)
+        check_vocab(self.tokenizer, cfg.model.vocab_size)
+        self.train_data, self.val_data, dropped = build_datasets(cfg.task, self.tokenizer)
+        if any(dropped.values()):
+            print_rank0(
+                f"data: dropped {dropped['train']} train and {dropped['val']} val prompts longer "
+                f"than task.max_prompt_len={cfg.task.max_prompt_len} tokens"
             )
-        self.train_data, self.val_data = build_datasets(cfg.task)
-        self.actor = Actor(cfg.model, cfg.optim, self.groups, fp8=cfg.fp8)
+        # A pretrained start loads every weight, so Megatron's random init is skipped.
+        self.actor = Actor(
+            cfg.model,
+            cfg.optim,
+            self.groups,
+            fp8=cfg.fp8,
+            init_weights=not cfg.model.pretrained,
+            total_steps=cfg.train.steps * cfg.train.updates_per_step,
+        )
         print_rank0(f"actor: {self.actor.describe()}")
         self.calibrator = ClipCalibrator(cfg.loss, fp8_training=cfg.fp8.enabled)
         self.policy_update = PolicyUpdate(cfg, self.actor, self.groups, self.calibrator)
@@ -67,11 +79,11 @@ class Trainer:
                 hf_config(
                     cfg.model,
                     bos_token_id=tok.bos_token_id,
-                    eos_token_id=tok.eos_token_id,
+                    eos_token_id=list(tok.eos_token_ids),
                     pad_token_id=tok.pad_token_id,
                 ),
                 pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
+                eos_token_id=tok.eos_token_ids,
                 output_dir=str(self.out_dir),
                 device=self.groups.device,
                 dtype=self.actor.config.params_dtype,
@@ -130,6 +142,7 @@ class Trainer:
             "step": self.step,
             "train_data": self.train_data.state_dict(),
             "calib": self.calibrator.state_dict(),
+            "opt_param_scheduler": self.actor.lr_schedule_state_dict(),
         }
         checkpoint.save(
             self.ckpt_root,
@@ -152,8 +165,29 @@ class Trainer:
         self.train_data.load_state_dict(state["train_data"])
         if "calib" in state:
             self.calibrator.load_state_dict(state["calib"])
+        # Absent in checkpoints written before lr schedules existed: the schedule starts at step 0.
+        if "opt_param_scheduler" in state:
+            self.actor.load_lr_schedule_state_dict(state["opt_param_scheduler"])
         print_rank0(f"resumed from {path} at step {self.step}")
         return True
+
+    def load_start_weights(self) -> None:
+        """A fresh run's weights: ``model.load`` (converted) or ``model.hf_checkpoint``, else the
+        random init already there. Collective over all ranks."""
+        m, g = self.cfg.model, self.groups
+        if m.load is not None:
+            path = load_converted(self.actor, m.load)
+            print_rank0(f"start weights: {path} (converted checkpoint)")
+        elif m.hf_checkpoint is not None:
+            t0 = time.perf_counter()
+            n = load_hf_weights(
+                self.actor.module, m.hf_checkpoint, m, tp_rank=g.tp_rank, tp_size=g.tp_size
+            )
+            dist.barrier()
+            print_rank0(
+                f"start weights: {m.hf_checkpoint} ({n} tensors on rank 0, "
+                f"{time.perf_counter() - t0:.1f} s)"
+            )
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -165,6 +199,7 @@ class Trainer:
         # Lines past the restored step are replayed by this run; drop them so none is duplicated.
         self.logger.truncate_after(self.step if resumed else -1)
         if not resumed:
+            self.load_start_weights()
             first = warm_start(
                 self.cfg, self.actor, self.groups, self.tokenizer, self.train_data.records
             )
@@ -221,6 +256,7 @@ class Trainer:
         progress.close()
 
     def close(self) -> None:
+        self.sampler.close()
         if self.engine is not None:
             self.engine.shutdown()
         self.logger.close()

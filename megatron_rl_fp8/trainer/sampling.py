@@ -12,15 +12,17 @@ driver's dataset position is then shared, so every rank's dataset stays in step 
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import time
 
 import torch
 
 from megatron_rl_fp8.config import RunConfig
-from megatron_rl_fp8.data import PromptDataset, prompt_token_ids
+from megatron_rl_fp8.data import PromptDataset, PromptEncoder
 from megatron_rl_fp8.loss import dynamic_sampling_keep_mask, overlong_reward_penalty
 from megatron_rl_fp8.parallel import Groups
-from megatron_rl_fp8.reward.verifiers import compute_rewards
+from megatron_rl_fp8.reward import Rewarder
 from megatron_rl_fp8.rollout.base import Completion
 from megatron_rl_fp8.trainer.collectives import broadcast_object
 
@@ -31,7 +33,7 @@ class Sampler:
         cfg: RunConfig,
         groups: Groups,
         engine,
-        tokenizer,
+        tokenizer: PromptEncoder,
         train_data: PromptDataset,
         val_data: PromptDataset,
     ):
@@ -41,18 +43,29 @@ class Sampler:
         self.tokenizer = tokenizer
         self.train_data = train_data
         self.val_data = val_data
-
-    def prompt_ids(self, records) -> list[list[int]]:
-        return [
-            prompt_token_ids(
-                self.tokenizer, r["prompt"], max_prompt_len=self.cfg.task.max_prompt_len
+        # Rewards are scored on the driver, in a process pool (reward.num_workers) with a
+        # per-sample timeout; the pool starts once and lives as long as the sampler.
+        self.rewarder = self.eval_rewarder = None
+        if groups.is_driver:
+            self.rewarder = Rewarder(cfg.task.name, cfg.reward)
+            # Evaluation measures correctness only; the format bonus shapes training.
+            self.eval_rewarder = (
+                self.rewarder
+                if cfg.reward.format_weight == 0
+                else Rewarder(cfg.task.name, dataclasses.replace(cfg.reward, format_weight=0.0))
             )
-            for r in records
-        ]
+
+    def close(self) -> None:
+        for rewarder in {id(r): r for r in (self.rewarder, self.eval_rewarder) if r}.values():
+            rewarder.close()
+
+    @staticmethod
+    def prompt_ids(records) -> list[list[int]]:
+        # Encoded (chat template applied, length checked) once, when the data was loaded.
+        return [r["prompt_ids"] for r in records]
 
     def decode(self, c: Completion) -> str:
-        ids = [t for t in c.response_ids if t != self.tokenizer.eos_token_id]
-        return self.tokenizer.decode(ids)
+        return self.tokenizer.decode_response(c.response_ids)
 
     def _sample_round(self, records, step: int, round_: int):
         """One rollout round on the driver: completions and (shaped) rewards for ``records``."""
@@ -65,30 +78,36 @@ class Sampler:
             top_p=r.top_p,
             seed=r.seed + step + round_ * 1_000_003,
         )
-        answers = [rec["answer"] for rec in records for _ in range(r.n_samples_per_prompt)]
-        rewards = compute_rewards(
-            self.cfg.task.name,
-            [self.decode(c) for c in completions],
-            answers,
-            format_weight=self.cfg.reward.format_weight,
-        )
+        rewards, reward_stats = self._score(records, completions, r.n_samples_per_prompt)
         if loss_cfg.overlong_buffer:
             lengths = torch.tensor([len(c.response_ids) for c in completions])
             rewards = rewards + overlong_reward_penalty(
                 lengths, r.max_new_tokens, loss_cfg.overlong_buffer, loss_cfg.overlong_penalty
             )
-        return completions, rewards
+        return completions, rewards, reward_stats
+
+    def _score(self, records, completions, n: int, *, evaluation: bool = False):
+        """Rewards of ``completions`` (``n`` per record, grouped) and the scoring stats."""
+        rewarder = self.eval_rewarder if evaluation else self.rewarder
+        return rewarder.score(
+            [self.decode(c) for c in completions],
+            [rec["answer"] for rec in records for _ in range(n)],
+            # User reward functions get the record as the file had it (every field).
+            [rec.get("record", rec) for rec in records for _ in range(n)],
+        )
 
     def _sample_on_driver(self, step: int):
         r, loss_cfg = self.cfg.rollout, self.cfg.loss
         n, want = r.n_samples_per_prompt, self.cfg.train.prompts_per_step
         t0 = time.perf_counter()
         kept, dropped, all_rewards, all_completions = [], [], [], []
+        scoring = collections.Counter()
         rounds = 0
         while rounds < (loss_cfg.max_sampling_rounds if loss_cfg.dynamic_sampling else 1):
-            completions, rewards = self._sample_round(
+            completions, rewards, reward_stats = self._sample_round(
                 self.train_data.next_batch(want), step, rounds
             )
+            scoring.update(reward_stats)
             rounds += 1
             all_rewards.append(rewards)
             all_completions += completions
@@ -114,6 +133,7 @@ class Sampler:
             "rollout/truncated_frac": sum(not c.finished for c in all_completions)
             / len(all_completions),
             "perf/rollout_time_s": time.perf_counter() - t0,
+            **scoring,
         }
         if loss_cfg.dynamic_sampling:
             stats.update(
@@ -147,12 +167,9 @@ class Sampler:
             max_new_tokens=self.cfg.rollout.max_new_tokens,
             temperature=1.0,
         )
-        rewards = compute_rewards(
-            self.cfg.task.name,
-            [self.decode(c) for c in completions],
-            [r["answer"] for r in records],
-        )
+        rewards, stats = self._score(records, completions, 1, evaluation=True)
         return {
+            "eval/reward_timeouts": stats["reward/timeouts"],
             "eval/reward_mean": rewards.mean().item(),
             "eval/response_len_mean": sum(len(c.response_ids) for c in completions) / n,
         }

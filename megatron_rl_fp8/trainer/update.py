@@ -165,6 +165,7 @@ class PolicyUpdate:
                     temperature=cfg.rollout.temperature,
                 )
                 shadow_time += calib_metrics.pop("perf/shadow_time_s")
+            lr = self.actor.lr  # the lr this update uses (the schedule steps after it)
             outs, grad_norm, _ = self.actor.train_step(
                 mini,
                 cfg.train.micro_batch_size,
@@ -177,6 +178,7 @@ class PolicyUpdate:
         metrics = self._reduce(acc)
         if g.is_driver:
             metrics["train/grad_norm"] = grad_norms[-1]
+            metrics["train/lr"] = lr  # of the last update, as the grad norm
             metrics["perf/logprob_time_s"] = logprob_time
             metrics["perf/update_time_s"] = time.perf_counter() - t0 - logprob_time - shadow_time
             if cfg.fp8.enabled:

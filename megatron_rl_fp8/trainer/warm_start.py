@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_rl_fp8.config import RunConfig
 from megatron_rl_fp8.config_utils import to_dict
-from megatron_rl_fp8.data import PromptDataset, collate, sft_examples
+from megatron_rl_fp8.data import PromptDataset, collate, sft_examples_from_records
 from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.trainer import checkpoint
@@ -34,9 +34,10 @@ def cache_key(cfg: RunConfig, tokenizer) -> str:
         {
             "model": to_dict(cfg.model),
             "task": to_dict(cfg.task),
+            "tokenizer": to_dict(cfg.tokenizer),
             "sft": to_dict(cfg.sft),
             "seed": cfg.train.seed,
-            "vocab": tokenizer.get_vocab(),
+            "vocab": tokenizer.tokenizer.get_vocab(),
         },
         sort_keys=True,
     )
@@ -63,7 +64,7 @@ def warm_start(cfg: RunConfig, actor: Actor, groups: Groups, tokenizer, records)
     loss_value = float("nan")
     for s in range(sft.steps):
         batch = build_sft_batch(
-            collate(sft_examples(tokenizer, data.next_batch(sft.batch_size))),
+            collate(sft_examples_from_records(tokenizer, data.next_batch(sft.batch_size))),
             pad_id=tokenizer.pad_token_id,
         )
         total = max(batch["loss_mask"].sum().item(), 1.0)
@@ -86,7 +87,7 @@ def warm_start(cfg: RunConfig, actor: Actor, groups: Groups, tokenizer, records)
         if (s + 1) % 50 == 0 or s == sft.steps - 1:
             loss_value = broadcast_object(loss_value, g.last_stage_rank)
             print_rank0(f"warm start: SFT step {s + 1}/{sft.steps} loss {loss_value:.4f}")
-    actor.set_lr(cfg.optim.lr)
+    # Fresh Adam state, and the RL lr schedule (which set_lr had paused for sft.lr) at its step 0.
     actor.reset_optimizer()
     if sft.cache:
         checkpoint.save(

@@ -1,5 +1,9 @@
-"""Actor checkpoint round trip: model + Adam state restore exactly, so the next step is bit-identical."""
+"""Actor checkpoint round trip: model + Adam state + lr schedule restore exactly, so the next step
+is bit-identical (with a warmup + cosine schedule: a schedule restarted at step 0 would differ)."""
 
+import math
+
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
@@ -19,31 +23,63 @@ def _body(rank, world, ckpt_dir):
     def nll(mb, lp):
         return -(lp * mb["loss_mask"]).sum() / 40.0, {}
 
-    a = Actor(ModelConfig(vocab_size=53), OptimConfig(lr=1e-3), g)
+    def optim(lr):
+        return OptimConfig(
+            lr=lr, lr_warmup_steps=2, lr_decay_style="cosine", min_lr=1e-4, lr_decay_steps=8
+        )
+
+    a = Actor(ModelConfig(vocab_size=53), optim(1e-3), g)
     for _ in range(3):
         a.train_step(batch, 2, nll)
     checkpoint.save(
-        ckpt_dir, "iter_0000003", a.sharded_state_dict(with_optimizer=True), {"step": 3}
+        ckpt_dir,
+        "iter_0000003",
+        a.sharded_state_dict(with_optimizer=True),
+        {"step": 3, "opt_param_scheduler": a.lr_schedule_state_dict()},
     )
-    b = Actor(ModelConfig(vocab_size=53), OptimConfig(lr=1e-3), g)
-    path = checkpoint.latest(ckpt_dir)
-    loaded, state = checkpoint.load(
-        path, b.sharded_state_dict(with_optimizer=True, is_loading=True)
-    )
-    b.load_sharded(loaded)
-    a.train_step(batch, 2, nll)
-    b.train_step(batch, 2, nll)
+
+    def restored(lr):
+        actor = Actor(ModelConfig(vocab_size=53), optim(lr), g)
+        loaded, state = checkpoint.load(
+            checkpoint.latest(ckpt_dir),
+            actor.sharded_state_dict(with_optimizer=True, is_loading=True),
+        )
+        actor.load_sharded(loaded)
+        actor.load_lr_schedule_state_dict(state["opt_param_scheduler"])
+        return actor, state
+
+    b, state = restored(1e-3)
+    # The run's config decides the schedule, the checkpoint its position (step 3 of 8).
+    c, _ = restored(2e-3)
+    lrs = [(a.lr, b.lr, c.lr)]
+    # Two steps: the first uses the lr restored with Adam's param groups, the second the schedule's.
+    for _ in range(2):
+        a.train_step(batch, 2, nll)
+        b.train_step(batch, 2, nll)
+    lrs.append((a.lr, b.lr))
     same = all(torch.equal(x, y) for x, y in zip(a.module.parameters(), b.module.parameters()))
     parallel.destroy()
-    return same, state["step"], path.name
+    return same, state["step"], checkpoint.latest(ckpt_dir).name, lrs
+
+
+def _cosine(lr, n):
+    # Warmup over steps 0..2, then cosine down to min_lr=1e-4 at step 8.
+    return 1e-4 + (lr - 1e-4) * 0.5 * (1 + math.cos(math.pi * (n - 2) / 6))
+
+
+def _check(out):
+    same, step, name, ((lr_a, lr_b, lr_c), (lr_a5, lr_b5)) = out
+    assert (same, step, name) == (True, 3, "iter_0000003")
+    assert lr_a == lr_b == pytest.approx(_cosine(1e-3, 3), rel=1e-12)
+    assert lr_c == pytest.approx(_cosine(2e-3, 3), rel=1e-12)
+    assert lr_a5 == lr_b5 == pytest.approx(_cosine(1e-3, 5), rel=1e-12)
 
 
 def test_resume_is_bit_exact_tp1(tmp_path):
-    assert run_distributed(_body, world_size=1, args=(str(tmp_path),)) == [
-        (True, 3, "iter_0000003")
-    ]
+    (out,) = run_distributed(_body, world_size=1, args=(str(tmp_path),))
+    _check(out)
 
 
 def test_resume_is_bit_exact_tp2(tmp_path):
-    out = run_distributed(_body, world_size=2, args=(str(tmp_path),))
-    assert all(o == (True, 3, "iter_0000003") for o in out)
+    for out in run_distributed(_body, world_size=2, args=(str(tmp_path),)):
+        _check(out)

@@ -2,8 +2,9 @@
 kill -9 + restart resumes to exactly the uninterrupted run.
 
 It runs the full-FP8 variant (examples/tiny_cpu_fp8.yaml: FP8 rollout weights, emulated blockwise
-FP8 training, calibrated clipping every 2 steps), so the restart must restore the calibrated clip
-bounds as well as weights, optimizer and data.
+FP8 training, calibrated clipping every 2 steps) with a warmup + cosine learning-rate schedule, so
+the restart must restore the calibrated clip bounds and the schedule's position as well as
+weights, optimizer and data.
 
 Why no golden numbers: the run's values depend on the CPU's BLAS kernels. 100 SFT steps amplify
 the last-bit differences of another reduction order (AVX-512 vs AVX2, Intel vs AMD) into
@@ -43,6 +44,11 @@ OVERRIDES = [
     "train.eval_interval=3",
     "train.eval_prompts=32",
     "optim.lr=3e-4",
+    # 12 optimizer steps (6 steps x 2 updates): warmup over 2, cosine down to min_lr at 10.
+    "optim.lr_warmup_steps=2",
+    "optim.lr_decay_style=cosine",
+    "optim.min_lr=3e-5",
+    "optim.lr_decay_steps=10",
     "loss.calib.interval=2",
 ]
 
@@ -112,6 +118,19 @@ def test_run_learns_and_stays_in_bounds(uninterrupted):
             <= m["calib/upper"]
             <= limits.upper_limits[1]
         ), (step, m["calib/lower"], m["calib/upper"])
+
+
+def test_lr_follows_the_schedule(uninterrupted):
+    # train/lr is the lr of a step's last update: optimizer step 2 * step - 1 (0-based).
+    for step in range(1, 7):
+        n = 2 * step - 1
+        if n <= 2:
+            want = 3e-4 * n / 2
+        elif n >= 10:
+            want = 3e-5
+        else:
+            want = 3e-5 + (3e-4 - 3e-5) * 0.5 * (1 + math.cos(math.pi * (n - 2) / 8))
+        assert uninterrupted[step]["train/lr"] == pytest.approx(want, rel=1e-9), step
 
 
 def _metric_values(m: dict) -> dict:

@@ -7,7 +7,9 @@ from megatron_rl_fp8.data import (
     DEFAULT_TRAIN_PATH,
     DEFAULT_VAL_PATH,
     TaskConfig,
+    TokenizerConfig,
     build_datasets,
+    load_prompt_encoder,
     load_tokenizer,
     sft_examples,
     write_task_files,
@@ -15,9 +17,16 @@ from megatron_rl_fp8.data import (
 )
 
 
+def _datasets(cfg=None):
+    encoder = load_prompt_encoder(TokenizerConfig(), hf_checkpoint=None)
+    train, val, dropped = build_datasets(cfg or TaskConfig(), encoder)
+    assert dropped == {"train": 0, "val": 0}
+    return train, val
+
+
 def test_shipped_files_are_small_and_well_formed():
     assert DEFAULT_TRAIN_PATH.stat().st_size + DEFAULT_VAL_PATH.stat().st_size < 1_000_000
-    train, val = build_datasets(TaskConfig())
+    train, val = _datasets()
     assert len(train) == 20_000 and len(val) == 256
     for r in train.records + val.records:
         a, op, b = (
@@ -31,7 +40,7 @@ def test_shipped_files_are_small_and_well_formed():
 
 
 def test_train_and_val_are_disjoint():
-    train, val = build_datasets(TaskConfig())
+    train, val = _datasets()
     train_prompts = {r["prompt"] for r in train.records}
     val_prompts = [r["prompt"] for r in val.records]
     assert len(set(val_prompts)) == len(val_prompts)  # each held-out prompt counts once
@@ -40,7 +49,7 @@ def test_train_and_val_are_disjoint():
 
 
 def test_mix_has_easy_and_hard_problems():
-    train, _ = build_datasets(TaskConfig())
+    train, _ = _datasets()
     prompts = [r["prompt"] for r in train.records]
     three_digit = sum(
         any(len(x) == 3 for x in p[:-1].replace("-", "+").split("+")) for p in prompts
@@ -53,7 +62,7 @@ def test_mix_has_easy_and_hard_problems():
 def test_default_lengths_fit_the_task_config():
     cfg = TaskConfig()
     tok = load_tokenizer()
-    train, val = build_datasets(cfg)
+    train, val = _datasets(cfg)
     # Raises if any prompt or answer overflows the default limits.
     examples = sft_examples(
         tok,

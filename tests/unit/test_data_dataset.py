@@ -5,12 +5,24 @@ import sys
 
 import pytest
 
-from megatron_rl_fp8.data import PromptDataset, TaskConfig, build_datasets, load_records
+from megatron_rl_fp8.data import (
+    DataError,
+    PromptDataset,
+    TaskConfig,
+    TokenizerConfig,
+    build_datasets,
+    load_prompt_encoder,
+    load_records,
+)
 
 
 def _write(path, lines):
     path.write_text("".join(line + "\n" for line in lines))
     return path
+
+
+def _core(records):
+    return [{"prompt": r["prompt"], "answer": r["answer"]} for r in records]
 
 
 def _records(n):
@@ -27,9 +39,11 @@ def test_loads_jsonl_with_custom_fields_and_int_answers(tmp_path):
         ],
     )
     recs = load_records(path, prompt_field="question", answer_field="target")
-    assert recs == [{"prompt": "1+2=", "answer": "3"}, {"prompt": "5-7=", "answer": "-2"}]
+    assert _core(recs) == [{"prompt": "1+2=", "answer": "3"}, {"prompt": "5-7=", "answer": "-2"}]
+    assert recs[1]["where"] == f"{path}:3"  # the file line (blank lines count)
+    assert recs[0]["record"] == {"question": "1+2=", "target": 3, "extra": "ignored"}
     ds = PromptDataset.from_file(path, prompt_field="question", answer_field="target")
-    assert len(ds) == 2 and ds[1] == {"prompt": "5-7=", "answer": "-2", "index": 1}
+    assert len(ds) == 2 and ds[1]["index"] == 1 and _core([ds[1]]) == _core(recs[1:])
 
 
 @pytest.mark.parametrize(
@@ -50,7 +64,7 @@ def test_malformed_lines_name_file_and_line(tmp_path, line, pattern):
 
 
 def test_file_level_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(DataError, match="nope.jsonl"):
         load_records(tmp_path / "nope.jsonl")
     with pytest.raises(ValueError, match="suffix '.csv'"):
         load_records(tmp_path / "p.csv")
@@ -63,7 +77,7 @@ def test_parquet_without_pyarrow_gives_install_hint(tmp_path, monkeypatch):
     path.write_bytes(b"PAR1")
     for mod in ("pyarrow", "pyarrow.parquet", "pandas"):
         monkeypatch.setitem(sys.modules, mod, None)  # makes `import mod` raise ImportError
-    with pytest.raises(ImportError, match="pip install pyarrow"):
+    with pytest.raises(DataError, match="pip install pyarrow"):
         load_records(path)
 
 
@@ -72,7 +86,7 @@ def test_parquet_round_trip(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     path = tmp_path / "p.parquet"
     pq.write_table(pa.table({"q": ["1+2=", "3+4="], "a": [3, 7]}), path)
-    assert load_records(path, prompt_field="q", answer_field="a") == [
+    assert _core(load_records(path, prompt_field="q", answer_field="a")) == [
         {"prompt": "1+2=", "answer": "3"},
         {"prompt": "3+4=", "answer": "7"},
     ]
@@ -137,8 +151,8 @@ def test_task_config_defaults_and_validation(tmp_path):
     assert cfg.name == "arithmetic" and cfg.resolved_train_path.name == "train.jsonl"
     with pytest.raises(TypeError):
         TaskConfig("arithmetic")  # keyword-only
-    with pytest.raises(ValueError, match="TaskConfig.name='gsm8k'"):
-        TaskConfig(name="gsm8k")
+    with pytest.raises(ValueError, match="TaskConfig.name is empty"):
+        TaskConfig(name="")
     with pytest.raises(ValueError, match="TaskConfig.train_path='x.csv'"):
         TaskConfig(train_path="x.csv")
     with pytest.raises(ValueError, match="TaskConfig.max_response_len=1"):
@@ -147,8 +161,10 @@ def test_task_config_defaults_and_validation(tmp_path):
         TaskConfig(answer_field="")
 
     path = _write(tmp_path / "mine.jsonl", ['{"q": "1+1=", "a": "2"}'])
-    train, val = build_datasets(
-        TaskConfig(train_path=str(path), val_path=str(path), prompt_field="q", answer_field="a")
+    train, val, dropped = build_datasets(
+        TaskConfig(train_path=str(path), val_path=str(path), prompt_field="q", answer_field="a"),
+        load_prompt_encoder(TokenizerConfig(), hf_checkpoint=None),
     )
+    assert dropped == {"train": 0, "val": 0}
     assert train.next_batch(1)[0]["answer"] == "2" and val[0]["prompt"] == "1+1="
     assert train.shuffle and not val.shuffle

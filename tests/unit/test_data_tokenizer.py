@@ -13,8 +13,10 @@ from megatron_rl_fp8.data import (
     VOCAB,
     VOCAB_SIZE,
     TaskConfig,
+    TokenizerConfig,
     build_datasets,
     encode_text,
+    load_prompt_encoder,
     load_tokenizer,
     prompt_token_ids,
 )
@@ -64,7 +66,8 @@ def test_special_tokens_decode_and_skip(tok):
 
 
 def test_round_trip_on_all_shipped_prompts(tok):
-    train, val = build_datasets(TaskConfig())
+    encoder = load_prompt_encoder(TokenizerConfig(), hf_checkpoint=None)
+    train, val, _ = build_datasets(TaskConfig(), encoder)
     texts = [r["prompt"] + r["answer"] for r in train.records + val.records]
     encoded = tok(texts, add_special_tokens=False)["input_ids"]
     for text, ids in zip(texts, encoded):

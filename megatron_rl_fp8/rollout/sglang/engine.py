@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_fp8.rollout.base import Completion, RolloutConfig
+from megatron_rl_fp8.rollout.base import Completion, RolloutConfig, eos_ids
 from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError, _first_line, _ServerGone
 from megatron_rl_fp8.rollout.sglang.faults import fault_hook_from_env
 from megatron_rl_fp8.rollout.sglang.http import (
@@ -62,14 +62,14 @@ class SGLangEngine:
         hf_config,
         *,
         pad_token_id: int,
-        eos_token_id: int,
+        eos_token_id: int | Iterable[int],
         output_dir: str | os.PathLike | None = None,
     ):
         self.cfg = cfg.sglang
         self.fp8 = cfg.fp8
         self.hf_config = hf_config
         self.pad_token_id = pad_token_id
-        self.eos_token_id = eos_token_id
+        self.eos_token_id = eos_ids(eos_token_id)  # every id that ends a completion
         self.python = resolve_python(self.cfg)
         self.device = resolve_device(self.cfg)
         self.serve_dtype = serve_dtype(self.cfg, self.device)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from typing import Any
 
-from megatron_rl_fp8.rollout.base import Completion
+from megatron_rl_fp8.rollout.base import Completion, eos_ids
 from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError, _ServerGone
 
 
@@ -17,13 +18,13 @@ def sampling_params(
     temperature: float,
     top_p: float,
     greedy: bool,
-    eos_token_id: int,
+    eos_token_id: int | Iterable[int],
     seed: int | None,
 ) -> dict:
     """One request's ``sampling_params`` (greedy = temperature 0, SGLang's argmax path)."""
     params: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
-        "stop_token_ids": [eos_token_id],
+        "stop_token_ids": list(eos_ids(eos_token_id)),
         "temperature": 0.0 if greedy else temperature,
         "top_p": 1.0 if greedy else top_p,
         "top_k": -1,
@@ -41,7 +42,7 @@ def generate_request(
     top_p: float,
     greedy: bool,
     seed: int,
-    eos_token_id: int,
+    eos_token_id: int | Iterable[int],
 ) -> dict:
     """The ``/generate`` body for ``rows`` (token ids), asking for the sampled tokens' logprobs."""
     params = [
@@ -66,7 +67,7 @@ def generate_request(
 
 
 def parse_completion(
-    prompt: list[int], answer: dict, *, eos_token_id: int, expected_version: str
+    prompt: list[int], answer: dict, *, eos_token_id: int | Iterable[int], expected_version: str
 ) -> Completion:
     """A ``/generate`` answer -> Completion, after checking it came from ``expected_version``."""
     meta = answer.get("meta_info", {})
@@ -86,7 +87,7 @@ def parse_completion(
             "SGLang returned logprobs that do not line up with the output ids "
             f"({len(lp)} logprobs for {len(ids)} tokens)"
         )
-    finished = bool(ids) and ids[-1] == eos_token_id
+    finished = bool(ids) and ids[-1] in eos_ids(eos_token_id)
     return Completion(
         prompt_ids=list(prompt),
         response_ids=ids,

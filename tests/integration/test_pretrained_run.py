@@ -1,0 +1,92 @@
+"""A user's first real run, through the CLI: ``megatron-rl-fp8 train`` with
+``model.hf_checkpoint`` (a Qwen3 + BPE tokenizer + chat template folder made by transformers and
+tokenizers), a chat-format JSONL task in verl's layout, a user reward function run in the reward
+pool; at TP=1 (one process) and TP=2 (torchrun). Two RL steps each.
+
+Checks that hold on any machine: the run starts from the checkpoint (no SFT), every metric is
+finite, rewards come from the plugged function (lengths, so groups differ and the update has a
+gradient), completions end on the generation config's end ids or at the budget.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl_fp8.metrics.logger import read_metrics
+from tests.hf_fixtures import make_hf_model, write_chat_task
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("hf") / "tiny-qwen3")
+
+
+def _env():
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_train_from_hf_checkpoint_on_a_chat_task(hf_model, tmp_path, tp):
+    train = write_chat_task(tmp_path / "train.jsonl", 16)
+    val = write_chat_task(tmp_path / "val.jsonl", 4, seed=1)
+    out = tmp_path / "run"
+    overrides = [
+        f"model.hf_checkpoint={hf_model['dir']}",
+        f"parallel.tensor_model_parallel_size={tp}",
+        "task.name=gsm8k",
+        f"task.train_path={train}",
+        f"task.val_path={val}",
+        "task.answer_field=reward_model.ground_truth",
+        "task.max_prompt_len=40",
+        "rollout.n_samples_per_prompt=4",
+        "rollout.max_new_tokens=6",
+        "reward.function=tests.reward_plugins:len_reward",
+        "reward.num_workers=1",
+        "train.steps=2",
+        "train.prompts_per_step=2",
+        "train.micro_batch_size=4",
+        "train.updates_per_step=2",
+        "train.eval_prompts=4",
+        "train.save_interval=0",
+        f"train.output_dir={out}",
+        f"train.cache_dir={tmp_path / 'cache'}",
+    ]
+    config = tmp_path / "empty.yaml"
+    config.write_text("{}\n")  # every model field comes from the checkpoint
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        if tp == 2
+        else [sys.executable]
+    )
+    done = subprocess.run(
+        [*launcher, "-m", "megatron_rl_fp8", "train", str(config), *overrides],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"start weights: {hf_model['dir']}" in done.stdout
+    assert "warm start" not in done.stdout  # no SFT from a pretrained model
+    lines = read_metrics(out)
+    assert [m["step"] for m in lines] == [0, 1, 2]
+    for m in lines:
+        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+    for m in lines[1:]:
+        # len_reward scores the completion's text length: a positive number per sample.
+        assert m["rollout/reward_mean"] > 0
+        assert 1 <= m["rollout/response_len_mean"] <= 6
+        assert m["reward/timeouts"] == 0 and m["reward/errors"] == 0
