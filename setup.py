@@ -30,6 +30,8 @@ setup(
         "pyyaml",
         "tqdm",
         "math-verify>=0.9",
+        # Parquet prompt files (verl-style datasets).
+        "pyarrow",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],

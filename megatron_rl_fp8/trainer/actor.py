@@ -283,6 +283,14 @@ class Actor:
         self.module.load_state_dict(loaded["model"])
         if "optimizer" in loaded:
             self.optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            self.params_changed()
+
+    def params_changed(self) -> None:
+        """The weights were written outside the optimizer (a pretrained start, a cached warm
+        start). Megatron's bf16 optimizer keeps fp32 main copies taken when it was built; they
+        are refreshed here, or its first step would write the old weights back."""
+        self.optimizer.reload_model_params()
 
     def lr_schedule_state_dict(self) -> dict:
         """The schedule's position and settings (plain numbers and strings: JSON-able)."""

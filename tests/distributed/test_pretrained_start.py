@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_rl_fp8.data.tiny_hf import make_hf_model, write_chat_task
 from tests.dist_utils import run_distributed
-from tests.hf_fixtures import make_hf_model, write_chat_task
 
 
 def _config_file(tmp, hf_dir):
@@ -104,3 +104,39 @@ def test_actor_from_hf_checkpoint_matches_transformers(hf_model, tmp_path, tp):
     want = tok.apply_chat_template(first["prompt"], tokenize=True, add_generation_prompt=True)
     want = list(want["input_ids"] if hasattr(want, "keys") else want)
     assert prompt == want
+
+
+def _bf16_step_body(rank, world, config_path):
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.config import load_config
+    from megatron_rl_fp8.sync.gather import iter_full_params
+    from megatron_rl_fp8.trainer.loop import Trainer
+
+    # A learning rate so small that one step cannot move a bf16 weight: whatever changes after
+    # the step came from the optimizer's own (fp32 main) copy of the weights.
+    cfg = load_config(config_path, ["model.params_dtype=bfloat16", "optim.lr=1e-30"])
+    trainer = Trainer(cfg)
+    try:
+        trainer.load_start_weights()
+        before = {n: t.float().clone() for n, t in iter_full_params(trainer.actor.model)}
+        ids = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(0))
+        batch = {"input_ids": ids, "labels": torch.roll(ids, -1, 1)}
+
+        def loss_fn(mb, logprobs):
+            loss = -logprobs.sum() / logprobs.numel()
+            return loss, {}
+
+        trainer.actor.train_step(batch, 4, loss_fn)
+        after = {n: t.float() for n, t in iter_full_params(trainer.actor.model)}
+    finally:
+        trainer.close()
+        parallel.destroy()
+    return max((after[n] - before[n]).abs().max().item() for n in before)
+
+
+def test_bf16_optimizer_keeps_the_loaded_weights(hf_model, tmp_path):
+    """Megatron's bf16 optimizer copies its fp32 main weights when it is built (before the
+    checkpoint is loaded); they must be refreshed from the loaded weights, else the first step
+    writes the random init back (a GPU-only failure, reproduced here with bf16 on the CPU)."""
+    config = _config_file(tmp_path, hf_model["dir"])
+    assert run_distributed(_bf16_step_body, world_size=1, args=(config,))[0] == 0.0

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rl_fp8.data.tiny_hf import make_hf_model, write_chat_task
 from megatron_rl_fp8.metrics.logger import read_metrics
-from tests.hf_fixtures import make_hf_model, write_chat_task
 
 ROOT = Path(__file__).resolve().parents[2]
 

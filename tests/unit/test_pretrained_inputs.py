@@ -19,7 +19,7 @@ from megatron_rl_fp8.data import (
     load_prompt_encoder,
 )
 from megatron_rl_fp8.data.prompts import check_vocab
-from tests.hf_fixtures import make_hf_model, write_chat_task
+from megatron_rl_fp8.data.tiny_hf import make_hf_model, write_chat_task
 
 
 @pytest.fixture(scope="module")

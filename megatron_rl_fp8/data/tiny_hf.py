@@ -1,9 +1,11 @@
-"""A small but real Hugging Face model folder, made offline: a Qwen3 built with transformers, a
-byte-level BPE tokenizer trained with ``tokenizers`` on generated text, a ChatML chat template, and
-a generation config that ends answers on two ids (as Qwen's chat models do).
+"""A small but real Hugging Face model folder, made offline, to try the pretrained-start path
+(``model.hf_checkpoint``) on a CPU: a Qwen3 built with transformers, a byte-level BPE tokenizer
+trained with ``tokenizers`` on generated text, a ChatML chat template, and a generation config that
+ends answers on two ids (as Qwen's chat models do), plus a chat-format math task in verl's layout.
 
-``make_hf_model(dir)`` writes it (deterministic for a seed) and returns its facts; tests start the
-trainer from it with ``model.hf_checkpoint=<dir>``.
+Its weights are random: it exercises loading, templating, EOS handling and rewards exactly as a
+real checkpoint would, but it knows no arithmetic (rewards stay near 0). ``make_hf_model(dir)``
+writes it (deterministic for a seed); tests and ``tools/make_tiny_hf_model.py`` use it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,39 @@
+"""Write a tiny Hugging Face model folder and a chat-format task, to try ``model.hf_checkpoint``
+on a CPU (megatron_rl_fp8/data/tiny_hf.py says what is in it; its weights are random).
+
+    python tools/make_tiny_hf_model.py [--out-dir runs/tiny_hf]
+    python -m megatron_rl_fp8 train examples/tiny_cpu_hf.yaml
+
+writes <out-dir>/model (config.json, model.safetensors, tokenizer, chat template,
+generation_config.json) and <out-dir>/{train,val}.jsonl (verl's layout: a message-list prompt,
+the answer at reward_model.ground_truth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# Runnable from a source checkout without installing the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_rl_fp8.data.tiny_hf import make_hf_model, write_chat_task  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, default=Path("runs/tiny_hf"), help="where to write")
+    parser.add_argument("--seed", type=int, default=0, help="weight and task seed")
+    args = parser.parse_args(argv)
+    info = make_hf_model(args.out_dir / "model", seed=args.seed)
+    write_chat_task(args.out_dir / "train.jsonl", 256, seed=args.seed)
+    write_chat_task(args.out_dir / "val.jsonl", 32, seed=args.seed + 1)
+    print(
+        f"wrote {info['dir']} (Qwen3, vocab {info['vocab_size']}, end ids {info['eos_ids']}) and "
+        f"{args.out_dir}/{{train,val}}.jsonl"
+    )
+
+
+if __name__ == "__main__":
+    main()
