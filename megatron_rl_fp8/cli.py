@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             return _show_config(args)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+        from megatron_rl_fp8.data import DataError
+
+        kind = "data error" if isinstance(e, DataError) else "config error"
+        print(f"{kind}: {e}", file=sys.stderr)
         return 2
     return 1
 

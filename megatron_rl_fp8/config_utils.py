@@ -138,7 +138,9 @@ def from_dict(cls, data: dict, path: str = ""):
     except ConfigError:
         raise
     except ValueError as e:
-        raise ConfigError(f"{path}: {e}" if path else str(e)) from e
+        # Messages that already name the field by its dotted path need no section prefix.
+        named = not path or str(e).startswith(f"{path}.")
+        raise ConfigError(str(e) if named else f"{path}: {e}") from e
 
 
 def to_dict(obj) -> dict:

@@ -47,14 +47,14 @@ reward:
     return path
 
 
-def _logprobs_body(rank, world, config_path, tp, rows):
+def _logprobs_body(rank, world, config_path, tp, rows, extra=(), hf_dir=None):
     import transformers
 
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.config import load_config
     from megatron_rl_fp8.trainer.loop import Trainer
 
-    cfg = load_config(config_path, [f"parallel.tensor_model_parallel_size={tp}"])
+    cfg = load_config(config_path, [f"parallel.tensor_model_parallel_size={tp}", *extra])
     trainer = Trainer(cfg)
     try:
         trainer.load_start_weights()
@@ -67,7 +67,7 @@ def _logprobs_body(rank, world, config_path, tp, rows):
         parallel.destroy()
     if rank != 0:
         return None
-    hf = transformers.AutoModelForCausalLM.from_pretrained(cfg.model.hf_checkpoint)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir or cfg.model.hf_checkpoint)
     with torch.no_grad():
         ref = torch.log_softmax(hf(ids).logits.float(), -1).gather(-1, labels[..., None])[..., 0]
     valid = slice(0, ids.shape[1] - 1)  # the last label wraps around
@@ -140,3 +140,31 @@ def test_bf16_optimizer_keeps_the_loaded_weights(hf_model, tmp_path):
     writes the random init back (a GPU-only failure, reproduced here with bf16 on the CPU)."""
     config = _config_file(tmp_path, hf_model["dir"])
     assert run_distributed(_bf16_step_body, world_size=1, args=(config,))[0] == 0.0
+
+
+def _rows(hf_model):
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, hf_model["tokenizer_len"], (2, 20), generator=gen).tolist()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_model_load_starts_from_a_converted_checkpoint(hf_model, tmp_path, tp):
+    """`model.load` = an hf-to-mcore output (converted with the run's TP, so its vocab padding
+    fits): the same weights as the HF folder, read with dist_checkpointing."""
+    from megatron_rl_fp8.convert.hf_to_mcore import hf_to_mcore
+
+    converted = tmp_path / "mcore"
+    hf_to_mcore(hf_model["dir"], converted, tensor_model_parallel_size=tp, progress=False)
+    config = _config_file(tmp_path, hf_model["dir"])
+    # The tokenizer stays the HF folder's (tokenizer.path); the weights come from model.load.
+    extra = (
+        "model.hf_checkpoint=null",
+        f"model.load={converted}",
+        f"tokenizer.path={hf_model['dir']}",
+    )
+    err, *_ = run_distributed(
+        _logprobs_body,
+        world_size=tp,
+        args=(config, tp, _rows(hf_model), extra, str(hf_model["dir"])),
+    )[0]
+    assert err < 1e-4, err

@@ -37,13 +37,11 @@ def _env():
     return env
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_train_from_hf_checkpoint_on_a_chat_task(hf_model, tmp_path, tp):
+def _overrides(hf_dir, tmp_path, out, tp=1):
     train = write_chat_task(tmp_path / "train.jsonl", 16)
     val = write_chat_task(tmp_path / "val.jsonl", 4, seed=1)
-    out = tmp_path / "run"
-    overrides = [
-        f"model.hf_checkpoint={hf_model['dir']}",
+    return [
+        f"model.hf_checkpoint={hf_dir}",
         f"parallel.tensor_model_parallel_size={tp}",
         "task.name=gsm8k",
         f"task.train_path={train}",
@@ -63,6 +61,9 @@ def test_train_from_hf_checkpoint_on_a_chat_task(hf_model, tmp_path, tp):
         f"train.output_dir={out}",
         f"train.cache_dir={tmp_path / 'cache'}",
     ]
+
+
+def _train(tmp_path, overrides, tp=1):
     config = tmp_path / "empty.yaml"
     config.write_text("{}\n")  # every model field comes from the checkpoint
     launcher = (
@@ -79,6 +80,13 @@ def test_train_from_hf_checkpoint_on_a_chat_task(hf_model, tmp_path, tp):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_train_from_hf_checkpoint_on_a_chat_task(hf_model, tmp_path, tp):
+    out = tmp_path / "run"
+    done = _train(tmp_path, _overrides(hf_model["dir"], tmp_path, out, tp), tp)
     assert f"start weights: {hf_model['dir']}" in done.stdout
     assert "warm start" not in done.stdout  # no SFT from a pretrained model
     lines = read_metrics(out)
@@ -90,3 +98,20 @@ def test_train_from_hf_checkpoint_on_a_chat_task(hf_model, tmp_path, tp):
         assert m["rollout/reward_mean"] > 0
         assert 1 <= m["rollout/response_len_mean"] <= 6
         assert m["reward/timeouts"] == 0 and m["reward/errors"] == 0
+
+
+def test_resume_ignores_the_start_checkpoint(hf_model, tmp_path):
+    """A run that resumes from its own checkpoint takes its weights from there: pointing
+    model.hf_checkpoint at another model (same shapes, other weights) changes nothing."""
+    whole = _overrides(hf_model["dir"], tmp_path, tmp_path / "whole")
+    _train(tmp_path, [*whole, "train.save_interval=1"])
+    other = make_hf_model(tmp_path / "other", seed=1)["dir"]
+    parts = _overrides(hf_model["dir"], tmp_path, tmp_path / "parts")
+    _train(tmp_path, [*parts, "train.save_interval=1", "train.exit_after_steps=1"])
+    done = _train(tmp_path, [*parts, "train.save_interval=1", f"model.hf_checkpoint={other}"])
+    assert "start weights" not in done.stdout and "resumed from" in done.stdout
+
+    def strip(lines):
+        return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in lines]
+
+    assert strip(read_metrics(tmp_path / "parts")) == strip(read_metrics(tmp_path / "whole"))

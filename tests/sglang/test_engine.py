@@ -55,6 +55,7 @@ MC = ModelConfig(
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10], [1, 20, 21, 22, 23, 24, 25], [1, 30]]
 FP8 = RolloutFP8Config(weight_quant="blockwise")
 LOGPROB_TOL = 1e-4
+EOS = [2, 3]  # two end ids, as Qwen's chat models have (<|im_end|>, <|endoftext|>)
 
 
 def _hf_cfg():
@@ -90,12 +91,12 @@ def _engine(py, tmp, transport, **kw) -> SGLangEngine:
             **kw,
         ),
     )
-    return SGLangEngine(cfg, _hf_cfg(), pad_token_id=0, eos_token_id=2)
+    return SGLangEngine(cfg, _hf_cfg(), pad_token_id=0, eos_token_id=EOS)
 
 
 def _local(sd, version):
     # Same FP8 weights, no activation quantization: the weights-only numerics of SGLang on CPU.
-    eng = LocalEngine(_hf_cfg(), pad_token_id=0, eos_token_id=2, fp8=RolloutFP8Config())
+    eng = LocalEngine(_hf_cfg(), pad_token_id=0, eos_token_id=EOS, fp8=RolloutFP8Config())
     eng.update_weights(_buckets(eng, quantize_for_rollout(sd.items(), FP8)), version=version)
     return eng
 
@@ -154,6 +155,29 @@ def test_sampled_logprobs_are_log_softmax_at_temperature(tensor_engine):
             c.response_logprobs,
             want.tolist(),
         )
+
+
+def test_generation_stops_on_every_end_id(tensor_engine):
+    """Weights that make one token the argmax at every position (blocks add nothing to the
+    residual stream, every embedding is the ones vector, so logits are lm_head row sums): greedy
+    decoding emits that token first, and the server stops there iff it is one of the end ids."""
+    eng = tensor_engine
+    for target in (*EOS, 7):
+        sd = _weights(seed=0)
+        for name, w in sd.items():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                w.zero_()
+        sd["model.embed_tokens.weight"].fill_(1.0)
+        sd["model.norm.weight"].fill_(1.0)
+        sd["lm_head.weight"].zero_()
+        sd["lm_head.weight"][target] = 1.0
+        version = eng.weight_version() + 1
+        eng.update_weights(_buckets(eng, quantize_for_rollout(sd.items(), FP8)), version=version)
+        got = eng.generate(PROMPTS[:2], n=1, greedy=True, max_new_tokens=5, temperature=1.0)
+        if target in EOS:
+            assert all(c.response_ids == [target] and c.finished for c in got), got
+        else:
+            assert all(c.response_ids == [target] * 5 and not c.finished for c in got), got
 
 
 class _Recorder(KillServerAt):

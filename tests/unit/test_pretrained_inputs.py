@@ -260,3 +260,52 @@ def test_sglang_requests_stop_on_every_eos_id():
         "meta_info": {"weight_version": "1", "output_token_logprobs": [[-0.1, 9], [-0.2, 0]]},
     }
     assert parse_completion([1], answer, eos_token_id=[2, 0], expected_version="1").finished
+
+
+def test_cli_bad_inputs_are_one_line_errors_before_compute(hf, tmp_path, capsys):
+    """Through `megatron-rl-fp8 train`: exit code 2 and one stderr line, before any weight."""
+    from megatron_rl_fp8.cli import main
+
+    bad_data = write_chat_task(tmp_path / "t.jsonl", 3)  # answers live at reward_model.*
+    out = [f"train.output_dir={tmp_path / 'run'}", f"train.cache_dir={tmp_path / 'cache'}"]
+    cases = [
+        (["model.hf_checkpoint=/no/such/folder"], "config error: model.hf_checkpoint="),
+        ([f"tokenizer.path={hf['dir']}"], "config error: the tokenizer has 360 tokens"),
+        (
+            [f"task.train_path={bad_data}", f"task.val_path={bad_data}"],
+            "data error: " + str(bad_data) + ":1: missing field 'answer'",
+        ),
+        (
+            ["reward.function=no_such_module:fn"],
+            "config error: reward.function='no_such_module:fn'",
+        ),
+    ]
+    for overrides, start in cases:
+        assert main(["train", "examples/tiny_cpu.yaml", *overrides, *out]) == 2, overrides
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(start), err
+        assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_verl_parquet_with_nested_fields(hf, tmp_path):
+    """verl's preprocessed parquet: a message-list prompt and reward_model.ground_truth, stored
+    as Arrow lists and structs."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [
+        json.loads(line)
+        for line in write_chat_task(tmp_path / "t.jsonl", 5).read_text().splitlines()
+    ]
+    for i, r in enumerate(rows):
+        r.update(data_source="openai/gsm8k", extra_info={"index": i, "split": "train"})
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    enc = load_prompt_encoder(TokenizerConfig(), hf_checkpoint=str(hf["dir"]))
+    cfg = TaskConfig(
+        train_path=str(path), val_path=str(path), answer_field="reward_model.ground_truth",
+        max_prompt_len=40,
+    )  # fmt: skip
+    _, val, _ = build_datasets(cfg, enc)
+    assert [r["answer"] for r in val.records] == [r["reward_model"]["ground_truth"] for r in rows]
+    assert val[2]["prompt_ids"] == enc.encode(rows[2]["prompt"])
+    assert val[2]["record"]["extra_info"] == {"index": 2, "split": "train"}
