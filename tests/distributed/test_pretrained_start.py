@@ -65,7 +65,9 @@ def _logprobs_body(rank, world, config_path, tp, rows, extra=(), hf_dir=None):
     finally:
         trainer.close()
         parallel.destroy()
-    if rank != 0:
+    if out is None:  # not the last pipeline stage
+        return None
+    if cfg.parallel.tensor_model_parallel_size > 1 and trainer.groups.tp_rank != 0:
         return None
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir or cfg.model.hf_checkpoint)
     with torch.no_grad():
@@ -167,4 +169,18 @@ def test_model_load_starts_from_a_converted_checkpoint(hf_model, tmp_path, tp):
         world_size=tp,
         args=(config, tp, _rows(hf_model), extra, str(hf_model["dir"])),
     )[0]
+    assert err < 1e-4, err
+
+
+def test_pipeline_parallel_start_with_tied_embeddings(tmp_path):
+    """PP=2 with tied embeddings (as Qwen3 up to 4B ties them): each stage loads its own layers,
+    and the last stage's output layer is the embedding from the checkpoint."""
+    tied = make_hf_model(tmp_path / "tied", tie=True, seed=2)
+    config = _config_file(tmp_path, tied["dir"])
+    results = run_distributed(
+        _logprobs_body,
+        world_size=2,
+        args=(config, 1, _rows(tied), ("parallel.pipeline_model_parallel_size=2",)),
+    )
+    err = next(r for r in results if r is not None)[0]
     assert err < 1e-4, err
