@@ -57,6 +57,10 @@ class RunConfig:
         """Cross-section rules; raises ConfigError naming the fields involved."""
         p, m, t = self.parallel, self.model, self.train
         check_model_matches(m, p.tensor_model_parallel_size)
+        if self.loss.kl_coef > 0:
+            from megatron_rl_fp8.trainer.reference import check_ref_checkpoint
+
+            check_ref_checkpoint(m)
         self._check_reward()
         try:
             self.optim.resolved_lr_decay_steps(t.steps * t.updates_per_step)

@@ -26,3 +26,15 @@ def pytest_configure(config):
     # Before anything initialises CUDA: torch reads this at its first CUDA call.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ[CPU_SUITE_ENV] = "1"
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tmp_path_factory):
+    """One tiny Hugging Face model folder (Qwen3 + BPE tokenizer + chat template + two end ids,
+    ``megatron_rl_fp8/data/tiny_hf.py``) shared by every test that starts from a checkpoint."""
+    from megatron_rl_fp8.data.tiny_hf import make_hf_model
+
+    return make_hf_model(tmp_path_factory.mktemp("hf") / "tiny-qwen3")

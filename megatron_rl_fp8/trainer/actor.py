@@ -62,6 +62,37 @@ def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -
     ]
 
 
+def run_schedule(
+    model, device, micro_batches: list[dict], loss_fn: Callable, *, forward_only: bool
+) -> list[dict]:
+    """Megatron's forward(/backward) schedule over ``micro_batches`` (PP=1 and PP>1 alike);
+    returns the per-micro-batch dicts of ``loss_fn`` (last pipeline stage only). The actor and
+    the frozen KL reference both run their passes through it."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        # Batches are built on the host; the model's device is CUDA on GPU clusters.
+        mb = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
+        ids = mb["input_ids"]
+        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        # attention_mask=None: the local spec applies a causal mask; right padding never
+        # influences earlier (real) positions under a causal mask.
+        output = model(ids, pos, None)
+        return output, functools.partial(loss_fn, mb)
+
+    fwd_bwd = get_forward_backward_func()
+    seq_len = micro_batches[0]["input_ids"].shape[1]
+    return fwd_bwd(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=seq_len,
+        micro_batch_size=micro_batches[0]["input_ids"].shape[0],
+        forward_only=forward_only,
+    )
+
+
 class Actor:
     def __init__(
         self,
@@ -183,31 +214,8 @@ class Actor:
     def _run(
         self, micro_batches: list[dict], loss_fn: Callable, *, forward_only: bool
     ) -> list[dict]:
-        """Run the schedule; returns the per-micro-batch dicts (last pipeline stage only)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        device = self.groups.device
-
-        def forward_step(data_iterator, model):
-            # Batches are built on the host; the model's device is CUDA on GPU clusters.
-            mb = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
-            ids = mb["input_ids"]
-            pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-            # attention_mask=None: the local spec applies a causal mask; right padding never
-            # influences earlier (real) positions under a causal mask.
-            output = model(ids, pos, None)
-            return output, functools.partial(loss_fn, mb)
-
-        fwd_bwd = get_forward_backward_func()
-        seq_len = micro_batches[0]["input_ids"].shape[1]
-        return fwd_bwd(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=[self.model],
-            num_microbatches=len(micro_batches),
-            seq_length=seq_len,
-            micro_batch_size=micro_batches[0]["input_ids"].shape[0],
-            forward_only=forward_only,
+        return run_schedule(
+            self.model, self.groups.device, micro_batches, loss_fn, forward_only=forward_only
         )
 
     def _logits_kwargs(self) -> dict:

@@ -35,6 +35,7 @@ from megatron_rl_fp8.trainer import checkpoint
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.batch import build_rl_batch, order_for_updates
 from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
+from megatron_rl_fp8.trainer.reference import Reference
 from megatron_rl_fp8.trainer.sampling import Sampler
 from megatron_rl_fp8.trainer.update import PolicyUpdate
 from megatron_rl_fp8.trainer.warm_start import warm_start
@@ -70,7 +71,11 @@ class Trainer:
         )
         print_rank0(f"actor: {self.actor.describe()}")
         self.calibrator = ClipCalibrator(cfg.loss, fp8_training=cfg.fp8.enabled)
-        self.policy_update = PolicyUpdate(cfg, self.actor, self.groups, self.calibrator)
+        # The frozen reference of the KL penalty exists only when the penalty is on.
+        self.reference = Reference(self.actor) if cfg.loss.kl_coef > 0 else None
+        self.policy_update = PolicyUpdate(
+            cfg, self.actor, self.groups, self.calibrator, self.reference
+        )
         self.engine = None
         if self.is_driver:
             tok = self.tokenizer
@@ -183,6 +188,7 @@ class Trainer:
             n = load_hf_weights(
                 self.actor.module, m.hf_checkpoint, m, tp_rank=g.tp_rank, tp_size=g.tp_size
             )
+            self.actor.params_changed()
             dist.barrier()
             print_rank0(
                 f"start weights: {m.hf_checkpoint} ({n} tensors on rank 0, "
@@ -210,6 +216,8 @@ class Trainer:
                 print_step(0, first)
         else:
             self.sync_weights(version=self.step)
+        if self.reference is not None:  # the RL-start policy, known only now
+            self.reference.load_weights(cfg, self.actor, resumed=resumed)
 
         progress = progress_bar(self.is_driver, cfg.train.steps, self.step)
         steps_this_run = 0

@@ -9,6 +9,11 @@ ranks: TP=2, PP=2 or DP=2 give the 1-rank loss.
 On calibration steps (``ClipCalibrator.due``) the old logprobs are also computed by the BF16
 shadow pass, and the calibrator resets the clip bounds before every mini-batch after the first
 (update 0 sees pi_theta == pi_old: all ratios 1, nothing to calibrate).
+
+With ``loss.kl_coef > 0`` the frozen reference (``reference.py``) adds ``ref_logprobs`` in the same
+phase, and each token's loss gains ``kl_coef * kl_penalty(logp, ref, loss.kl_type)``, aggregated
+with the policy loss's mask and global denominator (so the layouts still agree). ``train/loss``
+includes it; ``train/kl`` is the mean per-token estimate over the step's response tokens.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ import time
 import torch
 
 from megatron_rl_fp8.config import RunConfig
-from megatron_rl_fp8.loss import policy_loss
+from megatron_rl_fp8.loss import aggregate_loss, kl_penalty, masked_mean, policy_loss
 from megatron_rl_fp8.metrics.accumulator import MetricAccumulator
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.batch import rows_for_rank
 from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
 from megatron_rl_fp8.trainer.collectives import broadcast_object
+from megatron_rl_fp8.trainer.reference import Reference
 
 # Policy-loss metrics that combine with max / min instead of a token-weighted mean.
 _MAX_KEYS = ("ratio_max",)
@@ -50,11 +56,19 @@ def chunks(batch: dict, n: int) -> list[dict]:
 
 
 class PolicyUpdate:
-    def __init__(self, cfg: RunConfig, actor: Actor, groups: Groups, calibrator: ClipCalibrator):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        actor: Actor,
+        groups: Groups,
+        calibrator: ClipCalibrator,
+        reference: Reference | None = None,
+    ):
         self.cfg = cfg
         self.actor = actor
         self.groups = groups
         self.calibrator = calibrator
+        self.reference = reference  # None unless loss.kl_coef > 0
 
     def _logprobs(self, batch: dict) -> dict | None:
         return self.actor.compute_logprobs(
@@ -92,6 +106,28 @@ class PolicyUpdate:
         acc.add("fp8/rollout_train_kl", ((torch.exp(-diff) - 1 + diff) * mask).sum().item())
         return shadow_time
 
+    def ref_logprobs(self, local: dict) -> None:
+        """Fill ``ref_logprobs`` (the frozen reference's, for the KL penalty) into ``local``."""
+        ref = self.reference.compute_logprobs(
+            local, self.cfg.train.micro_batch_size, temperature=self.cfg.rollout.temperature
+        )
+        # Not the last pipeline stage: no logprobs here (and no loss either).
+        local["ref_logprobs"] = ref if ref is not None else torch.zeros_like(local["old_logprobs"])
+
+    def _kl_loss(self, mb: dict, logprobs: torch.Tensor, counts: dict):
+        """(the KL penalty aggregated as the policy loss is, its detached per-token mean)."""
+        mask = mb["loss_mask"].bool()
+        # Padding goes in as logp = ref = 0 (KL 0, finite gradient): prompt and pad positions may
+        # hold log-probs whose exp() overflows in k3.
+        zero = torch.zeros_like(logprobs)
+        kl_tok = kl_penalty(
+            torch.where(mask, logprobs, zero),
+            torch.where(mask, mb["ref_logprobs"], zero),
+            self.cfg.loss.kl_type,
+        )
+        kl = aggregate_loss(kl_tok, mask, self.cfg.loss.agg, **counts)
+        return kl, masked_mean(kl_tok.detach(), mask)
+
     def _token_loss(self, counts: dict, clip_low: float, clip_high: float):
         loss_cfg = self.cfg.loss
 
@@ -113,9 +149,16 @@ class PolicyUpdate:
             )
             m.pop("rollout_kl_k1", None)
             m.pop("token_mult_prob_error", None)
+            if loss_cfg.kl_coef > 0:
+                kl, m["kl"] = self._kl_loss(mb, logprobs, counts)
+                loss = loss + loss_cfg.kl_coef * kl
+            # pg_loss is already divided by the global count, as the loss is: it sums over
+            # micro-batches and ranks. The other metrics are per-token means of this micro-batch:
+            # weighted sums, so micro-batches and DP ranks combine into token means.
+            pg_loss = m.pop("pg_loss").detach()
             ntok = mb["loss_mask"].sum()
-            # Weighted sums, so micro-batches and DP ranks combine into token means.
-            return loss, {**{k: v.detach() * ntok for k, v in m.items()}, "_ntok": ntok}
+            weighted = {k: v.detach() * ntok for k, v in m.items()}
+            return loss, {**weighted, "_pg_loss": pg_loss, "_ntok": ntok}
 
         return token_loss
 
@@ -123,8 +166,9 @@ class PolicyUpdate:
     def _account(outs: list[dict], acc: MetricAccumulator) -> None:
         for o in outs:
             acc.add("train/loss", o["loss"].item())
+            acc.add("train/pg_loss", o["_pg_loss"].item())
             for k, v in o.items():
-                if k in ("loss", "_ntok"):
+                if k in ("loss", "_ntok", "_pg_loss"):
                     continue
                 if k.endswith(_MAX_KEYS):
                     acc.max(k, v.item() / max(o["_ntok"].item(), 1.0))
@@ -144,6 +188,8 @@ class PolicyUpdate:
         acc = MetricAccumulator()
         calibrating = self.calibrator.due(step)
         shadow_time = self.old_logprobs(local, acc, calibrating)
+        if self.reference is not None:
+            self.ref_logprobs(local)
         logprob_time = time.perf_counter() - t0
 
         n_up = cfg.train.updates_per_step
@@ -200,7 +246,7 @@ class PolicyUpdate:
             pg_n = max(total.pop("pg_tokens", 0.0), 1.0)
             result = {}
             for k, v in total.items():
-                if k == "train/loss":
+                if k in ("train/loss", "train/pg_loss"):  # per update, summed over micro-batches
                     result[k] = v / self.cfg.train.updates_per_step
                 elif k.startswith("pg/"):
                     result["train/" + k[3:]] = v / pg_n

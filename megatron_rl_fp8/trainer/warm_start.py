@@ -32,7 +32,8 @@ from megatron_rl_fp8.trainer.collectives import broadcast_object
 def cache_key(cfg: RunConfig, tokenizer) -> str:
     blob = json.dumps(
         {
-            "model": to_dict(cfg.model),
+            # The KL reference does not change what SFT produces.
+            "model": {k: v for k, v in to_dict(cfg.model).items() if k != "ref_checkpoint"},
             "task": to_dict(cfg.task),
             "tokenizer": to_dict(cfg.tokenizer),
             "sft": to_dict(cfg.sft),

@@ -17,6 +17,7 @@ from tests.trainer_utils import SMALL, trainer_body
 
 KEYS = (
     "train/loss",
+    "train/pg_loss",
     "train/entropy",
     "train/grad_norm",
     "train/pg_clipfrac",

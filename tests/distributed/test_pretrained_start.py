@@ -77,9 +77,9 @@ def _logprobs_body(rank, world, config_path, tp, rows, extra=(), hf_dir=None):
     return err, prompt, cfg.model.vocab_size, cfg.model.padded_vocab_size(tp)
 
 
-@pytest.fixture(scope="module")
-def hf_model(tmp_path_factory):
-    return make_hf_model(tmp_path_factory.mktemp("hf") / "tiny-qwen3")
+@pytest.fixture
+def hf_model(tiny_hf_model):
+    return tiny_hf_model
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -149,10 +149,10 @@ def _rows(hf_model):
     return torch.randint(0, hf_model["tokenizer_len"], (2, 20), generator=gen).tolist()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_model_load_starts_from_a_converted_checkpoint(hf_model, tmp_path, tp):
+def test_model_load_starts_from_a_converted_checkpoint(hf_model, tmp_path, tp=2):
     """`model.load` = an hf-to-mcore output (converted with the run's TP, so its vocab padding
-    fits): the same weights as the HF folder, read with dist_checkpointing."""
+    fits): the same weights as the HF folder, read with dist_checkpointing at TP=2 (the
+    HF-folder tests above cover TP=1)."""
     from megatron_rl_fp8.convert.hf_to_mcore import hf_to_mcore
 
     converted = tmp_path / "mcore"

@@ -1,7 +1,7 @@
 """A user's first real run, through the CLI: ``megatron-rl-fp8 train`` with
 ``model.hf_checkpoint`` (a Qwen3 + BPE tokenizer + chat template folder made by transformers and
 tokenizers), a chat-format JSONL task in verl's layout, a user reward function run in the reward
-pool; at TP=1 (one process) and TP=2 (torchrun). Two RL steps each.
+pool; at TP=1 (one process, also interrupted and resumed) and TP=2 (torchrun). Two RL steps.
 
 Checks that hold on any machine: the run starts from the checkpoint (no SFT), every metric is
 finite, rewards come from the plugged function (lengths, so groups differ and the update has a
@@ -24,9 +24,9 @@ from megatron_rl_fp8.metrics.logger import read_metrics
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def hf_model(tmp_path_factory):
-    return make_hf_model(tmp_path_factory.mktemp("hf") / "tiny-qwen3")
+@pytest.fixture
+def hf_model(tiny_hf_model):
+    return tiny_hf_model
 
 
 def _env():
@@ -83,11 +83,8 @@ def _train(tmp_path, overrides, tp=1):
     return done
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_train_from_hf_checkpoint_on_a_chat_task(hf_model, tmp_path, tp):
-    out = tmp_path / "run"
-    done = _train(tmp_path, _overrides(hf_model["dir"], tmp_path, out, tp), tp)
-    assert f"start weights: {hf_model['dir']}" in done.stdout
+def _check_run(done, out, hf_dir):
+    assert f"start weights: {hf_dir}" in done.stdout
     assert "warm start" not in done.stdout  # no SFT from a pretrained model
     lines = read_metrics(out)
     assert [m["step"] for m in lines] == [0, 1, 2]
@@ -100,11 +97,20 @@ def test_train_from_hf_checkpoint_on_a_chat_task(hf_model, tmp_path, tp):
         assert m["reward/timeouts"] == 0 and m["reward/errors"] == 0
 
 
-def test_resume_ignores_the_start_checkpoint(hf_model, tmp_path):
-    """A run that resumes from its own checkpoint takes its weights from there: pointing
-    model.hf_checkpoint at another model (same shapes, other weights) changes nothing."""
+def test_train_from_hf_checkpoint_at_tp2(hf_model, tmp_path):
+    out = tmp_path / "run"
+    done = _train(tmp_path, _overrides(hf_model["dir"], tmp_path, out, tp=2), tp=2)
+    _check_run(done, out, hf_model["dir"])
+
+
+def test_train_from_hf_checkpoint_and_resume_ignores_it(hf_model, tmp_path):
+    """TP=1, two steps from the HF folder; then the same run interrupted after step 1 and resumed
+    with model.hf_checkpoint pointing at another model (same shapes, other weights): a run that
+    resumes from its own checkpoint takes its weights from there, so nothing changes."""
     whole = _overrides(hf_model["dir"], tmp_path, tmp_path / "whole")
-    _train(tmp_path, [*whole, "train.save_interval=1"])
+    _check_run(
+        _train(tmp_path, [*whole, "train.save_interval=1"]), tmp_path / "whole", hf_model["dir"]
+    )
     other = make_hf_model(tmp_path / "other", seed=1)["dir"]
     parts = _overrides(hf_model["dir"], tmp_path, tmp_path / "parts")
     _train(tmp_path, [*parts, "train.save_interval=1", "train.exit_after_steps=1"])

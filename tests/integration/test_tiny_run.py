@@ -111,6 +111,9 @@ def test_run_learns_and_stays_in_bounds(uninterrupted):
         assert 0.0 < m["train/entropy"] < math.log(VOCAB)
         # Zero when no group of the step has reward variance (all advantages 0).
         assert m["train/grad_norm"] >= 0
+        # No KL term: the loss is the policy loss, however it splits into micro-batches (16 rows
+        # each here, 2 per update).
+        assert math.isclose(m["train/pg_loss"], m["train/loss"], rel_tol=1e-6, abs_tol=1e-9)
         assert (
             limits.lower_limits[0]
             <= m["calib/lower"]

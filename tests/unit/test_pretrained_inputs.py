@@ -19,12 +19,12 @@ from megatron_rl_fp8.data import (
     load_prompt_encoder,
 )
 from megatron_rl_fp8.data.prompts import check_vocab
-from megatron_rl_fp8.data.tiny_hf import make_hf_model, write_chat_task
+from megatron_rl_fp8.data.tiny_hf import write_chat_task
 
 
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory):
-    return make_hf_model(tmp_path_factory.mktemp("hf") / "tiny-qwen3")
+@pytest.fixture
+def hf(tiny_hf_model):
+    return tiny_hf_model
 
 
 def _cfg(hf_dir, *overrides, base=None):

@@ -1,0 +1,203 @@
+"""The frozen reference policy of the KL penalty (``loss.kl_coef > 0``; off by default, as DAPO).
+
+A second GPTModel of the actor's architecture and layout (same TP/PP, same kernel spec, so its
+parameters pair one to one with the actor's), with no DDP wrapper, no optimizer and no gradients.
+Once per step, in the old-logprob phase, it runs one forward over this rank's rollout rows through
+the actor's own pipeline schedule (``actor.run_schedule``, so PP > 1 needs nothing more) and gives
+``ref_logprobs``, a [B, S] tensor aligned with ``labels`` like ``old_logprobs``.
+
+Its weights, set once before step 1 (:meth:`Reference.load_weights`):
+
+* ``model.ref_checkpoint``: an HF folder or a converted / trainer checkpoint folder, read with the
+  actor's loaders (``models/pretrained.py``) at this rank's layout;
+* null: the policy RL starts from. A fresh run copies the actor right before step 1 (after the
+  start weights and any SFT warm start). When that policy cannot be read again from the start
+  checkpoint (a random init, or SFT on top of it), the copy is also saved, weights only, under
+  ``<train.output_dir>/reference/``, so a resumed run gets the same reference back; otherwise a
+  resume reads ``model.load`` / ``model.hf_checkpoint`` again.
+
+Precision: the reference never runs FP8 (no TE FP8 recipe, no emulated GEMMs), whatever the actor
+trains in: it is the unquantized reference policy, at the actor's parameter dtype. So under FP8
+training the KL also contains the FP8-vs-BF16 mismatch of the policy (nonzero at step 1).
+
+Memory: one more copy of the weights in the parameter dtype, sharded like the actor's, and nothing
+else persistent (no gradients, no optimizer state): 2 bytes per parameter in bf16, 16 GB for an 8B
+model spread over TP * PP GPUs (4 GB per GPU at TP=4), next to the actor's 18 bytes per parameter
+(bf16 weights; fp32 main weights, gradients and two Adam moments), so ~11% more; plus one
+micro-batch's forward activations at a time, as the actor's logprob pass, freed before the update.
+Disk: the snapshot (when one is needed) is one more weights-only copy in the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.fp8.te import have_te
+from megatron_rl_fp8.metrics.logger import print_rank0
+from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
+from megatron_rl_fp8.models.logprobs import token_logprobs
+from megatron_rl_fp8.models.pretrained import (
+    ARCH_FIELDS,
+    converted_dir,
+    load_hf_weights,
+    source_model,
+)
+from megatron_rl_fp8.trainer import checkpoint
+from megatron_rl_fp8.trainer.actor import Actor, run_schedule, split_micro_batches
+
+if TYPE_CHECKING:  # megatron_rl_fp8.config may call check_ref_checkpoint: no import cycle
+    from megatron_rl_fp8.config import RunConfig
+    from megatron_rl_fp8.models.config import ModelConfig
+
+SNAPSHOT_DIR = "reference"  # under train.output_dir
+_SNAPSHOT_NAME = "rl_start"
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """An HF model folder has a config.json; a converted or trainer checkpoint does not."""
+    return (Path(path).expanduser() / "config.json").is_file()
+
+
+def check_ref_checkpoint(model: ModelConfig) -> None:
+    """``model.ref_checkpoint``, when set, is a checkpoint of the actor's architecture (where
+    it records one: a trainer checkpoint does not, and its loader checks the shapes). Raises
+    ConfigError naming the field; reads only small metadata files."""
+    path = model.ref_checkpoint
+    if path is None:
+        return
+    hf = is_hf_folder(path)
+    if not hf and not (converted_dir(path) / "trainer_state.json").is_file():
+        raise ConfigError(
+            f"model.ref_checkpoint={path!r} is neither a Hugging Face model folder (config.json, "
+            "*.safetensors) nor a converted checkpoint (an hf-to-mcore output, a run's "
+            "checkpoints folder or one iter_* in it); point it at one, or null for the run's "
+            "starting weights"
+        )
+    try:
+        source = source_model(hf_checkpoint=path if hf else None, load=None if hf else path)
+    except ConfigError as e:
+        raise ConfigError(f"model.ref_checkpoint: {e}") from None
+    if source is None:
+        return
+    theirs, where = source
+    for name in ARCH_FIELDS:
+        mine, other = getattr(model, name), getattr(theirs, name)
+        if name == "head_dim":  # None means hidden / heads on either side
+            mine, other = model.kv_channels, theirs.kv_channels
+        if mine != other:
+            raise ConfigError(
+                f"model.ref_checkpoint={path!r} has {name}={other!r} ({where}) but the actor has "
+                f"model.{name}={mine!r}: the reference must have the actor's architecture"
+            )
+
+
+class Reference:
+    def __init__(self, actor: Actor):
+        """A frozen twin of ``actor``'s module (its weights are garbage until ``load_weights``)."""
+        self.model_cfg = actor.model_cfg
+        self.groups = g = actor.groups
+        check_ref_checkpoint(self.model_cfg)  # before any weight exists
+        on_cpu = g.device.type != "cuda"
+        # The actor's kernel choice (Actor.__init__), so parameter names match one to one; but no
+        # FP8 recipe and no emulation: the reference runs unquantized.
+        use_te = not on_cpu and not actor.fp8_emulated and have_te()
+        self.config = transformer_config(
+            self.model_cfg,
+            tensor_model_parallel_size=g.tp_size,
+            pipeline_model_parallel_size=g.pp_size,
+            on_cpu=on_cpu,
+            use_te=use_te,
+            perform_initialization=False,  # every weight is loaded or copied next
+        )
+        self.model = build_gpt_model(self.model_cfg, self.config, use_te=use_te)
+        if g.device.type == "cuda":
+            self.model.cuda(g.device)
+        self.model.eval()
+        self.model.requires_grad_(False)
+
+    # -- weights ---------------------------------------------------------------------------------
+    def load_weights(self, cfg: RunConfig, actor: Actor, *, resumed: bool) -> None:
+        """Set the reference weights for this run (module docstring). Collective over all ranks;
+        call it right before step 1: after the start weights and warm start, or after a resume."""
+        m = cfg.model
+        snapshot = Path(cfg.train.output_dir) / SNAPSHOT_DIR
+        # The RL-start policy is exactly the start checkpoint: no copy needs saving.
+        rereadable = m.pretrained and not cfg.sft.steps
+        if m.ref_checkpoint is not None:
+            source = self.load(m.ref_checkpoint)
+        elif not resumed:
+            self.copy_from(actor)
+            source = "the actor's weights at RL step 0"
+            if not rereadable:
+                checkpoint.save(
+                    snapshot,
+                    _SNAPSHOT_NAME,
+                    {"model": self.model.sharded_state_dict()},
+                    {"reference": source},
+                )
+                source += f" (saved to {snapshot})"
+        elif (snapshot / "latest").is_file():
+            source = self.load(snapshot)
+        elif rereadable:
+            source = self.load(m.load if m.load is not None else m.hf_checkpoint)
+        else:
+            raise RuntimeError(
+                f"resuming with loss.kl_coef={cfg.loss.kl_coef} but {snapshot} holds no reference "
+                "weights (the run started without the KL penalty, or the folder was removed): the "
+                "policy RL started from is gone. Set model.ref_checkpoint to the weights to use "
+                "(e.g. the SFT warm-start cache under train.cache_dir), or start a new run"
+            )
+        print_rank0(f"reference: {source}")
+
+    def copy_from(self, actor: Actor) -> None:
+        """The actor's current weights (same layout, same names), copied shard for shard."""
+        src = dict(actor.module.named_parameters())
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                param.copy_(src[name])
+
+    def load(self, path: str | Path) -> str:
+        """Weights from an HF folder or a converted / trainer checkpoint (any TP/PP it was saved
+        at). Collective over all ranks. Returns a description for the run log."""
+        t0 = time.perf_counter()
+        if is_hf_folder(path):
+            g = self.groups
+            load_hf_weights(self.model, path, self.model_cfg, tp_rank=g.tp_rank, tp_size=g.tp_size)
+            kind = "HF folder"
+        else:
+            path = converted_dir(path)
+            loaded, _ = checkpoint.load(path, {"model": self.model.sharded_state_dict()})
+            self.model.load_state_dict(loaded["model"])
+            kind = "checkpoint"
+        return f"{path} ({kind}, {time.perf_counter() - t0:.1f} s)"
+
+    # -- forward ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_logprobs(
+        self, batch: dict[str, torch.Tensor], micro_batch_size: int, *, temperature: float = 1.0
+    ) -> torch.Tensor | None:
+        """Per-token reference logprobs of ``labels`` ([B, S], on the model's device) on the last
+        pipeline stage, else None. ``temperature`` must be the actor's, so both score the same
+        distribution family."""
+        kwargs = {"vocab_size": self.model_cfg.vocab_size, "tp_rank": self.groups.tp_rank}
+
+        def loss_fn(mb, logits):
+            lp = token_logprobs(logits, mb["labels"], temperature=temperature, **kwargs)
+            return torch.zeros(()), {"logprobs": lp}
+
+        # The actor's schedule: same micro-batching, positions and pipeline path as its logprobs.
+        out = run_schedule(
+            self.model,
+            self.groups.device,
+            split_micro_batches(batch, micro_batch_size),
+            loss_fn,
+            forward_only=True,
+        )
+        if not self.groups.is_last_stage:
+            return None
+        return torch.cat([o["logprobs"] for o in out])
