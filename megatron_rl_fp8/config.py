@@ -90,6 +90,12 @@ class RunConfig:
                 f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by "
                 f"parallel.tensor_model_parallel_size={tp}"
             )
+        if self.rollout.n_samples_per_prompt < 2:
+            raise ConfigError(
+                f"rollout.n_samples_per_prompt={self.rollout.n_samples_per_prompt}: GRPO's "
+                "advantage is each reward minus its group's mean, so a group of one has advantage "
+                "0 and the run would train on nothing; use >= 2 (8 or 16 is usual)"
+            )
         rows = t.prompts_per_step * self.rollout.n_samples_per_prompt
         per_update = rows // t.updates_per_step
         if rows % t.updates_per_step or per_update % (dp * t.micro_batch_size):

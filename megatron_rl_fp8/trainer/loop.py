@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_rl_fp8 import parallel
 from megatron_rl_fp8.config import RunConfig
+from megatron_rl_fp8.config_utils import ConfigError, to_dict
 from megatron_rl_fp8.data import build_datasets, load_prompt_encoder
 from megatron_rl_fp8.data.prompts import check_vocab
 from megatron_rl_fp8.loss import grpo_advantages
@@ -31,7 +32,7 @@ from megatron_rl_fp8.models.pretrained import load_converted, load_hf_weights
 from megatron_rl_fp8.rollout import build_engine
 from megatron_rl_fp8.sync.buckets import export_for_rollout
 from megatron_rl_fp8.sync.gather import iter_full_params
-from megatron_rl_fp8.trainer import checkpoint
+from megatron_rl_fp8.trainer import checkpoint, run_dir
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.batch import build_rl_batch, order_for_updates
 from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
@@ -50,7 +51,29 @@ class Trainer:
         self.is_driver = self.groups.is_driver
         self.out_dir = Path(cfg.train.output_dir)
         self.ckpt_root = self.out_dir / "checkpoints"
+        # One writer per run directory, writable paths: checked on every rank before any compute,
+        # and refused on all ranks together (one gather) so none is left waiting in a collective.
+        self.lock, problem = run_dir.prepare(cfg, is_driver=self.is_driver)
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        if any(problems):
+            if self.lock is not None:
+                self.lock.release()
+            raise ConfigError(next(p for p in problems if p))
+        if self.lock is not None and self.lock.previous:
+            who = self.lock.previous
+            print_rank0(
+                f"run directory: taking over from pid {who.get('pid')} on {who.get('host')}, "
+                "which ended without releasing it"
+            )
+        try:
+            self._build(cfg)
+        except BaseException:
+            if self.lock is not None:  # a refused start leaves the directory free
+                self.lock.release()
+            raise
 
+    def _build(self, cfg: RunConfig) -> None:
         # Tokenizer and every prompt are checked before any weight exists (one-line errors).
         self.tokenizer = load_prompt_encoder(cfg.tokenizer, hf_checkpoint=cfg.model.hf_checkpoint)
         check_vocab(self.tokenizer, cfg.model.vocab_size)
@@ -199,8 +222,14 @@ class Trainer:
     def run(self) -> None:
         cfg = self.cfg
         if self.is_driver:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.out_dir / "config.yaml", cfg.to_yaml())
+            saved = self.out_dir / "config.yaml"
+            if saved.is_file():
+                changed = run_dir.changed_settings(saved.read_text(), to_dict(cfg))
+                if changed:
+                    print_rank0(
+                        "config: changed since this directory's last run: " + "; ".join(changed)
+                    )
+            atomic_write_text(saved, cfg.to_yaml())
         resumed = self.try_resume()
         # Lines past the restored step are replayed by this run; drop them so none is duplicated.
         self.logger.truncate_after(self.step if resumed else -1)
@@ -267,4 +296,6 @@ class Trainer:
         self.sampler.close()
         if self.engine is not None:
             self.engine.shutdown()
+        if self.lock is not None:
+            self.lock.release()
         self.logger.close()

@@ -1,0 +1,100 @@
+"""The run directory before any compute: one writer, writable paths, degenerate settings."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_rl_fp8.config import load_config
+from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.trainer.run_dir import RunLock, changed_settings
+
+_HOLD = """
+import sys, time
+from megatron_rl_fp8.trainer.run_dir import RunLock
+RunLock(sys.argv[1]).acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(out_dir):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(out_dir)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_second_writer_is_refused_and_a_killed_owner_is_taken_over(tmp_path):
+    proc = _holder(tmp_path)
+    try:
+        with pytest.raises(ConfigError, match=rf"in use by another run \(pid {proc.pid} on "):
+            RunLock(tmp_path).acquire()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    lock = RunLock(tmp_path)
+    lock.acquire()  # the kernel dropped the dead process's lock
+    assert lock.previous["pid"] == proc.pid  # ... and the takeover is known
+    lock.release()
+    again = RunLock(tmp_path)
+    again.acquire()
+    assert again.previous == {}  # a clean release leaves no owner behind
+    again.release()
+
+
+def test_cli_refuses_a_busy_directory_before_writing_anything(tmp_path, capsys):
+    from megatron_rl_fp8.cli import main
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("the other run's config\n")
+    proc = _holder(out)
+    try:
+        code = main(["train", "examples/tiny_cpu.yaml", f"train.output_dir={out}",
+                     f"train.cache_dir={tmp_path / 'cache'}"])  # fmt: skip
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "is in use by another run" in err[0], err
+    assert (out / "config.yaml").read_text() == "the other run's config\n"
+
+
+def test_unwritable_cache_fails_before_the_warm_start(tmp_path, capsys):
+    from megatron_rl_fp8.cli import main
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")  # a directory cannot be made under a file, even by root
+    t0 = time.perf_counter()
+    code = main(["train", "examples/tiny_cpu.yaml", f"train.output_dir={tmp_path / 'run'}",
+                 f"train.cache_dir={blocker / 'cache'}"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("config error: train.cache_dir=") and "not a writable" in err[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert time.perf_counter() - t0 < 30  # no SFT ran (600 steps take minutes)
+    # The refused run released the directory.
+    lock = RunLock(tmp_path / "run")
+    lock.acquire()
+    lock.release()
+
+
+def test_one_sample_per_prompt_is_refused():
+    with pytest.raises(ConfigError, match="n_samples_per_prompt=1: GRPO"):
+        load_config(None, ["rollout.n_samples_per_prompt=1"]).validate(1)
+
+
+def test_changed_settings_on_resume():
+    old = "optim:\n  lr: 0.0001\ntrain:\n  steps: 10\n"
+    new = {"optim": {"lr": 0.0003}, "train": {"steps": 10, "seed": 1}}
+    assert changed_settings(old, new) == [
+        "optim.lr: 0.0001 -> 0.0003",
+        "train.seed: '(unset)' -> 1",
+    ]
+    assert changed_settings(old, {"optim": {"lr": 0.0001}, "train": {"steps": 10}}) == []
