@@ -132,7 +132,7 @@ def _kill(worker: _Worker) -> None:
     try:
         worker.conn.close()
     except OSError:
-        pass
+        pass  # already closed: the worker died or close() ran twice
     if worker.process.is_alive():
         worker.process.kill()
     worker.process.join(timeout=10)

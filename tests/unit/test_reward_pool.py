@@ -40,7 +40,7 @@ def _worker_children() -> list:
             if "spawn_main" in " ".join(child.cmdline()) and child.status() != "zombie":
                 out.append(child)
         except psutil.NoSuchProcess:
-            pass
+            pass  # exited between listing and inspection: not a leak
     return out
 
 
