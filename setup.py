@@ -32,12 +32,15 @@ setup(
         "math-verify>=0.9",
         # Parquet prompt files (verl-style datasets).
         "pyarrow",
+        # `megatron-rl-fp8 report`: PNG figures of runs.
+        "matplotlib",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],
         "sglang": ["sglang"],
         # accelerate: transformers needs it to read FP8 checkpoints (a conversion test does).
-        "dev": ["pytest", "pytest-timeout", "accelerate", "ruff==0.17.6"],
+        # tensorboard, wandb: the logger tests write real event files and offline W&B runs.
+        "dev": ["pytest", "pytest-timeout", "accelerate", "ruff==0.17.6", "tensorboard", "wandb"],
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
     },

@@ -5,11 +5,15 @@ its resolved value, its default and its help (``*`` marks values that differ fro
 
 ``megatron-rl-fp8 convert hf-to-mcore|mcore-to-hf|export-fp8 ...``: checkpoint conversion
 (same as tools/convert_checkpoint.py; see docs/convert.md).
+
+``megatron-rl-fp8 report RUN_DIR [RUN_DIR ...] --out DIR [--label NAME ...]``: PNG figures and a
+Markdown summary overlaying several runs (see docs/report.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -21,12 +25,17 @@ def _train(args) -> int:
     # Validate the layout before any process group, model or engine exists.
     cfg.validate(world_from_env()[1])
     from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.trainer.guard import GuardStop
     from megatron_rl_fp8.trainer.loop import Trainer
 
     trainer = None
     try:
         trainer = Trainer(cfg)
         trainer.run()
+    except GuardStop as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"guard: {e}", file=sys.stderr)
+        return 3
     finally:
         if trainer is not None:
             trainer.close()
@@ -53,6 +62,14 @@ def _show_config(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from megatron_rl_fp8.metrics.report import write_report
+
+    path = write_report(args.runs, args.out, args.label)
+    print(f"report: {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-rl-fp8", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,6 +85,17 @@ def main(argv: list[str] | None = None) -> int:
         "config", nargs="?", default=None, help="YAML config (default: examples/tiny_cpu.yaml)."
     )
     show.add_argument("overrides", nargs="*", help="section.key=value overrides.")
+    report = sub.add_parser(
+        "report", help="Figures and a Markdown summary overlaying several runs' metrics."
+    )
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="Run output directories.")
+    report.add_argument("--out", required=True, help="Directory for report.md and the PNGs.")
+    report.add_argument(
+        "--label",
+        action="append",
+        help="A run's name in legends and tables; once per RUN_DIR, in order "
+        "(default: the directory names).",
+    )
     sub.add_parser(
         "convert",
         help="Checkpoint conversion: hf-to-mcore | mcore-to-hf | export-fp8 "
@@ -86,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "config":
             return _show_config(args)
+        if args.command == "report":
+            return _report(args)
     except ConfigError as e:
         from megatron_rl_fp8.data import DataError
 

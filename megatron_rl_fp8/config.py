@@ -16,12 +16,15 @@ from megatron_rl_fp8.config_utils import ConfigError, field, from_dict, set_dott
 from megatron_rl_fp8.data.prompts import TokenizerConfig
 from megatron_rl_fp8.data.task import TaskConfig
 from megatron_rl_fp8.fp8.config import FP8Config
+from megatron_rl_fp8.metrics.config import LoggingConfig
+from megatron_rl_fp8.metrics.logger import require_packages
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.pretrained import check_model_matches, fill_model_section
 from megatron_rl_fp8.parallel import ParallelConfig
 from megatron_rl_fp8.reward.verifiers import RewardConfig
 from megatron_rl_fp8.rollout.base import RolloutConfig
 from megatron_rl_fp8.trainer.config import OptimConfig, PolicyLossConfig, SFTConfig, TrainConfig
+from megatron_rl_fp8.trainer.guard import GuardConfig
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 SFT_STEPS_FROM_SCRATCH = 300
@@ -46,6 +49,15 @@ class RunConfig:
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig, help="Policy loss.")
     sft: SFTConfig = field(default_factory=SFTConfig, help="Supervised warm start.")
     train: TrainConfig = field(default_factory=TrainConfig, help="Loop shape and outputs.")
+    guard: GuardConfig = field(
+        default_factory=GuardConfig,
+        help="Stability guard: rules on each step's metrics (non-finite loss, entropy rise, "
+        "mismatch, reward collapse, garbled outputs) and the action each takes.",
+    )
+    logging: LoggingConfig = field(
+        default_factory=LoggingConfig,
+        help="Metric loggers: metrics.jsonl always; TensorBoard and W&B when switched on.",
+    )
 
     def __post_init__(self):
         if self.sft.steps is None:
@@ -62,6 +74,8 @@ class RunConfig:
 
             check_ref_checkpoint(m)
         self._check_reward()
+        # On every rank: only the driver logs, but a missing package must stop all of them.
+        require_packages(self.logging)
         try:
             self.optim.resolved_lr_decay_steps(t.steps * t.updates_per_step)
         except ValueError as e:
@@ -119,6 +133,17 @@ class RunConfig:
             raise ConfigError(
                 f"loss.overlong_buffer={self.loss.overlong_buffer} exceeds "
                 f"rollout.max_new_tokens={self.rollout.max_new_tokens}"
+            )
+        actions = self.guard.actions_in_use()
+        if "bf16" in actions and not self.fp8.enabled:
+            raise ConfigError(
+                "a guard rule's action is bf16 (train without FP8 for guard.bf16_steps) but "
+                "fp8.recipe is bf16 already: choose another action (guard.on_*)"
+            )
+        if "recalibrate" in actions and not (self.fp8.enabled and self.loss.calib.enabled):
+            raise ConfigError(
+                "guard.on_mismatch=recalibrate needs FP8 training with loss.calib.enabled=true; "
+                "choose bf16, rollback or stop, or set guard.max_mismatch=null"
             )
         longest = self.task.max_prompt_len + self.rollout.max_new_tokens
         if longest > m.max_position_embeddings:

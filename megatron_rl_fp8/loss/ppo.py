@@ -131,7 +131,9 @@ def policy_loss(
         (share of all tokens clipped by the lower / upper bound), ``pg_clipfrac_neg_lower`` /
         ``pg_clipfrac_pos_upper`` (the same, as a share of the negative / positive advantage
         tokens), ``pg_clipfrac_dual`` (with ``clip_c``), ``ppo_kl`` (k1 estimate,
-        mean of old - new log-prob), ``ratio_mean`` / ``ratio_max`` / ``ratio_min``, plus
+        mean of old - new log-prob), ``ratio_mean`` / ``ratio_max`` / ``ratio_min``,
+        ``ratio_above_2`` / ``ratio_below_half`` (share of tokens whose ratio left [0.5, 2]: the
+        outliers a policy update or a train/rollout mismatch produces), plus
         the ``is_*`` / ``rollout_*`` metrics when those inputs are given.
     """
     if isinstance(clip_low, (int, float)) and isinstance(clip_high, (int, float)):
@@ -207,6 +209,8 @@ def policy_loss(
             ratio_mean=masked_mean(r, mask_f),
             ratio_max=_masked_extreme(r, mask_b, largest=True),
             ratio_min=_masked_extreme(r, mask_b, largest=False),
+            ratio_above_2=masked_mean((r > 2.0).to(mask_f.dtype), mask_f),
+            ratio_below_half=masked_mean((r < 0.5).to(mask_f.dtype), mask_f),
         )
         if clip_c is not None:
             metrics["pg_clipfrac_dual"] = masked_mean((neg & (r > clip_c)).to(mask_f.dtype), mask_f)

@@ -109,6 +109,9 @@ def full_precision(model, config=None):
     """Run ``model`` without FP8 inside the block: emulated linears use Megatron's GEMM; on the TE
     path ``config.fp8`` is cleared so Megatron opens no FP8 autocast (same weights either way)."""
     gemms = [g for _, _, g in emulated_linears(model)]
+    # Restore what was there, not "on": the blocks nest (the stability guard's BF16 steps
+    # contain the BF16 shadow passes).
+    saved_enabled = [g.enabled for g in gemms]
     saved_fp8 = getattr(config, "fp8", None) if config is not None else None
     for g in gemms:
         g.enabled = False
@@ -117,8 +120,8 @@ def full_precision(model, config=None):
     try:
         yield
     finally:
-        for g in gemms:
-            g.enabled = True
+        for g, enabled in zip(gemms, saved_enabled):
+            g.enabled = enabled
         if saved_fp8 is not None:
             config.fp8 = saved_fp8
 

@@ -12,7 +12,9 @@ to the optimizer: one scheduler step per *applied* optimizer step, as Megatron's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -116,7 +118,7 @@ class Actor:
         from megatron.core.optimizer import OptimizerConfig
 
         self.model_cfg = model_cfg
-        self.optim_cfg = optim_cfg
+        self.optim_cfg = self.base_optim_cfg = optim_cfg
         self.lr_decay_steps = optim_cfg.resolved_lr_decay_steps(total_steps)
         self.groups = groups
         self.fp8 = fp8 or FP8Config()
@@ -272,10 +274,43 @@ class Actor:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         out = self._run(micro_batches, loss_fn, forward_only=False)
+        if not self._finite(out):
+            # Never apply a NaN/inf update (Megatron's fp32 and bf16 optimizers would: only fp16
+            # loss scaling looks for them). The stability guard decides what happens next.
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            return out, float("nan"), False
         ok, grad_norm, _ = self.optimizer.step()
         if ok and self.opt_param_scheduler is not None:
             self.opt_param_scheduler.step(increment=1)
         return out, float(grad_norm if grad_norm is not None else float("nan")), bool(ok)
+
+    def _finite(self, out: list[dict]) -> bool:
+        """Whether every rank's losses and gradients are finite (collective over all ranks: TP and
+        PP ranks hold different gradient shards, so all must agree before anyone steps). One pass
+        over this rank's gradient buffer and one one-element all-reduce."""
+        bad = any(not torch.isfinite(o["loss"]).all() for o in out)
+        for buffer in self.model.buffers:
+            bad = bad or not bool(torch.isfinite(buffer.grad_data).all())
+        flag = torch.tensor([float(bad)], device=self.groups.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return flag.item() == 0.0
+
+    @torch.no_grad()
+    def param_norm(self) -> float:
+        """Global L2 norm of the weights (collective over all ranks), summed in float32 on purpose:
+        weights whose norm overflows float32 make activations overflow too, so this returns inf
+        for them and the stability guard treats it as non-finite. Tensor-parallel duplicates
+        (norms, biases) count on TP rank 0 only, a tied embedding on the first stage only."""
+        g = self.groups
+        total = torch.zeros(1, device=g.device)
+        for p in self.module.parameters():
+            duplicate = not getattr(p, "tensor_model_parallel", False) and g.tp_rank != 0
+            tied_copy = getattr(p, "shared", False) and not g.is_first_stage
+            if not (duplicate or tied_copy):
+                total += p.detach().float().pow(2).sum()
+        torch.distributed.all_reduce(total)
+        return math.sqrt(total.item() / g.dp_size) if math.isfinite(total.item()) else float("inf")
 
     # -- checkpoints -----------------------------------------------------------------------------
     def sharded_state_dict(self, *, with_optimizer: bool, is_loading: bool = False) -> dict:
@@ -299,6 +334,14 @@ class Actor:
         start). Megatron's bf16 optimizer keeps fp32 main copies taken when it was built; they
         are refreshed here, or its first step would write the old weights back."""
         self.optimizer.reload_model_params()
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Run the configured schedule with ``optim.lr`` and ``optim.min_lr`` times ``scale``
+        from the current position on (the stability guard lowers it after a rollback)."""
+        base = self.base_optim_cfg
+        position = self.lr_schedule_state_dict()
+        self.optim_cfg = dataclasses.replace(base, lr=base.lr * scale, min_lr=base.min_lr * scale)
+        self.load_lr_schedule_state_dict(position)
 
     def lr_schedule_state_dict(self) -> dict:
         """The schedule's position and settings (plain numbers and strings: JSON-able)."""

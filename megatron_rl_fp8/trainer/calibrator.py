@@ -37,15 +37,26 @@ class ClipCalibrator:
         self.lower = 1.0 - loss_cfg.eps_low
         self.upper = 1.0 + loss_cfg.eps_high
         self.count = 0  # calibrations folded into the EMA so far
+        self.requested = False  # the stability guard asked for a calibration at the next step
 
     @property
     def bounds(self) -> tuple[float, float]:
         return self.lower, self.upper
 
+    @property
+    def nominal(self) -> tuple[float, float]:
+        """The uncalibrated PPO bounds (1 - eps_low, 1 + eps_high)."""
+        return 1.0 - self.loss_cfg.eps_low, 1.0 + self.loss_cfg.eps_high
+
     def due(self, step: int) -> bool:
         """Whether RL step ``step`` (1-based) calibrates. BF16 has nothing to calibrate against."""
         c = self.loss_cfg.calib
-        return self.fp8_training and c.enabled and (step - 1) % c.interval == 0
+        scheduled = (step - 1) % c.interval == 0
+        return self.fp8_training and c.enabled and (scheduled or self.requested)
+
+    def request(self) -> None:
+        """Calibrate at the next step, whatever the interval (the guard's recalibrate action)."""
+        self.requested = True
 
     def calibrate(
         self, actor, mini: dict, groups: Groups, *, micro_batch_size: int, temperature: float
@@ -80,14 +91,21 @@ class ClipCalibrator:
             result = (lower, upper, stats)
         self.lower, self.upper, stats = broadcast_object(result, g.last_stage_rank)
         self.count += 1
+        self.requested = False
         out = {f"calib/{k}": v for k, v in stats.items() if k in _REPORTED}
         out["calib/raw_lower"], out["calib/raw_upper"] = stats["lower"], stats["upper"]
         out["perf/shadow_time_s"] = time.perf_counter() - t0
         return out
 
-    # The checkpoint format ({"lower", "upper", "count"}) is the one runs were saved with.
+    # {"lower", "upper", "count"} is the format runs were first saved with; "requested" is newer.
     def state_dict(self) -> dict:
-        return {"lower": self.lower, "upper": self.upper, "count": self.count}
+        return {
+            "lower": self.lower,
+            "upper": self.upper,
+            "count": self.count,
+            "requested": self.requested,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.lower, self.upper, self.count = state["lower"], state["upper"], state["count"]
+        self.requested = state.get("requested", False)

@@ -200,6 +200,19 @@ class TrainConfig:
     output_dir: str = field("runs/tiny_cpu", help="Checkpoints, metrics.jsonl, resolved config.")
     cache_dir: str = field("~/.cache/megatron-rl-fp8", help="Warm-start cache.")
     save_interval: int = field(10, help="Checkpoint every N steps (0 = only at the end).")
+    keep_checkpoints: int = field(
+        2,
+        help="Newest complete checkpoints kept (>= 1); the one `latest` names and the stability "
+        "guard's last healthy checkpoint are kept in addition.",
+    )
+    checkpoint_verify: Literal["sizes", "full"] = field(
+        "sizes",
+        help="How a resume checks a checkpoint against its manifest. sizes: every file is there "
+        "with its size (a stat per file, no data read; misses bytes changed in place, which then "
+        "load silently). full: also every file's crc32: one more read of the whole checkpoint, "
+        "shared by all ranks (~1.6 GB/s per rank from the page cache; from a cold file system "
+        "about as long as the load itself).",
+    )
     eval_interval: int = field(10, help="Validation every N steps (0 = only at start and end).")
     eval_prompts: int = field(128, help="Held-out prompts per validation (greedy decoding).")
     log_interval: int = field(1, help="Console line every N steps.")
@@ -215,9 +228,11 @@ class TrainConfig:
             "updates_per_step",
             "eval_prompts",
             "log_interval",
+            "keep_checkpoints",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("save_interval", "eval_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_literals(self, "train")

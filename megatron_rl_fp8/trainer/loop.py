@@ -13,6 +13,7 @@ step: resume from the run's own checkpoint, or the SFT warm start (warm_start.py
 from __future__ import annotations
 
 import collections
+import math
 import time
 from pathlib import Path
 
@@ -36,6 +37,8 @@ from megatron_rl_fp8.trainer import checkpoint, run_dir
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.batch import build_rl_batch, order_for_updates
 from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
+from megatron_rl_fp8.trainer.collectives import broadcast_object
+from megatron_rl_fp8.trainer.guard import GuardStop, StabilityGuard, event_metrics
 from megatron_rl_fp8.trainer.reference import Reference
 from megatron_rl_fp8.trainer.sampling import Sampler
 from megatron_rl_fp8.trainer.update import PolicyUpdate
@@ -119,8 +122,17 @@ class Trainer:
         self.sampler = Sampler(
             cfg, self.groups, self.engine, self.tokenizer, self.train_data, self.val_data
         )
-        self.logger = MetricsLogger(self.out_dir, enabled=self.is_driver)
+        self.logger = MetricsLogger(
+            self.out_dir, cfg.logging, enabled=self.is_driver, run_config=to_dict(cfg)
+        )
+        # Every rank holds the guard's state; the driver decides and broadcasts (it has the metrics).
+        self.guard = StabilityGuard(cfg.guard)
+        self.pending_metrics: dict = {}  # guard/ keys of a rollback, for the next line written
+        self.restored_state: dict | None = None
         self.step = 0
+        # Throughput per useful update over this process's RL steps (rollbacks included).
+        self.useful_tokens = 0.0
+        self.started = 0.0
 
     def sync_weights(self, version: int) -> float:
         """Megatron shards -> full tensors -> the export path (``sync.buckets.export_for_rollout``:
@@ -166,11 +178,20 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save(self) -> None:
+        if not math.isfinite(self.policy_update.param_norm):
+            # Reached only with guard.enabled=false: a checkpoint nobody can resume from is worse
+            # than none (the previous one stays latest).
+            raise RuntimeError(
+                f"refusing to write the step {self.step} checkpoint: the weights are not finite "
+                f"(train/param_norm={self.policy_update.param_norm}); turn on the guard "
+                "(guard.enabled=true) or lower optim.lr"
+            )
         state = {
             "step": self.step,
             "train_data": self.train_data.state_dict(),
             "calib": self.calibrator.state_dict(),
             "opt_param_scheduler": self.actor.lr_schedule_state_dict(),
+            "guard": self.guard.state_dict(),
         }
         checkpoint.save(
             self.ckpt_root,
@@ -178,16 +199,42 @@ class Trainer:
             self.actor.sharded_state_dict(with_optimizer=True),
             state,
         )
+        self.guard.saved(self.step)
         if self.is_driver:
-            checkpoint.prune(self.ckpt_root, keep=2)
+            keep = [] if self.guard.healthy_checkpoint is None else [self.guard.healthy_checkpoint]
+            checkpoint.prune(
+                self.ckpt_root,
+                keep=self.cfg.train.keep_checkpoints,
+                protect=[f"iter_{k:07d}" for k in keep],
+            )
 
     def try_resume(self) -> bool:
-        path = checkpoint.latest(self.ckpt_root)
+        path = self._load_newest_intact()
         if path is None:
             return False
-        loaded, state = checkpoint.load(
-            path, self.actor.sharded_state_dict(with_optimizer=True, is_loading=True)
+        if "guard" in self.restored_state:
+            self.guard.load_state_dict(self.restored_state["guard"])
+            self.actor.set_lr_scale(self.guard.lr_scale)
+        # This checkpoint is vouched for once the next step passes the guard.
+        self.guard.saved(self.step)
+        print_rank0(f"resumed from {path} at step {self.step}")
+        return True
+
+    def _load_newest_intact(self) -> Path | None:
+        """Restore the newest checkpoint that verifies against its manifest and loads (a damaged
+        one is named in one line and an older one tried). Collective."""
+        found = checkpoint.load_newest_intact(
+            self.ckpt_root,
+            lambda: self.actor.sharded_state_dict(with_optimizer=True, is_loading=True),
+            verify=self.cfg.train.checkpoint_verify,
         )
+        if found is None:
+            return None
+        path, loaded, state = found
+        self._apply_restored(loaded, state)
+        return path
+
+    def _apply_restored(self, loaded: dict, state: dict) -> None:
         self.actor.load_sharded(loaded)
         self.step = state["step"]
         self.train_data.load_state_dict(state["train_data"])
@@ -196,8 +243,85 @@ class Trainer:
         # Absent in checkpoints written before lr schedules existed: the schedule starts at step 0.
         if "opt_param_scheduler" in state:
             self.actor.load_lr_schedule_state_dict(state["opt_param_scheduler"])
-        print_rank0(f"resumed from {path} at step {self.step}")
-        return True
+        self.restored_state = state
+
+    # -- the stability guard ---------------------------------------------------------------------
+    def guard_step(self, metrics: dict) -> str | None:
+        """Check this step's metrics (driver), agree on the action (every rank) and take it.
+        Returns the action taken (None when the step is healthy); a stop raises GuardStop."""
+        decision = None
+        if self.is_driver:
+            events = self.guard.check(self.step, metrics)
+            action, why = self.guard.resolve(events)
+            decision = (events, action, why, self.guard.state_dict())
+        events, action, why, state = broadcast_object(decision, self.groups.driver_rank)
+        if not self.is_driver:
+            self.guard.load_state_dict(state)
+        if action is None:
+            return None
+        metrics.update(event_metrics(events, action))
+        healthy = self.guard.healthy_checkpoint
+        for e in events:
+            print_rank0(f"guard: step {self.step}: {e.rule}: {e.evidence} -> {e.action}")
+            self.logger.event(self.step, rule=e.rule, action=action, evidence=e.evidence)
+        if why:
+            print_rank0(f"guard: step {self.step}: {action} instead: {why}")
+        if action == "stop":
+            self.logger.log(self.step, metrics)
+            self._discard_unhealthy_checkpoints()
+            where = (
+                f"the last healthy checkpoint, iter_{healthy:07d}"
+                if healthy is not None
+                else "scratch (no checkpoint was verified healthy)"
+            )
+            raise GuardStop(
+                f"stopped at step {self.step}: {'; '.join(e.evidence for e in events)}"
+                + (f" ({why})" if why else "")
+                + f". A restart resumes from {where}; lower optim.lr or change the run first"
+            )
+        if action == "rollback":
+            self.rollback(metrics)
+        elif action == "bf16":
+            self.guard.bf16_until = self.step + self.cfg.guard.bf16_steps
+            print_rank0(f"guard: steps {self.step + 1}-{self.guard.bf16_until} train without FP8")
+        elif action == "recalibrate":
+            self.calibrator.request()
+        return action
+
+    def _discard_unhealthy_checkpoints(self) -> None:
+        """Remove checkpoints newer than the last healthy one (they may hold the damage) and point
+        ``latest`` at it, so no restart resumes from them. Collective."""
+        healthy = self.guard.healthy_checkpoint
+        # Step t's rules measure the policy of update t - 1: its checkpoint is suspect too.
+        first_bad = healthy + 1 if healthy is not None else self.step - 1
+        if self.is_driver:
+            removed = checkpoint.discard_from(self.ckpt_root, first_bad)
+            if removed:
+                print_rank0(f"guard: removed checkpoints that may hold the damage: {removed}")
+        dist.barrier()
+
+    def rollback(self, metrics: dict) -> None:
+        """Back to the last healthy checkpoint with a lower learning rate. Collective."""
+        failed = self.step
+        self._discard_unhealthy_checkpoints()
+        # `latest` now names the healthy checkpoint (a damaged one falls back to an older one).
+        path = self._load_newest_intact()
+        self.guard.rolled_back()
+        self.actor.set_lr_scale(self.guard.lr_scale)
+        # The replayed steps rewrite these lines; the event stays in guard_events.jsonl and in
+        # the next line written (the first replayed step).
+        self.logger.truncate_after(self.step)
+        self.pending_metrics = {
+            **{k: v for k, v in metrics.items() if k.startswith("guard/")},
+            "guard/rolled_back_from": float(failed),
+            "guard/lr_scale": self.guard.lr_scale,
+        }
+        print_rank0(
+            f"guard: rolled back from step {failed} to {path.name} (rollback "
+            f"{self.guard.rollbacks} of {self.cfg.guard.max_rollbacks}); learning rate now "
+            f"{self.actor.lr:.4g} (the schedule's, times {self.guard.lr_scale:.4g})"
+        )
+        self.sync_weights(version=self.step)
 
     def load_start_weights(self) -> None:
         """A fresh run's weights: ``model.load`` (converted) or ``model.hf_checkpoint``, else the
@@ -249,48 +373,76 @@ class Trainer:
             self.reference.load_weights(cfg, self.actor, resumed=resumed)
 
         progress = progress_bar(self.is_driver, cfg.train.steps, self.step)
-        steps_this_run = 0
-        while self.step < cfg.train.steps:
-            self.step += 1
-            t0 = time.perf_counter()
-            completions, rewards, rollout_stats = self.sampler.rollout(self.step)
-            advantages = grpo_advantages(
-                rewards, cfg.rollout.n_samples_per_prompt, norm_std=cfg.loss.norm_adv_by_std
-            )
-            batch = order_for_updates(
-                build_rl_batch(completions, advantages, pad_id=self.tokenizer.pad_token_id),
-                self.groups.dp_size,
-                cfg.train.updates_per_step,
-            )
-            metrics = self.policy_update(batch, self.step)
-            sync_time = self.sync_weights(version=self.step)
-            if self.is_driver:
-                metrics.update(rollout_stats)
-                metrics["perf/sync_time_s"] = sync_time
-                metrics["perf/step_time_s"] = time.perf_counter() - t0
-            if (
-                cfg.train.eval_interval
-                and self.step % cfg.train.eval_interval == 0
-                or self.step == cfg.train.steps
-            ):
-                metrics.update(self.evaluate())
-            self.logger.log(self.step, metrics)
-            if self.is_driver:
-                progress.update(1)
-                progress.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}")
-                if self.step % cfg.train.log_interval == 0:
-                    print_step(self.step, metrics, progress)
-            if (
-                cfg.train.save_interval and self.step % cfg.train.save_interval == 0
-            ) or self.step == cfg.train.steps:
-                self.save()
-            steps_this_run += 1
-            if (
-                cfg.train.exit_after_steps is not None
-                and steps_this_run >= cfg.train.exit_after_steps
-            ):
-                break
-        progress.close()
+        self.started = time.perf_counter()  # throughput counts RL steps, not the warm start
+        try:
+            steps_this_run = 0
+            while self.step < cfg.train.steps:
+                self.step += 1
+                metrics = self.rl_step()
+                steps_this_run += 1
+                if metrics is None:  # rolled back: the replayed steps count again
+                    progress.n = self.step
+                    progress.refresh()
+                    continue
+                self.logger.log(self.step, metrics)
+                if self.is_driver:
+                    progress.update(1)
+                    progress.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}")
+                    if self.step % cfg.train.log_interval == 0:
+                        print_step(self.step, metrics, progress)
+                if (
+                    cfg.train.save_interval and self.step % cfg.train.save_interval == 0
+                ) or self.step == cfg.train.steps:
+                    self.save()
+                if (
+                    cfg.train.exit_after_steps is not None
+                    and steps_this_run >= cfg.train.exit_after_steps
+                ):
+                    break
+        finally:
+            # Before any error reaches the console: the bar would share its line.
+            progress.close()
+
+    def rl_step(self) -> dict | None:
+        """RL step ``self.step``: rollout, advantages, update, guard, sync, evaluation. Returns
+        its metrics (driver; ``{}`` elsewhere), or None when the guard rolled back."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        completions, rewards, rollout_stats = self.sampler.rollout(self.step)
+        advantages = grpo_advantages(
+            rewards, cfg.rollout.n_samples_per_prompt, norm_std=cfg.loss.norm_adv_by_std
+        )
+        batch = order_for_updates(
+            build_rl_batch(completions, advantages, pad_id=self.tokenizer.pad_token_id),
+            self.groups.dp_size,
+            cfg.train.updates_per_step,
+        )
+        self.policy_update.bf16 = self.guard.bf16(self.step)
+        metrics = self.policy_update(batch, self.step)
+        if self.is_driver:
+            metrics.update(rollout_stats)
+        if self.guard_step(metrics) == "rollback":
+            return None
+        sync_time = self.sync_weights(version=self.step)
+        if self.is_driver:
+            metrics.update(self.pending_metrics)
+            self.pending_metrics = {}
+            metrics["perf/sync_time_s"] = sync_time
+            step_time = time.perf_counter() - t0
+            metrics["perf/step_time_s"] = step_time
+            # Tokens that carried gradient per second: this step's, and this process's (time lost
+            # to rolled-back steps and dynamic-sampling refills counts against it).
+            self.useful_tokens += metrics["perf/useful_tokens"]
+            metrics["perf/useful_tokens_per_s"] = metrics["perf/useful_tokens"] / step_time
+            elapsed = time.perf_counter() - self.started
+            metrics["perf/useful_tokens_per_s_run"] = self.useful_tokens / elapsed
+        if (
+            cfg.train.eval_interval
+            and self.step % cfg.train.eval_interval == 0
+            or self.step == cfg.train.steps
+        ):
+            metrics.update(self.evaluate())
+        return metrics
 
     def close(self) -> None:
         self.sampler.close()

@@ -21,8 +21,10 @@ import torch
 from megatron_rl_fp8.config import RunConfig
 from megatron_rl_fp8.data import PromptDataset, PromptEncoder
 from megatron_rl_fp8.loss import dynamic_sampling_keep_mask, overlong_reward_penalty
+from megatron_rl_fp8.metrics.garbled import garbled_stats
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.reward import Rewarder
+from megatron_rl_fp8.reward.verifiers import FORMAT_CHECKS
 from megatron_rl_fp8.rollout.base import Completion
 from megatron_rl_fp8.trainer.collectives import broadcast_object
 
@@ -68,7 +70,8 @@ class Sampler:
         return self.tokenizer.decode_response(c.response_ids)
 
     def _sample_round(self, records, step: int, round_: int):
-        """One rollout round on the driver: completions and (shaped) rewards for ``records``."""
+        """One rollout round on the driver: completions, their decoded texts and (shaped) rewards
+        for ``records``."""
         r, loss_cfg = self.cfg.rollout, self.cfg.loss
         completions = self.engine.generate(
             self.prompt_ids(records),
@@ -78,19 +81,21 @@ class Sampler:
             top_p=r.top_p,
             seed=r.seed + step + round_ * 1_000_003,
         )
-        rewards, reward_stats = self._score(records, completions, r.n_samples_per_prompt)
+        texts = [self.decode(c) for c in completions]
+        rewards, reward_stats = self._score(records, texts, r.n_samples_per_prompt)
         if loss_cfg.overlong_buffer:
             lengths = torch.tensor([len(c.response_ids) for c in completions])
             rewards = rewards + overlong_reward_penalty(
                 lengths, r.max_new_tokens, loss_cfg.overlong_buffer, loss_cfg.overlong_penalty
             )
-        return completions, rewards, reward_stats
+        return completions, texts, rewards, reward_stats
 
-    def _score(self, records, completions, n: int, *, evaluation: bool = False):
-        """Rewards of ``completions`` (``n`` per record, grouped) and the scoring stats."""
+    def _score(self, records, texts: list[str], n: int, *, evaluation: bool = False):
+        """Rewards of the decoded completions ``texts`` (``n`` per record, grouped) and the
+        scoring stats."""
         rewarder = self.eval_rewarder if evaluation else self.rewarder
         return rewarder.score(
-            [self.decode(c) for c in completions],
+            texts,
             [rec["answer"] for rec in records for _ in range(n)],
             # User reward functions get the record as the file had it (every field).
             [rec.get("record", rec) for rec in records for _ in range(n)],
@@ -100,17 +105,18 @@ class Sampler:
         r, loss_cfg = self.cfg.rollout, self.cfg.loss
         n, want = r.n_samples_per_prompt, self.cfg.train.prompts_per_step
         t0 = time.perf_counter()
-        kept, dropped, all_rewards, all_completions = [], [], [], []
+        kept, dropped, all_rewards, all_completions, all_texts = [], [], [], [], []
         scoring = collections.Counter()
         rounds = 0
         while rounds < (loss_cfg.max_sampling_rounds if loss_cfg.dynamic_sampling else 1):
-            completions, rewards, reward_stats = self._sample_round(
+            completions, texts, rewards, reward_stats = self._sample_round(
                 self.train_data.next_batch(want), step, rounds
             )
             scoring.update(reward_stats)
             rounds += 1
             all_rewards.append(rewards)
             all_completions += completions
+            all_texts += texts
             keep = (
                 dynamic_sampling_keep_mask(rewards, n)
                 if loss_cfg.dynamic_sampling
@@ -134,6 +140,12 @@ class Sampler:
             / len(all_completions),
             "perf/rollout_time_s": time.perf_counter() - t0,
             **scoring,
+            **garbled_stats(
+                all_texts,
+                [c.response_ids for c in all_completions],
+                # A user reward function defines its own answer format: no no_answer share.
+                None if self.cfg.reward.function else FORMAT_CHECKS.get(self.cfg.task.name),
+            ),
         }
         if loss_cfg.dynamic_sampling:
             stats.update(
@@ -167,7 +179,9 @@ class Sampler:
             max_new_tokens=self.cfg.rollout.max_new_tokens,
             temperature=1.0,
         )
-        rewards, stats = self._score(records, completions, 1, evaluation=True)
+        rewards, stats = self._score(
+            records, [self.decode(c) for c in completions], 1, evaluation=True
+        )
         return {
             "eval/reward_timeouts": stats["reward/timeouts"],
             "eval/reward_mean": rewards.mean().item(),

@@ -18,6 +18,7 @@ includes it; ``train/kl`` is the mean per-token estimate over the step's respons
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from megatron_rl_fp8.config import RunConfig
 from megatron_rl_fp8.loss import aggregate_loss, kl_penalty, masked_mean, policy_loss
 from megatron_rl_fp8.metrics.accumulator import MetricAccumulator
+from megatron_rl_fp8.metrics.ratios import log_ratio_histogram, ratio_stats
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.batch import rows_for_rank
@@ -69,6 +71,9 @@ class PolicyUpdate:
         self.groups = groups
         self.calibrator = calibrator
         self.reference = reference  # None unless loss.kl_coef > 0
+        # Set by the stability guard: this step trains without FP8 (nominal bounds, no shadow).
+        self.bf16 = False
+        self.param_norm = 0.0  # of the weights after the last step (every rank)
 
     def _logprobs(self, batch: dict) -> dict | None:
         return self.actor.compute_logprobs(
@@ -158,17 +163,28 @@ class PolicyUpdate:
             pg_loss = m.pop("pg_loss").detach()
             ntok = mb["loss_mask"].sum()
             weighted = {k: v.detach() * ntok for k, v in m.items()}
-            return loss, {**weighted, "_pg_loss": pg_loss, "_ntok": ntok}
+            adv = mb["advantages"]
+            carries = mb["loss_mask"] * (adv.unsqueeze(-1) if adv.dim() == 1 else adv).ne(0)
+            private = {
+                "_pg_loss": pg_loss,
+                "_ntok": ntok,
+                # Tokens whose gradient is not zero by construction (throughput per useful update).
+                "_useful": carries.sum(),
+                "_ratio_hist": log_ratio_histogram(logprobs - mb["old_logprobs"], mb["loss_mask"]),
+            }
+            return loss, {**weighted, **private}
 
         return token_loss
 
     @staticmethod
-    def _account(outs: list[dict], acc: MetricAccumulator) -> None:
+    def _account(outs: list[dict], acc: MetricAccumulator, applied: bool) -> None:
         for o in outs:
             acc.add("train/loss", o["loss"].item())
             acc.add("train/pg_loss", o["_pg_loss"].item())
+            acc.add("useful_tokens", o["_useful"].item() if applied else 0.0)
+            acc.add_vector("ratio_hist", o["_ratio_hist"])
             for k, v in o.items():
-                if k in ("loss", "_ntok", "_pg_loss"):
+                if k in ("loss", "_ntok", "_pg_loss", "_useful", "_ratio_hist"):
                     continue
                 if k.endswith(_MAX_KEYS):
                     acc.max(k, v.item() / max(o["_ntok"].item(), 1.0))
@@ -181,19 +197,32 @@ class PolicyUpdate:
     def __call__(self, batch: dict, step: int) -> dict:
         """Old logprobs and the optimizer steps on ``batch`` (the whole, ordered rollout batch);
         returns this step's ``train/``, ``fp8/``, ``calib/`` and ``perf/`` metrics on the driver."""
-        cfg, g = self.cfg, self.groups
+        g = self.groups
         t0 = time.perf_counter()
         # This rank's rows, on its device (collectives on them must use the backend's device).
         local = {k: v.to(g.device) for k, v in rows_for_rank(batch, g.dp_rank, g.dp_size).items()}
         acc = MetricAccumulator()
-        calibrating = self.calibrator.due(step)
+        # A BF16 step (the guard's action) has no FP8 to calibrate and clips nominally.
+        calibrating = self.calibrator.due(step) and not self.bf16
+        precision = self.actor.full_precision() if self.bf16 else contextlib.nullcontext()
+        with precision:
+            metrics = self._update(batch, local, acc, calibrating, t0)
+        self.param_norm = self.actor.param_norm()
+        if g.is_driver:
+            metrics["train/param_norm"] = self.param_norm
+            metrics["train/bf16_step"] = float(self.bf16)
+        return metrics
+
+    def _update(self, batch, local, acc, calibrating: bool, t0: float) -> dict:
+        cfg, g = self.cfg, self.groups
+        bounds = self.calibrator.nominal if self.bf16 else None
         shadow_time = self.old_logprobs(local, acc, calibrating)
         if self.reference is not None:
             self.ref_logprobs(local)
         logprob_time = time.perf_counter() - t0
 
         n_up = cfg.train.updates_per_step
-        grad_norms = []
+        grad_norms, skipped = [], 0
         calib_metrics: dict[str, float] = {}
         for u, mini in enumerate(chunks(local, n_up)):
             count = global_loss_count(batch, u, agg=cfg.loss.agg, dp_size=g.dp_size, updates=n_up)
@@ -212,23 +241,25 @@ class PolicyUpdate:
                 )
                 shadow_time += calib_metrics.pop("perf/shadow_time_s")
             lr = self.actor.lr  # the lr this update uses (the schedule steps after it)
-            outs, grad_norm, _ = self.actor.train_step(
+            outs, grad_norm, applied = self.actor.train_step(
                 mini,
                 cfg.train.micro_batch_size,
-                self._token_loss(counts, *self.calibrator.bounds),
+                self._token_loss(counts, *(bounds or self.calibrator.bounds)),
                 temperature=cfg.rollout.temperature,
             )
             grad_norms.append(grad_norm)
-            self._account(outs, acc)
+            skipped += not applied
+            self._account(outs, acc, applied)
 
         metrics = self._reduce(acc)
         if g.is_driver:
             metrics["train/grad_norm"] = grad_norms[-1]
+            metrics["train/skipped_updates"] = float(skipped)
             metrics["train/lr"] = lr  # of the last update, as the grad norm
             metrics["perf/logprob_time_s"] = logprob_time
             metrics["perf/update_time_s"] = time.perf_counter() - t0 - logprob_time - shadow_time
             if cfg.fp8.enabled:
-                metrics["calib/lower"], metrics["calib/upper"] = self.calibrator.bounds
+                metrics["calib/lower"], metrics["calib/upper"] = bounds or self.calibrator.bounds
             if calibrating:
                 metrics.update(calib_metrics)
                 metrics["perf/shadow_time_s"] = shadow_time
@@ -244,7 +275,10 @@ class PolicyUpdate:
             total = {k: acc.sums[k] for k in sorted(acc.sums)}
             n = max(total.pop("n_tokens", 0.0), 1.0)
             pg_n = max(total.pop("pg_tokens", 0.0), 1.0)
-            result = {}
+            result = {"perf/useful_tokens": total.pop("useful_tokens", 0.0)}
+            if "ratio_hist" in acc.vectors:
+                stats = ratio_stats(acc.vectors["ratio_hist"])
+                result.update({"train/" + k: v for k, v in stats.items()})
             for k, v in total.items():
                 if k in ("train/loss", "train/pg_loss"):  # per update, summed over micro-batches
                     result[k] = v / self.cfg.train.updates_per_step

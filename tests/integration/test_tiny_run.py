@@ -95,7 +95,9 @@ def test_run_learns_and_stays_in_bounds(uninterrupted):
     assert sorted(uninterrupted) == list(range(7))
     for step, m in uninterrupted.items():
         for key, value in m.items():
-            assert value is None or math.isfinite(value), (step, key, value)
+            # Calibration balances are ratios of empty sets on some steps: NaN by definition.
+            finite = math.isfinite(value) or (key.startswith("calib/") and math.isnan(value))
+            assert finite, (step, key, value)
     # SFT from a random init starts near ln(VOCAB) = 3.97 nats/token; 100 steps reach ~1.8 on
     # every machine seen (1.807-1.824). 0.6 * ln(VOCAB) = 2.38 leaves a wide margin.
     assert uninterrupted[0]["sft/final_loss"] < 0.6 * math.log(VOCAB)

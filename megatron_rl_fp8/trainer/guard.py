@@ -1,0 +1,327 @@
+"""The stability guard: rules on each step's metrics, and what the trainer does when one fires.
+
+RL runs rarely fail loudly. A learning rate a little too high, an FP8 scale gone wrong or a bad
+batch shows first as entropy climbing towards uniform, the rollout and training policies drifting
+apart, the reward collapsing or the responses turning to repeated or undecodable text; by the time
+the loss is NaN the kept checkpoints are already damaged. The guard reads the step's metrics after
+the update and, when a rule fires, takes the action configured for that rule:
+
+=================  =============================================================  ===================
+rule               fires when                                                     actions
+=================  =============================================================  ===================
+``nonfinite``      loss or grad norm NaN/inf (the update was not applied: the      skip, rollback, stop
+                   actor never steps on them), or the weights' norm overflows
+``entropy``        ``train/entropy`` rose more than ``max_entropy_rise`` nats      rollback, bf16, stop
+                   above its minimum over the last ``window`` healthy steps
+``mismatch``       ``fp8/token_mult_prob_error`` above ``max_mismatch``            recalibrate, bf16,
+                                                                                   rollback, stop
+``reward``         ``rollout/reward_mean`` below ``reward_collapse_ratio`` x the    rollback, stop
+                   best of the last ``window`` healthy steps
+``garbled``        ``rollout/garbled_frac`` above ``max_garbled_frac``             rollback, bf16, stop
+=================  =============================================================  ===================
+
+* **skip**: the update stays unapplied; after ``max_consecutive_skips`` in a row, roll back.
+* **recalibrate**: the next step is a calibration step (FP8 training with calibrated clipping).
+* **bf16**: the next ``bf16_steps`` steps train without FP8 (rollout unchanged), nominal clip
+  bounds, no calibration.
+* **rollback**: back to the newest checkpoint *verified healthy*, learning rate times
+  ``rollback_lr_factor``; at most ``max_rollbacks`` times, then stop.
+* **stop**: end the run with the rule and its evidence; ``latest`` names the last healthy
+  checkpoint, so the next start resumes from it.
+
+Which checkpoint is healthy: step t's entropy, mismatch and rewards are measured on the policy the
+update of step t-1 produced, so a checkpoint written at step k is vouched for only once step k+1
+passed every rule on them (a non-finite update at step k+1 is that update's fault, not the
+policy's). Checkpoints after the last healthy one are removed when the guard rolls back or
+stops (they may hold the damage). The decisions are pure functions of metrics and state (tested
+directly); the trainer (``loop.py``) carries them out.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Literal
+
+from megatron_rl_fp8.config_utils import check_literals, field
+
+# Severity order: when several rules fire, the strongest action is taken.
+ACTIONS = ("skip", "recalibrate", "bf16", "rollback", "stop")
+RULES = ("nonfinite", "entropy", "mismatch", "reward", "garbled")
+
+
+@dataclasses.dataclass(kw_only=True)
+class GuardConfig:
+    """Rules on each step's metrics and the action each one takes (``trainer/guard.py``)."""
+
+    enabled: bool = field(True, help="Check every step's metrics against the rules below.")
+    window: int = field(5, help="Healthy steps remembered for the entropy and reward baselines.")
+    max_entropy_rise: float | None = field(
+        1.0,
+        help="Nats train/entropy may rise above its minimum over the window (null = off). A "
+        "collapsing policy heads for log(vocab): 3.97 for the tiny model, ~11.9 for Qwen3.",
+    )
+    max_mismatch: float | None = field(
+        None,
+        help="Upper limit of fp8/token_mult_prob_error, the mean exp|logp_rollout - logp_train| "
+        "(1.0 = identical; healthy FP8 runs stay within a few percent of 1; null = off).",
+    )
+    reward_collapse_ratio: float | None = field(
+        None,
+        help="Fires when rollout/reward_mean falls below this fraction of the best reward of the "
+        "window (e.g. 0.25; null = off; noisy with few prompts per step).",
+    )
+    max_garbled_frac: float | None = field(
+        None,
+        help="Upper limit of rollout/garbled_frac (undecodable, repetitive or answerless "
+        "responses; null = off). Set it above the starting model's share.",
+    )
+    on_nonfinite: Literal["skip", "rollback", "stop"] = field(
+        "skip",
+        help="Action when the loss or grad norm is NaN/inf (weights that overflow: rollback).",
+    )
+    on_entropy: Literal["rollback", "bf16", "stop"] = field(
+        "rollback", help="Action when entropy rises past max_entropy_rise."
+    )
+    on_mismatch: Literal["recalibrate", "bf16", "rollback", "stop"] = field(
+        "recalibrate", help="Action when the mismatch passes max_mismatch."
+    )
+    on_reward: Literal["rollback", "stop"] = field(
+        "rollback", help="Action when the reward collapses."
+    )
+    on_garbled: Literal["rollback", "bf16", "stop"] = field(
+        "rollback", help="Action when the garbled share passes max_garbled_frac."
+    )
+    max_consecutive_skips: int = field(
+        3, help="Skipped updates in a row before the guard rolls back instead."
+    )
+    rollback_lr_factor: float = field(
+        0.5, help="Each rollback multiplies the learning rate (optim.lr, optim.min_lr) by this."
+    )
+    max_rollbacks: int = field(3, help="Rollbacks per run; one more event that wants one stops.")
+    bf16_steps: int = field(10, help="Steps trained without FP8 after a bf16 action.")
+
+    def __post_init__(self):
+        check_literals(self, "guard")
+        if self.window < 1:
+            raise ValueError(f"guard.window must be >= 1, got {self.window}")
+        for name in ("max_entropy_rise", "max_garbled_frac", "reward_collapse_ratio"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"guard.{name} must be a number > 0 or null (off), got {v}")
+        if self.max_mismatch is not None and not (
+            math.isfinite(self.max_mismatch) and self.max_mismatch > 1
+        ):
+            raise ValueError(
+                f"guard.max_mismatch must be > 1 (1.0 = rollout and training agree exactly) or "
+                f"null, got {self.max_mismatch}"
+            )
+        if self.reward_collapse_ratio is not None and self.reward_collapse_ratio >= 1:
+            raise ValueError(
+                f"guard.reward_collapse_ratio must be in (0, 1), got {self.reward_collapse_ratio}"
+            )
+        if not 0 < self.rollback_lr_factor <= 1:
+            raise ValueError(
+                f"guard.rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}"
+            )
+        for name in ("max_consecutive_skips", "max_rollbacks", "bf16_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"guard.{name} must be >= 0, got {getattr(self, name)}")
+
+    def actions_in_use(self) -> set[str]:
+        """The actions some enabled rule may take (for cross-section checks)."""
+        used = {self.on_nonfinite}
+        for threshold, action in (
+            (self.max_entropy_rise, self.on_entropy),
+            (self.max_mismatch, self.on_mismatch),
+            (self.reward_collapse_ratio, self.on_reward),
+            (self.max_garbled_frac, self.on_garbled),
+        ):
+            if threshold is not None:
+                used.add(action)
+        return used if self.enabled else set()
+
+
+class GuardStop(Exception):
+    """The guard ended the run (the CLI prints it as one ``guard:`` line, exit code 3)."""
+
+
+@dataclasses.dataclass
+class Event:
+    rule: str
+    action: str
+    evidence: str  # one human sentence with the numbers
+    value: float
+
+
+def strongest(events: list[Event]) -> str | None:
+    return max((e.action for e in events), key=ACTIONS.index, default=None)
+
+
+class StabilityGuard:
+    """The guard's memory (baselines, rollbacks, checkpoints vouched for) and its decisions."""
+
+    def __init__(self, cfg: GuardConfig):
+        self.cfg = cfg
+        self.entropy = collections.deque(maxlen=cfg.window)
+        self.reward = collections.deque(maxlen=cfg.window)
+        self.skips_in_a_row = 0
+        self.rollbacks = 0
+        self.lr_scale = 1.0
+        self.bf16_until = 0  # steps <= this train without FP8
+        self.pending: list[int] = []  # checkpoint steps not yet vouched for
+        self.healthy_checkpoint: int | None = None
+
+    # -- decisions ---------------------------------------------------------------------------
+    def check(self, step: int, m: dict) -> list[Event]:
+        """The rules that fire on step ``step``'s metrics ``m`` (empty when disabled or healthy).
+        Updates the baselines and the healthy checkpoint when the step passes."""
+        if not self.cfg.enabled:
+            return []
+        c, events = self.cfg, []
+        bad = [
+            f"{k}={m[k]}"
+            for k in ("train/loss", "train/grad_norm", "train/param_norm")
+            if k in m and not math.isfinite(m[k])
+        ]
+        skipped = m.get("train/skipped_updates", 0)
+        if bad or skipped:
+            weights = not math.isfinite(m.get("train/param_norm", 0.0))
+            self.skips_in_a_row += 1
+            action = c.on_nonfinite
+            why = ", ".join(bad) or f"{int(skipped)} update(s) with non-finite gradients"
+            if action == "skip" and weights:
+                action, why = "rollback", why + " (the weights themselves overflow)"
+            elif action == "skip" and self.skips_in_a_row > c.max_consecutive_skips:
+                action = "rollback"
+                why += f" ({self.skips_in_a_row} skipped steps in a row)"
+            events.append(Event("nonfinite", action, why, float("nan")))
+        else:
+            self.skips_in_a_row = 0
+        ent = m.get("train/entropy")
+        if c.max_entropy_rise is not None and ent is not None and self.entropy:
+            base = min(self.entropy)
+            if not ent - base <= c.max_entropy_rise:  # NaN fires too
+                events.append(
+                    Event(
+                        "entropy",
+                        c.on_entropy,
+                        f"train/entropy {ent:.4g} rose {ent - base:.4g} above the minimum "
+                        f"{base:.4g} of the last {len(self.entropy)} healthy steps "
+                        f"(guard.max_entropy_rise={c.max_entropy_rise})",
+                        ent,
+                    )
+                )
+        mis = m.get("fp8/token_mult_prob_error")
+        if c.max_mismatch is not None and mis is not None and not mis <= c.max_mismatch:
+            events.append(
+                Event(
+                    "mismatch",
+                    c.on_mismatch,
+                    f"fp8/token_mult_prob_error {mis:.4g} > guard.max_mismatch={c.max_mismatch}",
+                    mis,
+                )
+            )
+        rew = m.get("rollout/reward_mean")
+        if c.reward_collapse_ratio is not None and rew is not None and self.reward:
+            best = max(self.reward)
+            if best > 0 and not rew >= c.reward_collapse_ratio * best:
+                events.append(
+                    Event(
+                        "reward",
+                        c.on_reward,
+                        f"rollout/reward_mean {rew:.4g} < guard.reward_collapse_ratio="
+                        f"{c.reward_collapse_ratio} x {best:.4g} (best of the last "
+                        f"{len(self.reward)} healthy steps)",
+                        rew,
+                    )
+                )
+        gar = m.get("rollout/garbled_frac")
+        if c.max_garbled_frac is not None and gar is not None and not gar <= c.max_garbled_frac:
+            events.append(
+                Event(
+                    "garbled",
+                    c.on_garbled,
+                    f"rollout/garbled_frac {gar:.4g} > guard.max_garbled_frac={c.max_garbled_frac}",
+                    gar,
+                )
+            )
+        # A non-finite update concerns this step's update; the policy measured here (the previous
+        # update's) passed if no other rule fired.
+        if all(e.rule == "nonfinite" for e in events):
+            self._healthy(step, ent, rew)
+        return events
+
+    def _healthy(self, step: int, entropy: float | None, reward: float | None) -> None:
+        if entropy is not None:
+            self.entropy.append(entropy)
+        if reward is not None:
+            self.reward.append(reward)
+        # The policy of every checkpoint written before this step was just measured healthy.
+        vouched = [k for k in self.pending if k < step]
+        if vouched:
+            self.healthy_checkpoint = max(vouched)
+            self.pending = [k for k in self.pending if k >= step]
+
+    def saved(self, step: int) -> None:
+        """A checkpoint of step ``step`` was written (vouched for once step + 1 passes)."""
+        self.pending.append(step)
+
+    def resolve(self, events: list[Event]) -> tuple[str | None, str]:
+        """(action to take, why when it was escalated): a rollback with no healthy checkpoint or
+        past ``max_rollbacks`` becomes a stop."""
+        action = strongest(events)
+        if action == "rollback":
+            if self.healthy_checkpoint is None:
+                return "stop", "no checkpoint has been verified healthy yet to roll back to"
+            if self.rollbacks >= self.cfg.max_rollbacks:
+                return "stop", f"guard.max_rollbacks={self.cfg.max_rollbacks} already used"
+        return action, ""
+
+    def rolled_back(self) -> None:
+        """After a rollback to ``healthy_checkpoint``: the learning rate drops and the baselines
+        restart (the replayed steps rebuild them)."""
+        self.rollbacks += 1
+        self.lr_scale *= self.cfg.rollback_lr_factor
+        self.entropy.clear()
+        self.reward.clear()
+        self.skips_in_a_row = 0
+        self.pending = []
+
+    def bf16(self, step: int) -> bool:
+        """Whether step ``step`` trains without FP8 (a bf16 action's steps)."""
+        return step <= self.bf16_until
+
+    # -- checkpoint --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "entropy": list(self.entropy),
+            "reward": list(self.reward),
+            "skips_in_a_row": self.skips_in_a_row,
+            "rollbacks": self.rollbacks,
+            "lr_scale": self.lr_scale,
+            "bf16_until": self.bf16_until,
+            "pending": list(self.pending),
+            "healthy_checkpoint": self.healthy_checkpoint,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.entropy.extend(state["entropy"])
+        self.reward.extend(state["reward"])
+        self.skips_in_a_row = state["skips_in_a_row"]
+        self.rollbacks = state["rollbacks"]
+        self.lr_scale = state["lr_scale"]
+        self.bf16_until = state["bf16_until"]
+        self.pending = list(state["pending"])
+        self.healthy_checkpoint = state["healthy_checkpoint"]
+
+
+def event_metrics(events: list[Event], action: str | None) -> dict[str, float]:
+    """The ``guard/`` keys of a step's metrics line."""
+    out = {"guard/events": float(len(events))}
+    for e in events:
+        out[f"guard/rule/{e.rule}"] = 1.0
+    if action is not None:
+        out[f"guard/action/{action}"] = 1.0
+    return out
