@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 
 def _train(args) -> int:
@@ -25,6 +26,7 @@ def _train(args) -> int:
     # Validate the layout before any process group, model or engine exists.
     cfg.validate(world_from_env()[1])
     from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.config_utils import ConfigError
     from megatron_rl_fp8.trainer.guard import GuardStop
     from megatron_rl_fp8.trainer.loop import Trainer
 
@@ -36,11 +38,33 @@ def _train(args) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"guard: {e}", file=sys.stderr)
         return 3
+    except ConfigError:
+        raise  # the one-line form, in main()
+    except Exception:
+        # Not a user error: a bug or the environment. The traceback is the evidence; keep a copy
+        # in the run directory, where it survives the terminal.
+        log = _keep_traceback(cfg.train.output_dir)
+        traceback.print_exc()
+        where = f"; the traceback is also in {log}" if log else ""
+        print(f"error: the run failed unexpectedly{where}", file=sys.stderr)
+        return 1
     finally:
         if trainer is not None:
             trainer.close()
         parallel.destroy()
     return 0
+
+
+def _keep_traceback(output_dir: str) -> str | None:
+    """Write the current exception's traceback to ``<output_dir>/crash-rank<R>.log``; its path,
+    or None when the directory cannot take it."""
+    path = os.path.join(output_dir, f"crash-rank{os.environ.get('RANK', '0')}.log")
+    try:
+        with open(path, "w") as f:
+            traceback.print_exc(file=f)
+    except OSError:
+        return None
+    return path
 
 
 def _show_config(args) -> int:

@@ -9,8 +9,10 @@ changed between them, which a resume allows and lists):
    towards log(vocab)), the guard rolls back to step 2's checkpoint (the newest one a later step
    vouched for) with the learning rate times 1e-10, and steps 3-5 replay healthy;
 3. ``optim.lr=1e35 optim.clip_grad=0`` (times the 1e-10 the guard keeps): the weights overflow at
-   step 6; the guard may not roll
-   back (``guard.max_rollbacks=1`` is used up) and stops with exit code 3; no step-6 checkpoint.
+   step 6; the guard may not roll back (``guard.max_rollbacks=1`` is used up) and stops with exit
+   code 3; no step-6 checkpoint;
+4. the newest checkpoint is then damaged (a shard truncated): the next start names it in one line
+   and resumes from the one before.
 
 What is asserted holds on any machine: the collapse is ~3 nats against a 1-nat threshold, the
 healthy replay stays well inside it (the learning rate after the rollback is 1e-4, the tiny
@@ -23,6 +25,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from megatron_rl_fp8.metrics.logger import read_metrics
 
@@ -44,20 +48,28 @@ SMALL = [
 ]
 
 
-def _train(out: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
+def _train(
+    out: Path, cache: Path, *overrides: str, config: str = "examples/tiny_cpu.yaml"
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.setdefault("OMP_NUM_THREADS", "2")
-    cmd = [sys.executable, "-m", "megatron_rl_fp8", "train", "examples/tiny_cpu.yaml", *SMALL]
+    cmd = [sys.executable, "-m", "megatron_rl_fp8", "train", config, *SMALL]
     cmd += [f"train.output_dir={out}", f"train.cache_dir={cache}", *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One SFT warm start for every run here (it is cached by content, precision excluded)."""
+    return tmp_path_factory.mktemp("sft_cache")
 
 
 def _checkpoints(out: Path) -> list[str]:
     return sorted(p.name for p in (out / "checkpoints").glob("iter_*"))
 
 
-def test_guard_rolls_back_a_collapse_and_stops_overflowing_weights(tmp_path):
-    out, cache = tmp_path / "run", tmp_path / "cache"
+def test_guard_rolls_back_a_collapse_and_stops_overflowing_weights(tmp_path, cache):
+    out = tmp_path / "run"
     first = _train(out, cache, "train.steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
 
@@ -90,3 +102,42 @@ def test_guard_rolls_back_a_collapse_and_stops_overflowing_weights(tmp_path):
     last = read_metrics(out)[-1]
     assert last["step"] == 6 and last["guard/action/stop"] == 1.0
     assert not math.isfinite(last["train/param_norm"])
+
+    shard = sorted((out / "checkpoints" / "iter_0000005").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    fallback = _train(out, cache, "train.steps=5")
+    assert fallback.returncode == 0, fallback.stderr[-3000:]
+    (damaged,) = [x for x in fallback.stdout.splitlines() if "iter_0000005 is damaged" in x]
+    assert f"{shard.name}: 100 bytes, manifest says" in damaged and "trying iter_0000004" in damaged
+    assert "resumed from" in fallback.stdout and "iter_0000004 at step 4" in fallback.stdout
+
+
+def test_guard_switches_to_bf16_steps_or_recalibrates_on_mismatch(tmp_path, cache):
+    """The FP8 job's rollout-vs-train mismatch (~1.02) against a limit of 1.0001: every step fires.
+    bf16: the next step trains without FP8 (nominal bounds). recalibrate: the next step calibrates
+    although loss.calib.interval would not."""
+    fp8 = ["train.steps=2", "guard.max_mismatch=1.0001", "loss.calib.interval=100"]
+    runs = {}
+    for action in ("bf16", "recalibrate"):
+        out = tmp_path / action
+        proc = _train(
+            out,
+            cache,
+            *fp8,
+            f"guard.on_mismatch={action}",
+            "guard.bf16_steps=1",
+            config="examples/tiny_cpu_fp8.yaml",
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "guard: step 1: mismatch: fp8/token_mult_prob_error" in proc.stdout
+        runs[action] = {r["step"]: r for r in read_metrics(out)}
+    bf16, recal = runs["bf16"], runs["recalibrate"]
+    assert bf16[1]["train/bf16_step"] == 0.0 and bf16[2]["train/bf16_step"] == 1.0
+    assert bf16[1]["guard/action/bf16"] == 1.0
+    # Nominal bounds: loss.eps_low / eps_high of examples/tiny_cpu.yaml are 0.2 / 0.28.
+    assert bf16[2]["calib/lower"] == pytest.approx(0.8) and bf16[2]["calib/upper"] == pytest.approx(
+        1.28
+    )
+    assert "calib/raw_lower" not in bf16[2]  # no calibration in a BF16 step
+    assert "calib/raw_lower" in recal[1] and "calib/raw_lower" in recal[2]
+    assert recal[2]["train/bf16_step"] == 0.0
