@@ -196,56 +196,53 @@ class StabilityGuard:
             elif action == "skip" and self.skips_in_a_row > c.max_consecutive_skips:
                 action = "rollback"
                 why += f" ({self.skips_in_a_row} skipped steps in a row)"
-            events.append(Event("nonfinite", action, why, float("nan")))
+            events.append(Event("nonfinite", action, why, math.nan))
         else:
             self.skips_in_a_row = 0
+
+        def fire(rule: str, action: str, evidence: str, value: float) -> None:
+            events.append(Event(rule, action, evidence, value))
+
+        # "not x <= limit" rather than "x > limit": a NaN metric fires too.
         ent = m.get("train/entropy")
         if c.max_entropy_rise is not None and ent is not None and self.entropy:
             base = min(self.entropy)
-            if not ent - base <= c.max_entropy_rise:  # NaN fires too
-                events.append(
-                    Event(
-                        "entropy",
-                        c.on_entropy,
-                        f"train/entropy {ent:.4g} rose {ent - base:.4g} above the minimum "
-                        f"{base:.4g} of the last {len(self.entropy)} healthy steps "
-                        f"(guard.max_entropy_rise={c.max_entropy_rise})",
-                        ent,
-                    )
+            if not ent - base <= c.max_entropy_rise:
+                fire(
+                    "entropy",
+                    c.on_entropy,
+                    f"train/entropy {ent:.4g} rose {ent - base:.4g} above the minimum "
+                    f"{base:.4g} of the last {len(self.entropy)} healthy steps "
+                    f"(guard.max_entropy_rise={c.max_entropy_rise})",
+                    ent,
                 )
         mis = m.get("fp8/token_mult_prob_error")
         if c.max_mismatch is not None and mis is not None and not mis <= c.max_mismatch:
-            events.append(
-                Event(
-                    "mismatch",
-                    c.on_mismatch,
-                    f"fp8/token_mult_prob_error {mis:.4g} > guard.max_mismatch={c.max_mismatch}",
-                    mis,
-                )
+            fire(
+                "mismatch",
+                c.on_mismatch,
+                f"fp8/token_mult_prob_error {mis:.4g} > guard.max_mismatch={c.max_mismatch}",
+                mis,
             )
         rew = m.get("rollout/reward_mean")
         if c.reward_collapse_ratio is not None and rew is not None and self.reward:
             best = max(self.reward)
             if best > 0 and not rew >= c.reward_collapse_ratio * best:
-                events.append(
-                    Event(
-                        "reward",
-                        c.on_reward,
-                        f"rollout/reward_mean {rew:.4g} < guard.reward_collapse_ratio="
-                        f"{c.reward_collapse_ratio} x {best:.4g} (best of the last "
-                        f"{len(self.reward)} healthy steps)",
-                        rew,
-                    )
+                fire(
+                    "reward",
+                    c.on_reward,
+                    f"rollout/reward_mean {rew:.4g} < guard.reward_collapse_ratio="
+                    f"{c.reward_collapse_ratio} x {best:.4g} (best of the last "
+                    f"{len(self.reward)} healthy steps)",
+                    rew,
                 )
         gar = m.get("rollout/garbled_frac")
         if c.max_garbled_frac is not None and gar is not None and not gar <= c.max_garbled_frac:
-            events.append(
-                Event(
-                    "garbled",
-                    c.on_garbled,
-                    f"rollout/garbled_frac {gar:.4g} > guard.max_garbled_frac={c.max_garbled_frac}",
-                    gar,
-                )
+            fire(
+                "garbled",
+                c.on_garbled,
+                f"rollout/garbled_frac {gar:.4g} > guard.max_garbled_frac={c.max_garbled_frac}",
+                gar,
             )
         # A non-finite update concerns this step's update; the policy measured here (the previous
         # update's) passed if no other rule fired.
