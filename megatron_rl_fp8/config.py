@@ -19,6 +19,7 @@ from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.metrics.config import LoggingConfig
 from megatron_rl_fp8.metrics.logger import require_packages
 from megatron_rl_fp8.models.config import ModelConfig
+from megatron_rl_fp8.models.memory import MemoryConfig
 from megatron_rl_fp8.models.pretrained import check_model_matches, fill_model_section
 from megatron_rl_fp8.parallel import ParallelConfig
 from megatron_rl_fp8.reward.verifiers import RewardConfig
@@ -44,6 +45,10 @@ class RunConfig:
     fp8: FP8Config = field(
         default_factory=FP8Config,
         help="FP8 training: recipe of the actor's linear layers (bf16 = off).",
+    )
+    memory: MemoryConfig = field(
+        default_factory=MemoryConfig,
+        help="Activation memory of the actor: Megatron's activation recomputation.",
     )
     optim: OptimConfig = field(default_factory=OptimConfig, help="Optimizer.")
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig, help="Policy loss.")
@@ -93,6 +98,9 @@ class RunConfig:
                 f"model.num_layers={m.num_layers} is not divisible by "
                 f"parallel.pipeline_model_parallel_size={pp}"
             )
+        problem = self.memory.check_layers(m.num_layers // pp)
+        if problem:
+            raise ConfigError(problem)
         if m.num_attention_heads % tp or m.num_query_groups % tp:
             raise ConfigError(
                 f"model.num_attention_heads={m.num_attention_heads} and model.num_query_groups="

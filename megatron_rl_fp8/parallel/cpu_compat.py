@@ -18,6 +18,7 @@ once a handful of CUDA entry points have CPU meanings (docs/platform.md lists th
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -124,6 +125,12 @@ def _cpu_manual_seed(seed):
     torch.default_generator.manual_seed(int(seed))
 
 
+@functools.lru_cache
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    """Megatron's ``get_default_causal_mask`` on the CPU (True above the diagonal = masked)."""
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
 def _patch(owner, attr, value) -> None:
     _PATCHES.append((owner, attr, getattr(owner, attr, None)))
     setattr(owner, attr, value)
@@ -165,6 +172,13 @@ def enable(*, force: bool = False) -> bool:
     _patch(cuda, "memory_reserved", lambda *a, **k: 0)
     _patch(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
     _patch(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
+    # The mode is off inside its own handler, and Megatron's schedule calls
+    # torch.autograd.backward through it: code that activation recomputation re-runs in the
+    # backward pass sees no redirect. The one CUDA allocation on that path is the local spec's
+    # causal mask (fused_softmax imported it by name).
+    import megatron.core.fusions.fused_softmax as fused_softmax
+
+    _patch(fused_softmax, "get_default_causal_mask", _cpu_causal_mask)
 
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()

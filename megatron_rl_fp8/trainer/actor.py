@@ -25,6 +25,7 @@ from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.fp8 import full_precision, install_fp8_emulation
 from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
 from megatron_rl_fp8.models.logprobs import token_entropy, token_logprobs
+from megatron_rl_fp8.models.memory import MemoryConfig
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.trainer.config import OptimConfig
 
@@ -103,6 +104,7 @@ class Actor:
         groups: Groups,
         fp8: FP8Config | None = None,
         *,
+        memory: MemoryConfig | None = None,
         init_weights: bool = True,
         total_steps: int | None = None,
     ):
@@ -128,6 +130,8 @@ class Actor:
         te_fp8 = {} if self.fp8_emulated or not self.fp8.enabled else megatron_fp8_kwargs(self.fp8)
         on_cpu = groups.device.type != "cuda"
         use_te = not on_cpu and not self.fp8_emulated and have_te()
+        if memory is not None:
+            memory.check_backend(use_te=use_te)
         self.config = transformer_config(
             model_cfg,
             tensor_model_parallel_size=groups.tp_size,
@@ -136,6 +140,7 @@ class Actor:
             use_te=use_te,
             perform_initialization=init_weights,
             **te_fp8,
+            **(memory.megatron_kwargs() if memory is not None else {}),
         )
         module = build_gpt_model(model_cfg, self.config, use_te=use_te)
         if self.fp8_emulated:

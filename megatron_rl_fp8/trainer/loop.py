@@ -92,6 +92,7 @@ class Trainer:
             cfg.optim,
             self.groups,
             fp8=cfg.fp8,
+            memory=cfg.memory,
             init_weights=not cfg.model.pretrained,
             total_steps=cfg.train.steps * cfg.train.updates_per_step,
         )
