@@ -19,6 +19,13 @@ SETTINGS = {
 }
 
 
+def _counter(calls: dict, key: str):
+    def hook(*_):
+        calls[key] += 1
+
+    return hook
+
+
 def _body(rank, world, recipe):
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.fp8.config import FP8Config
@@ -47,10 +54,8 @@ def _body(rank, world, recipe):
         # Recomputation shows as a second forward call per micro-batch in the backward pass.
         layer = actor.module.decoder.layers[0]
         calls = {"layer": 0, "core_attn": 0}
-        layer.register_forward_hook(lambda *a: calls.__setitem__("layer", calls["layer"] + 1))
-        layer.self_attention.core_attention.register_forward_hook(
-            lambda *a: calls.__setitem__("core_attn", calls["core_attn"] + 1)
-        )
+        layer.register_forward_hook(_counter(calls, "layer"))
+        layer.self_attention.core_attention.register_forward_hook(_counter(calls, "core_attn"))
         losses, grad_norm, applied = actor.train_step(batch, 2, nll)
         assert applied
         calls_per_micro_batch[name] = {k: v / 2 for k, v in calls.items()}
