@@ -8,11 +8,11 @@ changed between them, which a resume allows and lists):
 2. ``optim.lr=1e6``: the update of step 3 collapses the policy, step 4 measures it (entropy jumps
    towards log(vocab)), the guard rolls back to step 2's checkpoint (the newest one a later step
    vouched for) with the learning rate times 1e-10, and steps 3-5 replay healthy;
-3. ``optim.lr=1e35 optim.clip_grad=0`` (times the 1e-10 the guard keeps): the weights overflow at
-   step 6; the guard may not roll back (``guard.max_rollbacks=1`` is used up) and stops with exit
-   code 3; no step-6 checkpoint;
-4. the newest checkpoint is then damaged (a shard truncated): the next start names it in one line
-   and resumes from the one before.
+3. the newest checkpoint (step 5) is damaged (a shard truncated), and the run restarted with
+   ``optim.lr=1e35 optim.clip_grad=0`` (times the 1e-10 the guard keeps): the start names the
+   damage in one line and resumes from step 4; the weights overflow at step 5; the guard may not
+   roll back (``guard.max_rollbacks=1`` is used up) and stops with exit code 3, leaving step 4's
+   checkpoint as the newest.
 
 What is asserted holds on any machine: the collapse is ~3 nats against a 1-nat threshold, the
 healthy replay stays well inside it (the learning rate after the rollback is 1e-4, the tiny
@@ -90,26 +90,25 @@ def test_guard_rolls_back_a_collapse_and_stops_overflowing_weights(tmp_path, cac
         assert m[step]["train/lr"] <= 1e-4 * (1 + 1e-9)
     assert _checkpoints(out) == ["iter_0000004", "iter_0000005"]  # keep 1 + the healthy one
 
+    # The newest checkpoint is damaged before the next start: it falls back to the one before.
+    shard = sorted((out / "checkpoints" / "iter_0000005").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
     overflow = _train(
         out, cache, "train.steps=8", "optim.lr=1e35", "optim.clip_grad=0", "optim.min_lr=0"
     )
     assert overflow.returncode == 3, overflow.stderr[-3000:]
-    (line,) = [x for x in overflow.stderr.splitlines() if x.startswith("guard: ")]
-    assert line.startswith("guard: stopped at step 6: ") and "max_rollbacks=1" in line, line
-    assert "resumes from the last healthy checkpoint, iter_0000005" in line
-    assert _checkpoints(out)[-1] == "iter_0000005"
-    assert (out / "checkpoints" / "latest").read_text().strip() == "iter_0000005"
-    last = read_metrics(out)[-1]
-    assert last["step"] == 6 and last["guard/action/stop"] == 1.0
-    assert not math.isfinite(last["train/param_norm"])
-
-    shard = sorted((out / "checkpoints" / "iter_0000005").glob("*.distcp"))[0]
-    shard.write_bytes(shard.read_bytes()[:100])
-    fallback = _train(out, cache, "train.steps=5")
-    assert fallback.returncode == 0, fallback.stderr[-3000:]
-    (damaged,) = [x for x in fallback.stdout.splitlines() if "iter_0000005 is damaged" in x]
+    (damaged,) = [x for x in overflow.stdout.splitlines() if "iter_0000005 is damaged" in x]
     assert f"{shard.name}: 100 bytes, manifest says" in damaged and "trying iter_0000004" in damaged
-    assert "resumed from" in fallback.stdout and "iter_0000004 at step 4" in fallback.stdout
+    assert "iter_0000004 at step 4" in overflow.stdout
+    (line,) = [x for x in overflow.stderr.splitlines() if x.startswith("guard: ")]
+    assert line.startswith("guard: stopped at step 5: ") and "max_rollbacks=1" in line, line
+    assert "resumes from the last healthy checkpoint, iter_0000004" in line
+    # The damaged step-5 checkpoint is gone, no step-5 checkpoint of overflowed weights exists.
+    assert _checkpoints(out) == ["iter_0000004"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "iter_0000004"
+    last = read_metrics(out)[-1]
+    assert last["step"] == 5 and last["guard/action/stop"] == 1.0
+    assert not math.isfinite(last["train/param_norm"])
 
 
 def test_guard_switches_to_bf16_steps_or_recalibrates_on_mismatch(tmp_path, cache):
