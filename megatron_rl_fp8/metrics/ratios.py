@@ -24,11 +24,13 @@ QUANTILES = {"p01": 0.01, "p50": 0.50, "p99": 0.99}
 
 def log_ratio_histogram(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Counts of the masked tokens' log ratios in ``BINS`` fixed bins over ``LOG_RATIO_RANGE``."""
-    values = log_ratio.detach()[mask.bool()].float()
+    values = log_ratio.detach().float()
+    # Weights instead of boolean indexing: no data-dependent shape, so no host sync on a GPU.
     # NaN would land in an arbitrary bin; a non-finite loss is the guard's business, not this one.
-    values = values[~values.isnan()]
-    idx = bin_index(values, BINS, LOG_RATIO_RANGE)
-    return torch.bincount(idx, minlength=BINS).to(torch.float64)
+    keep = mask.bool() & ~values.isnan()
+    idx = bin_index(torch.where(keep, values, 0.0), BINS, LOG_RATIO_RANGE)
+    counts = torch.bincount(idx.flatten(), weights=keep.flatten().double(), minlength=BINS)
+    return counts.to(torch.float64)
 
 
 def ratio_stats(hist: torch.Tensor) -> dict[str, float]:

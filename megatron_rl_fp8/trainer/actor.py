@@ -292,11 +292,13 @@ class Actor:
 
     def _finite(self, out: list[dict]) -> bool:
         """Whether every rank's losses and gradients are finite (collective over all ranks: TP and
-        PP ranks hold different gradient shards, so all must agree before anyone steps). One pass
-        over this rank's gradient buffer and one one-element all-reduce."""
+        PP ranks hold different gradient shards, so all must agree before anyone steps). One
+        reduction over this rank's gradient buffer (its sum is NaN/inf when any element is, or
+        when the gradients are so large that their norm would overflow too; no buffer-sized
+        temporary) and one one-element all-reduce."""
         bad = any(not torch.isfinite(o["loss"]).all() for o in out)
         for buffer in self.model.buffers:
-            bad = bad or not bool(torch.isfinite(buffer.grad_data).all())
+            bad = bad or not bool(torch.isfinite(buffer.grad_data.sum()))
         flag = torch.tensor([float(bad)], device=self.groups.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return flag.item() == 0.0
