@@ -8,6 +8,9 @@ its resolved value, its default and its help (``*`` marks values that differ fro
 
 ``megatron-rl-fp8 report RUN_DIR [RUN_DIR ...] --out DIR [--label NAME ...]``: PNG figures and a
 Markdown summary overlaying several runs (see docs/report.md).
+
+``megatron-rl-fp8 plan CONFIG.yaml [--gpus-per-node 8] [--nodes N] [section.key=value ...]``: per-GPU
+memory of the run, whether its layout fits, and the layouts that would (see docs/plan.md).
 """
 
 from __future__ import annotations
@@ -125,11 +128,20 @@ def main(argv: list[str] | None = None) -> int:
         help="Checkpoint conversion: hf-to-mcore | mcore-to-hf | export-fp8 "
         "(`megatron-rl-fp8 convert -h`).",
     )
+    sub.add_parser(
+        "plan",
+        help="Per-GPU memory of a run, whether its layout fits, and the layouts that would "
+        "(`megatron-rl-fp8 plan -h`).",
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["convert"]:  # its own parser owns every argument after the word
         from megatron_rl_fp8.convert.cli import main as convert_main
 
         return convert_main(argv[1:], prog="megatron-rl-fp8 convert")
+    if argv[:1] == ["plan"]:  # its own parser: overrides may follow the flags
+        from megatron_rl_fp8.plan.cli import main as plan_main
+
+        return plan_main(argv[1:], prog="megatron-rl-fp8 plan")
     args = parser.parse_args(argv)
     from megatron_rl_fp8.config_utils import ConfigError
 

@@ -98,6 +98,7 @@ class RunConfig:
                 f"model.num_layers={m.num_layers} is not divisible by "
                 f"parallel.pipeline_model_parallel_size={pp}"
             )
+        self._check_scale_features()
         problem = self.memory.check_layers(m.num_layers // pp)
         if problem:
             raise ConfigError(problem)
@@ -120,17 +121,23 @@ class RunConfig:
             )
         rows = t.prompts_per_step * self.rollout.n_samples_per_prompt
         per_update = rows // t.updates_per_step
-        if rows % t.updates_per_step or per_update % (dp * t.micro_batch_size):
+        # Under a token budget micro-batches have any row count: rows need only split evenly
+        # over the updates and the data-parallel ranks.
+        budget = t.max_tokens_per_gpu is not None
+        row_unit = dp if budget else dp * t.micro_batch_size
+        unit = (
+            f"data-parallel size ({dp}) (train.max_tokens_per_gpu is set)"
+            if budget
+            else f"data-parallel size ({dp}) * train.micro_batch_size ({t.micro_batch_size})"
+        )
+        if rows % t.updates_per_step or per_update % row_unit:
             raise ConfigError(
                 f"train.prompts_per_step * rollout.n_samples_per_prompt = {rows} rows must split "
                 f"into train.updates_per_step={t.updates_per_step} mini-batches, each a multiple "
-                f"of data-parallel size ({dp}) * train.micro_batch_size ({t.micro_batch_size})"
+                f"of {unit}"
             )
-        if self.sft.steps and self.sft.batch_size % (dp * t.micro_batch_size):
-            raise ConfigError(
-                f"sft.batch_size={self.sft.batch_size} must be a multiple of data-parallel size "
-                f"({dp}) * train.micro_batch_size ({t.micro_batch_size})"
-            )
+        if self.sft.steps and self.sft.batch_size % row_unit:
+            raise ConfigError(f"sft.batch_size={self.sft.batch_size} must be a multiple of {unit}")
         if self.fp8.enabled and self.loss.calib.enabled and t.updates_per_step < 2:
             raise ConfigError(
                 "loss.calib.enabled with fp8 training needs train.updates_per_step >= 2: with one "
@@ -160,6 +167,22 @@ class RunConfig:
                 f"model.max_position_embeddings={m.max_position_embeddings}"
             )
         return self
+
+    def _check_scale_features(self) -> None:
+        p = self.parallel
+        if p.context_parallel_size > 1:
+            # Megatron's CP needs TE's attention, and the trainer's batches, losses and token
+            # statistics are not split over CP ranks yet.
+            raise ConfigError(
+                f"parallel.context_parallel_size={p.context_parallel_size}: context parallelism "
+                "is not supported by this trainer yet; set it to 1 and use memory.recompute_*, "
+                "parallel.sequence_parallel or train.max_tokens_per_gpu for long sequences"
+            )
+        if self.memory.optimizer_cpu_offload and not p.use_distributed_optimizer:
+            raise ConfigError(
+                "memory.optimizer_cpu_offload needs parallel.use_distributed_optimizer=true "
+                "(Megatron offloads the distributed optimizer's shards)"
+            )
 
     def _check_reward(self) -> None:
         from megatron_rl_fp8.reward.verifiers import VERIFIERS
@@ -222,12 +245,19 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     return _deep_merge(_read_yaml(path.parent / base, chain + (path.resolve(),)), data)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """YAML file (default: examples/tiny_cpu.yaml) + ``a.b=value`` overrides -> RunConfig."""
+def read_config_dict(path: str | Path | None = None, overrides: list[str] = ()) -> dict:
+    """The run's settings as one mapping: the YAML file (its ``base`` chain merged) with the
+    ``a.b=value`` overrides applied; nothing filled from a checkpoint, nothing validated."""
     data = _read_yaml(Path(path) if path is not None else DEFAULT_CONFIG)
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(data, key, value)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    """YAML file (default: examples/tiny_cpu.yaml) + ``a.b=value`` overrides -> RunConfig."""
+    data = read_config_dict(path, overrides)
     if isinstance(data.get("model"), dict):
         # A start checkpoint supplies the architecture; fields typed as well must agree with it.
         data["model"] = fill_model_section(data["model"])

@@ -14,15 +14,45 @@ from megatron_rl_fp8.fp8.te import have_te
 from megatron_rl_fp8.models.config import ModelConfig
 
 
-def layer_spec(model: ModelConfig, *, use_te: bool | None = None):
-    """The transformer-layer ModuleSpec: TE spec when TE + CUDA exist, local spec otherwise."""
+class SequenceParallelRMSNorm:
+    """The local spec's RMSNorm (``torch.nn.RMSNorm``, as Megatron's ``WrappedTorchNorm`` builds
+    it) for sequence parallelism, which ``WrappedTorchNorm`` refuses. Under SP each TP rank
+    normalises its own slice of the sequence, so the norm weight's gradient is partial per rank;
+    marking it ``sequence_parallel`` makes Megatron's ``finalize_model_grads`` sum it over TP, as
+    Transformer Engine's and apex's norms do."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+class HeadRMSNorm:
+    """The query / key RMSNorm (Qwen3) of the local spec under sequence parallelism. It works on
+    the full sequence of this rank's heads, so it is not sequence-parallel; Megatron sums its
+    gradient over TP by name (``q_layernorm`` / ``k_layernorm``) in every layout."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        return torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+
+
+def layer_spec(model: ModelConfig, *, use_te: bool | None = None, sequence_parallel: bool = False):
+    """The transformer-layer ModuleSpec: TE spec when TE + CUDA exist, local spec otherwise (with
+    the sequence-parallel norms above when ``sequence_parallel``)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_te is None:
         use_te = have_te() and torch.cuda.is_available()
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
+    spec = specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
+    if sequence_parallel:
+        layer = spec.submodules
+        layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm
+        attention = layer.self_attention.submodules
+        if attention.q_layernorm is not None:
+            attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
+    return spec
 
 
 def params_dtype(model: ModelConfig, *, on_cpu: bool) -> torch.dtype:
@@ -143,9 +173,21 @@ def build_gpt_model(
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
+    spec = layer_spec(model, use_te=use_te, sequence_parallel=config.sequence_parallel)
+    if config.sequence_parallel and spec.submodules.input_layernorm is SequenceParallelRMSNorm:
+        # The block's final norm too (Megatron would pick WrappedTorchNorm for it).
+        from megatron.core.transformer.transformer_block import (
+            TransformerBlockSubmodules,
+            get_num_layers_to_build,
+        )
+
+        spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * get_num_layers_to_build(config),
+            layer_norm=SequenceParallelRMSNorm,
+        )
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(model, use_te=use_te),
+        transformer_layer_spec=spec,
         vocab_size=model.padded_vocab_size(config.tensor_model_parallel_size),
         max_sequence_length=model.max_position_embeddings,
         pre_process=pre_process,

@@ -29,7 +29,8 @@ RecomputeModule = Literal["core_attn", "layernorm", "mlp"]
 
 @dataclasses.dataclass(kw_only=True)
 class MemoryConfig:
-    """Activation recomputation of the actor (Megatron's TransformerConfig fields)."""
+    """Activation recomputation (Megatron's TransformerConfig fields) and optimizer offload
+    (its OptimizerConfig fields) of the actor."""
 
     recompute_granularity: Literal["full", "selective"] | None = field(
         None, help="null = keep all activations; full = recompute whole layers; selective = parts."
@@ -47,8 +48,23 @@ class MemoryConfig:
         help="selective only: which parts are recomputed (core_attn, layernorm, mlp).",
     )
 
+    optimizer_cpu_offload: bool = field(
+        False,
+        help="Keep (a fraction of) the fp32 main weights and Adam state in host memory and run "
+        "their update on the CPU (Megatron's HybridDeviceOptimizer, as its precision-aware "
+        "optimizer). Needs parallel.use_distributed_optimizer and Transformer Engine.",
+    )
+    optimizer_offload_fraction: float = field(
+        1.0, help="With optimizer_cpu_offload: the share of the optimizer state kept on the host."
+    )
+
     def __post_init__(self):
         check_literals(self, "memory")
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(
+                "memory.optimizer_offload_fraction must be in [0, 1], got "
+                f"{self.optimizer_offload_fraction}"
+            )
         for m in self.recompute_modules:
             if m not in ("core_attn", "layernorm", "mlp"):
                 raise ValueError(
@@ -84,7 +100,14 @@ class MemoryConfig:
 
     def check_backend(self, *, use_te: bool) -> None:
         """Megatron recomputes layernorm and mlp with a checkpoint that reads Transformer Engine's
-        FP8 state: without TE (CPU, local spec) only core_attn can be recomputed selectively."""
+        FP8 state: without TE (CPU, local spec) only core_attn can be recomputed selectively.
+        Its optimizer offload runs only as the precision-aware optimizer, which needs TE."""
+        if self.optimizer_cpu_offload and not use_te:
+            raise ValueError(
+                "memory.optimizer_cpu_offload needs Transformer Engine on GPUs (Megatron offloads "
+                "through its precision-aware optimizer, which TE provides); without it use "
+                "parallel.use_distributed_optimizer alone, or more data-parallel ranks"
+            )
         if self.recompute_granularity != "selective" or use_te:
             return
         needs_te = [m for m in self.recompute_modules if m != "core_attn"]
@@ -94,6 +117,16 @@ class MemoryConfig:
                 "Engine (Megatron recomputes them with TE's FP8 state); without it use "
                 "[core_attn], or recompute_granularity=full"
             )
+
+    def optimizer_kwargs(self) -> dict:
+        """The OptimizerConfig fields of this section."""
+        if not self.optimizer_cpu_offload:
+            return {}
+        return {
+            "optimizer_cpu_offload": True,
+            "optimizer_offload_fraction": self.optimizer_offload_fraction,
+            "use_precision_aware_optimizer": True,
+        }
 
     def megatron_kwargs(self) -> dict:
         """The TransformerConfig fields of this section."""

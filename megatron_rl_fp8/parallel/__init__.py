@@ -25,20 +25,64 @@ class ParallelConfig:
     backend: Literal["auto", "gloo", "nccl"] = field(
         "auto", help="torch.distributed backend; auto = nccl with CUDA, gloo otherwise."
     )
+    context_parallel_size: int = field(
+        1,
+        help="CP degree (splits every sequence over ranks; attention exchanges keys/values). "
+        "Needs Transformer Engine's attention on GPU.",
+    )
+    sequence_parallel: bool = field(
+        False,
+        help="Megatron sequence parallelism: norms, dropout and the residual stream split along "
+        "the sequence over the TP ranks (activations / TP outside the linears). Needs TP > 1.",
+    )
+    use_distributed_optimizer: bool = field(
+        False,
+        help="Shard the fp32 main weights and Adam state over the data-parallel ranks (ZeRO-1): "
+        "gradients are reduce-scattered, updated weights all-gathered.",
+    )
+    overlap_grad_reduce: bool = field(
+        False,
+        help="Start each gradient bucket's reduction as soon as its backward is done, "
+        "overlapping communication with the rest of the backward pass.",
+    )
+    overlap_param_gather: bool = field(
+        False,
+        help="With the distributed optimizer: gather updated weights bucket by bucket during the "
+        "next forward pass instead of right after the step.",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = field(
+        "auto", help="torch.distributed backend; auto = nccl with CUDA, gloo otherwise."
+    )
     timeout_minutes: int = field(30, help="Collective timeout.")
 
     def __post_init__(self):
         for name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
+            "context_parallel_size",
             "timeout_minutes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError(
+                "parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1 (it "
+                "splits the sequence over the TP ranks); set it to false or raise TP"
+            )
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError(
+                "parallel.overlap_param_gather needs parallel.use_distributed_optimizer=true "
+                "(only the distributed optimizer gathers weights)"
+            )
 
     @property
     def model_parallel_size(self) -> int:
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        """Ranks of one model replica: TP * PP * CP (data parallelism multiplies it)."""
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
 
 
 @dataclasses.dataclass
@@ -65,10 +109,32 @@ class Groups:
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     # This process's global rank.
     rank: int = 0
+    # Context parallelism: the ranks that split one sequence. Gradients and token statistics
+    # (calibration histograms, metrics) reduce over dp_cp = DP x CP; rows split over DP only.
+    cp: object = None
+    cp_rank: int = 0
+    cp_size: int = 1
+    dp_cp: object = None
+
+    def __post_init__(self):
+        if self.dp_cp is None:
+            self.dp_cp = self.dp
 
     @property
     def is_driver(self) -> bool:
         return self.rank == self.driver_rank
+
+
+def check_context_parallel(cp_size: int, *, use_te: bool) -> None:
+    """Megatron splits attention over CP ranks only in Transformer Engine's attention; its local
+    spec (CPU, or GPUs without TE) asserts CP == 1 deep inside the model build."""
+    if cp_size > 1 and not use_te:
+        raise ValueError(
+            f"parallel.context_parallel_size={cp_size} needs Transformer Engine's attention on "
+            "GPUs (Megatron's local attention has no context parallelism; without TE, or with "
+            "fp8.emulate, set it to 1 and use memory.recompute_* or train.max_tokens_per_gpu "
+            "for long sequences)"
+        )
 
 
 def free_port() -> int:
@@ -119,12 +185,13 @@ def init_model_parallel(cfg: ParallelConfig, *, seed: int) -> Groups:
     if world % cfg.model_parallel_size:
         raise ValueError(
             f"world size {world} is not divisible by tensor_model_parallel_size * "
-            f"pipeline_model_parallel_size = {cfg.model_parallel_size}"
+            f"pipeline_model_parallel_size * context_parallel_size = {cfg.model_parallel_size}"
         )
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+            context_parallel_size=cfg.context_parallel_size,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
@@ -155,6 +222,10 @@ def current_groups() -> Groups:
         last_stage_rank=last_stage_rank,
         device=current_device(),
         rank=dist.get_rank(),
+        cp=ps.get_context_parallel_group(),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_size=ps.get_context_parallel_world_size(),
+        dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
     )
 
 

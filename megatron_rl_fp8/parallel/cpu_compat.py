@@ -154,7 +154,11 @@ def enable(*, force: bool = False) -> bool:
     import megatron.core.tensor_parallel.random as mrandom
 
     cuda = torch.cuda
-    _patch(cuda, "current_device", lambda: 0)
+    # The CPU device itself, not index 0 (which means cuda:0): code that the mode does not see
+    # (backward functions run inside the mode's own handler for torch.autograd.backward, where
+    # it is off) allocates with device=torch.cuda.current_device(), e.g. sequence parallelism's
+    # reduce-scatter buffers.
+    _patch(cuda, "current_device", lambda: torch.device("cpu"))
     _patch(cuda, "device_count", lambda: 0)
     _patch(cuda, "set_device", lambda *a, **k: None)
     _patch(cuda, "synchronize", lambda *a, **k: None)

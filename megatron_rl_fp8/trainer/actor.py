@@ -4,7 +4,9 @@ Every forward/backward goes through ``get_forward_backward_func`` so PP=1 and PP
 Loss scaling, written down once: the schedule divides each micro-batch loss by the number of
 micro-batches and Megatron DDP averages gradients over data-parallel ranks. Our losses are already
 normalised by the *global* token count of the mini-batch (so summing them over micro-batches and
-ranks gives the token mean); we multiply by ``num_microbatches * dp_size`` to cancel both.
+ranks gives the token mean); we multiply by ``num_microbatches * dp_size`` to cancel both, with this
+rank's own ``num_microbatches`` (under ``train.max_tokens_per_gpu`` DP ranks may run different
+counts: each divides by its own, and DDP averages over DP with a plain 1 / dp_size).
 
 The learning rate follows Megatron's ``OptimizerParamScheduler`` (``optim.lr_*``), owned here next
 to the optimizer: one scheduler step per *applied* optimizer step, as Megatron's training loop.
@@ -24,9 +26,10 @@ from megatron_rl_fp8.fp8.te import have_te, megatron_fp8_kwargs, should_emulate
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.fp8 import full_precision, install_fp8_emulation
 from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
-from megatron_rl_fp8.models.logprobs import token_entropy, token_logprobs
+from megatron_rl_fp8.models.logprobs import token_logprobs, token_logprobs_and_entropy
 from megatron_rl_fp8.models.memory import MemoryConfig
-from megatron_rl_fp8.parallel import Groups
+from megatron_rl_fp8.parallel import Groups, ParallelConfig, check_context_parallel
+from megatron_rl_fp8.trainer.batch import merge_rows, pack_by_tokens, row_lengths, take_rows
 from megatron_rl_fp8.trainer.config import OptimConfig
 
 
@@ -57,21 +60,81 @@ def build_opt_param_scheduler(optimizer, optim_cfg: OptimConfig, lr_decay_steps:
     )
 
 
-def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict]:
-    n = next(iter(batch.values())).shape[0]
-    return [
-        {k: v[i : i + micro_batch_size] for k, v in batch.items()}
-        for i in range(0, n, micro_batch_size)
+@dataclasses.dataclass(frozen=True)
+class MicroBatches:
+    """A batch's rows split into micro-batches, and the way back to the batch's row order."""
+
+    batches: list[dict]
+    # Batch rows of each micro-batch under a token budget; None: consecutive rows, in order.
+    groups: list[list[int]] | None = None
+    width: int = 0  # the batch's S, which merged per-token outputs get back
+
+    @property
+    def variable_shapes(self) -> bool:
+        return self.groups is not None
+
+    def merge(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Per-micro-batch per-token outputs as one [B, S] tensor in the batch's row order."""
+        if self.groups is None:
+            return torch.cat(parts)
+        return merge_rows(parts, self.groups, self.width)
+
+
+def seq_multiple(config) -> int:
+    """What every micro-batch's sequence length must be a multiple of under this Megatron config:
+    context parallelism cuts sequences into 2 * CP chunks, sequence parallelism splits each CP
+    rank's share over the TP ranks."""
+    cp = config.context_parallel_size
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return (2 * cp if cp > 1 else 1) * tp
+
+
+def split_micro_batches(
+    batch: dict[str, torch.Tensor],
+    micro_batch_size: int,
+    max_tokens: int | None = None,
+    *,
+    multiple: int = 1,
+) -> MicroBatches:
+    """``micro_batch_size`` consecutive rows at a time, each padded to the batch's S; or, with a
+    token budget ``max_tokens``, rows grouped by ``pack_by_tokens`` over their real lengths
+    (``row_lengths`` of ``loss_mask``, rounded up to ``multiple``), each micro-batch cut to its
+    own longest row (``micro_batch_size`` unused)."""
+    n, width = batch["input_ids"].shape
+    if max_tokens is None:
+        return MicroBatches(
+            [
+                {k: v[i : i + micro_batch_size] for k, v in batch.items()}
+                for i in range(0, n, micro_batch_size)
+            ]
+        )
+    lengths = [
+        min(math.ceil(length / multiple) * multiple, width)
+        for length in row_lengths(batch["loss_mask"])
     ]
+    groups = pack_by_tokens(lengths, max_tokens)
+    # Rows come longest first: a micro-batch's first row is its longest.
+    batches = [take_rows(batch, rows, lengths[rows[0]]) for rows in groups]
+    return MicroBatches(batches, groups, width)
 
 
 def run_schedule(
-    model, device, micro_batches: list[dict], loss_fn: Callable, *, forward_only: bool
+    model, device, micro_batches: MicroBatches, loss_fn: Callable, *, forward_only: bool
 ) -> list[dict]:
     """Megatron's forward(/backward) schedule over ``micro_batches`` (PP=1 and PP>1 alike);
     returns the per-micro-batch dicts of ``loss_fn`` (last pipeline stage only). The actor and
     the frozen KL reference both run their passes through it."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    if micro_batches.variable_shapes:
+        # Micro-batches differ in rows and length (token budget): the pipeline's p2p then sends
+        # each activation's [S, rows, hidden] shape ahead of it (both dims may vary), and the
+        # seq_length / micro_batch_size below are only the schedule's unused shape hints. Only
+        # the p2p reads this flag (PP=1 has none); every stage of a pipeline sees the same
+        # micro-batches, so all set it in the same call.
+        get_model_config(model).variable_seq_lengths = True
+    micro_batches = micro_batches.batches
 
     def forward_step(data_iterator, model):
         # Batches are built on the host; the model's device is CUDA on GPU clusters.
@@ -105,13 +168,16 @@ class Actor:
         fp8: FP8Config | None = None,
         *,
         memory: MemoryConfig | None = None,
+        parallel: ParallelConfig | None = None,
         init_weights: bool = True,
         total_steps: int | None = None,
     ):
         """``init_weights=False`` skips Megatron's random init (minutes of host time at 8B) for
         a model whose every weight is loaded next (``models/pretrained.py``).
         ``total_steps``: optimizer steps of the whole run (``train.steps *
-        train.updates_per_step``), the decay horizon when ``optim.lr_decay_steps`` is null."""
+        train.updates_per_step``), the decay horizon when ``optim.lr_decay_steps`` is null.
+        ``parallel``: the scale features (sequence parallelism, the distributed optimizer,
+        overlapped communication); TP / PP / CP sizes come from ``groups``."""
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -130,8 +196,10 @@ class Actor:
         te_fp8 = {} if self.fp8_emulated or not self.fp8.enabled else megatron_fp8_kwargs(self.fp8)
         on_cpu = groups.device.type != "cuda"
         use_te = not on_cpu and not self.fp8_emulated and have_te()
-        if memory is not None:
-            memory.check_backend(use_te=use_te)
+        memory = memory or MemoryConfig()
+        memory.check_backend(use_te=use_te)
+        parallel = self.parallel = parallel or ParallelConfig()
+        check_context_parallel(groups.cp_size, use_te=use_te)
         self.config = transformer_config(
             model_cfg,
             tensor_model_parallel_size=groups.tp_size,
@@ -139,8 +207,10 @@ class Actor:
             on_cpu=on_cpu,
             use_te=use_te,
             perform_initialization=init_weights,
+            sequence_parallel=parallel.sequence_parallel,
+            context_parallel_size=groups.cp_size,
             **te_fp8,
-            **(memory.megatron_kwargs() if memory is not None else {}),
+            **memory.megatron_kwargs(),
         )
         module = build_gpt_model(model_cfg, self.config, use_te=use_te)
         if self.fp8_emulated:
@@ -151,7 +221,10 @@ class Actor:
             # the DDP wrap, which allocates its gradient buffers on the parameters' device.
             module.cuda(groups.device)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=parallel.overlap_grad_reduce,
+            use_distributed_optimizer=parallel.use_distributed_optimizer,
+            overlap_param_gather=parallel.overlap_param_gather,
         )
         self.model = DistributedDataParallel(
             config=self.config, ddp_config=ddp_config, module=module
@@ -167,6 +240,9 @@ class Actor:
             clip_grad=optim_cfg.clip_grad,
             bf16=self.config.bf16,
             params_dtype=self.config.params_dtype,
+            use_distributed_optimizer=parallel.use_distributed_optimizer,
+            overlap_param_gather=parallel.overlap_param_gather,
+            **memory.optimizer_kwargs(),
         )
         self.reset_optimizer()
         self.config.finalize_model_grads_func = finalize_model_grads
@@ -180,11 +256,28 @@ class Actor:
             if not self.fp8.enabled
             else f"{self.fp8.recipe} ({'emulated' if self.fp8_emulated else 'Transformer Engine'})"
         )
-        g = self.groups
+        g, p = self.groups, self.parallel
         dtype = str(self.config.params_dtype).removeprefix("torch.")
+        layout = f"TP={g.tp_size} PP={g.pp_size} DP={g.dp_size}"
+        if g.cp_size > 1:
+            layout += f" CP={g.cp_size}"
+        features = [
+            name
+            for name, on in (
+                ("sequence parallel", p.sequence_parallel),
+                ("distributed optimizer", p.use_distributed_optimizer),
+                ("overlapped grad reduce", p.overlap_grad_reduce),
+                ("overlapped param gather", p.overlap_param_gather),
+                (
+                    f"recompute {self.config.recompute_granularity}",
+                    self.config.recompute_granularity,
+                ),
+            )
+            if on
+        ]
         return (
-            f"{n / 1e6:.2f}M parameters on this rank, {dtype} on "
-            f"{g.device} (TP={g.tp_size} PP={g.pp_size} DP={g.dp_size}), FP8 {fp8}"
+            f"{n / 1e6:.2f}M parameters on this rank, {dtype} on {g.device} ({layout}"
+            f"{''.join(', ' + f for f in features)}), FP8 {fp8}"
         )
 
     def reset_optimizer(self) -> None:
@@ -192,6 +285,8 @@ class Actor:
         fresh, cached and skipped warm starts all begin RL alike)."""
         from megatron.core.optimizer import get_megatron_optimizer
 
+        if hasattr(self, "optimizer"):
+            self.finish_param_gather()  # the new optimizer's main weights copy these
         self.optimizer = get_megatron_optimizer(self.optimizer_config, [self.model])
         self.opt_param_scheduler = build_opt_param_scheduler(
             self.optimizer, self.optim_cfg, self.lr_decay_steps
@@ -219,38 +314,52 @@ class Actor:
 
     # -- forward / backward ----------------------------------------------------------------------
     def _run(
-        self, micro_batches: list[dict], loss_fn: Callable, *, forward_only: bool
+        self, micro_batches: MicroBatches, loss_fn: Callable, *, forward_only: bool
     ) -> list[dict]:
         return run_schedule(
             self.model, self.groups.device, micro_batches, loss_fn, forward_only=forward_only
         )
 
     def _logits_kwargs(self) -> dict:
-        return {"vocab_size": self.model_cfg.vocab_size, "tp_rank": self.groups.tp_rank}
+        return {
+            "vocab_size": self.model_cfg.vocab_size,
+            "tp_rank": self.groups.tp_rank,
+            "tp_group": self.groups.tp,
+        }
+
+    def _split(self, batch: dict, micro_batch_size: int, max_tokens: int | None) -> MicroBatches:
+        return split_micro_batches(
+            batch, micro_batch_size, max_tokens, multiple=seq_multiple(self.config)
+        )
 
     @torch.no_grad()
     def compute_logprobs(
-        self, batch: dict[str, torch.Tensor], micro_batch_size: int, *, temperature: float = 1.0
+        self,
+        batch: dict[str, torch.Tensor],
+        micro_batch_size: int,
+        *,
+        temperature: float = 1.0,
+        max_tokens: int | None = None,
     ) -> dict[str, torch.Tensor] | None:
-        """Per-token logprobs of ``labels`` and entropy; [B, S] tensors on the last stage, else None."""
+        """Per-token logprobs of ``labels`` and entropy; [B, S] tensors on the last stage, else None.
+        ``max_tokens``: micro-batches by token budget (``split_micro_batches``); positions past a
+        micro-batch's longest row come back as 0 (no loss or metric reads them)."""
         self.model.eval()
 
         def loss_fn(mb, logits):
-            lp = token_logprobs(
+            lp, ent = token_logprobs_and_entropy(
                 logits, mb["labels"], temperature=temperature, **self._logits_kwargs()
-            )
-            ent = token_entropy(
-                logits, temperature=temperature, tp_group=self.groups.tp, **self._logits_kwargs()
             )
             return torch.zeros(()), {"logprobs": lp, "entropy": ent}
 
-        out = self._run(split_micro_batches(batch, micro_batch_size), loss_fn, forward_only=True)
+        micro_batches = self._split(batch, micro_batch_size, max_tokens)
+        out = self._run(micro_batches, loss_fn, forward_only=True)
         self.model.train()
         if not self.groups.is_last_stage:
             return None
         # Left on the model's device: the loss, the calibration histograms (all-reduced over
         # NCCL on GPU) and the metrics all consume them there.
-        return {k: torch.cat([o[k] for o in out]) for k in ("logprobs", "entropy")}
+        return {k: micro_batches.merge([o[k] for o in out]) for k in ("logprobs", "entropy")}
 
     def train_step(
         self,
@@ -259,15 +368,19 @@ class Actor:
         token_loss_fn: Callable,
         *,
         temperature: float = 1.0,
+        max_tokens: int | None = None,
     ) -> tuple[list[dict], float, bool]:
         """One optimizer step over ``batch`` (this rank's rows).
 
         ``token_loss_fn(mb, logprobs) -> (loss, metrics)`` returns a loss normalised by the global
         token count (so it sums across micro-batches and ranks) and a dict of metrics.
+        ``max_tokens``: micro-batches by token budget (``split_micro_batches``).
         Returns (per-micro-batch metric dicts [last stage only], grad norm, update applied).
         """
-        micro_batches = split_micro_batches(batch, micro_batch_size)
-        scale = len(micro_batches) * self.groups.dp_size
+        micro_batches = self._split(batch, micro_batch_size, max_tokens)
+        # This rank's own micro-batch count, as the schedule divides by it: under a token budget
+        # it differs between DP ranks.
+        scale = len(micro_batches.batches) * self.groups.dp_size
 
         def loss_fn(mb, logits):
             lp = token_logprobs(
@@ -303,6 +416,14 @@ class Actor:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return flag.item() == 0.0
 
+    def finish_param_gather(self) -> None:
+        """Make every rank's module hold the updated weights. With
+        ``parallel.overlap_param_gather`` the distributed optimizer leaves its all-gather of the
+        new weights to the next forward pass; what reads the weights outside one (the weight
+        norm, the rollout sync, checkpoints) calls this first. A no-op otherwise."""
+        if self.parallel.overlap_param_gather:
+            self.model.start_param_sync(force_sync=True)
+
     @torch.no_grad()
     def param_norm(self) -> float:
         """Global L2 norm of the weights (collective over all ranks), summed in float32 on purpose:
@@ -326,13 +447,51 @@ class Actor:
         if with_optimizer:
             # is_loading makes Megatron allocate the (still empty) Adam state first, so the loaded
             # exp_avg / exp_avg_sq have somewhere to go; without it they are silently dropped.
-            sd["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+            kwargs = {}
+            if self.parallel.use_distributed_optimizer:
+                # Its state in bucket space without the DP padding, so a checkpoint loads at
+                # another DP size (same TP x PP).
+                kwargs = {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}
+                if is_loading:
+                    self._allocate_distributed_optimizer_state()
+            sd["optimizer"] = self.optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading, **kwargs
+            )
         return sd
 
+    def _allocate_distributed_optimizer_state(self) -> None:
+        """Give a fresh distributed optimizer its Adam state before a load fills it. Without
+        Apex / TE, Megatron's wrapper reads the torch Adam's ``step`` even when loading, which a
+        torch optimizer creates only at its first step; Megatron's own loader (Megatron-FSDP
+        path) allocates it by a step with zero gradients, and so does this. The loaded values
+        then replace every tensor it touched (weights, fp32 main weights, moments, step)."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if not opt.optimizer.state:
+                opt._init_optimizer_states_with_dummy_values()
+
+    def _restore_adam_step(self, loaded: dict) -> None:
+        """Give a torch Adam's per-parameter state the checkpoint's step, one tensor each.
+        Megatron 0.16's distributed optimizer (without Apex / TE) loads the step from the param
+        groups as *one* tensor shared by every parameter, which torch's Adam then increments once
+        per parameter at the next step (bias correction as if thousands of steps had passed),
+        and its bucket-space format copies this process's own step (the zero-gradient
+        allocation's 1) over it. TE's and apex's Adam keep the step in the param groups."""
+        (opt,) = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        (step,) = {group["step"] for group in loaded["optimizer"]["param_groups"]}
+        for state in opt.optimizer.state.values():
+            if "step" in state:
+                old = state["step"]
+                state["step"] = torch.full_like(old, step)
+
+    @torch.no_grad()
     def load_sharded(self, loaded: dict) -> None:
+        # no_grad: the distributed optimizer copies its loaded fp32 shards in place into views
+        # of the weights themselves when they are fp32 (CPU), leaves that require grad.
         self.module.load_state_dict(loaded["model"])
         if "optimizer" in loaded:
             self.optimizer.load_state_dict(loaded["optimizer"])
+            if self.parallel.use_distributed_optimizer:
+                self._restore_adam_step(loaded["optimizer"])
         else:
             self.params_changed()
 

@@ -7,9 +7,16 @@ Layout, one row per completion, right-padded to a common length S:
     loss_mask[t] = 1 where labels[t] is a response token (eos included)
 
 so every per-token tensor (logprobs, rollout logprobs, advantages) is aligned with ``labels``.
+
+Micro-batches by token budget (``train.max_tokens_per_gpu``, slime's name): instead of a fixed row
+count padded to the batch's longest row, :func:`pack_by_tokens` groups rows so that each
+micro-batch's padded size (rows x its own longest row) stays within a budget; :func:`take_rows`
+cuts one out and :func:`merge_rows` puts per-token outputs back in the batch's row order.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -88,3 +95,56 @@ def order_for_updates(
         ]
     )
     return {k: v[index] for k, v in batch.items()}
+
+
+def row_lengths(loss_mask: torch.Tensor) -> list[int]:
+    """The positions a forward pass of each row must cover: up to its last ``loss_mask`` position
+    (whose label is the row's last response token), at least 1.
+
+    Later positions are padding or the final input token, whose prediction no loss or metric reads;
+    under the causal mask, leaving them out changes no earlier position's output. Host sync: the
+    lengths go to the host to plan the micro-batches.
+    """
+    positions = torch.arange(1, loss_mask.shape[1] + 1, device=loss_mask.device)
+    return (loss_mask.ne(0) * positions).amax(dim=1).clamp(min=1).tolist()
+
+
+def pack_by_tokens(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Group rows (by index) into micro-batches whose padded size, rows x the longest row in it,
+    is at most ``max_tokens``; a row longer than ``max_tokens`` gets a micro-batch of its own.
+
+    First-fit decreasing, deterministic: rows are taken longest first (ties by index). Then a
+    micro-batch's first row is its longest, and one that could not take a row can take no later
+    (shorter, so no cheaper) row either: first fit reduces to filling one micro-batch at a time.
+    The micro-batches come longest first, rows inside each in that order.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def take_rows(batch: dict[str, torch.Tensor], rows: list[int], width: int) -> dict:
+    """Rows ``rows`` of ``batch``, every per-token tensor (2-D or more: [B, S, ...], aligned with
+    ``labels``) cut to its first ``width`` positions; per-row tensors ([B]) just the rows."""
+    out = {}
+    for k, v in batch.items():
+        index = torch.tensor(rows, device=v.device)
+        out[k] = v[index, :width] if v.dim() >= 2 else v[index]
+    return out
+
+
+def merge_rows(parts: list[torch.Tensor], groups: list[list[int]], width: int) -> torch.Tensor:
+    """The inverse of :func:`take_rows` over all micro-batches for per-token outputs: ``parts[i]``
+    ([len(groups[i]), S_i]) holds rows ``groups[i]``; returns [B, width] in the batch's row order,
+    zero past each micro-batch's width (positions no loss or metric reads)."""
+    n = sum(len(g) for g in groups)
+    out = parts[0].new_zeros((n, width))
+    for rows, part in zip(groups, parts):
+        out[torch.tensor(rows, device=part.device), : part.shape[1]] = part
+    return out

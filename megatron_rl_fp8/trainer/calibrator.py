@@ -59,7 +59,14 @@ class ClipCalibrator:
         self.requested = True
 
     def calibrate(
-        self, actor, mini: dict, groups: Groups, *, micro_batch_size: int, temperature: float
+        self,
+        actor,
+        mini: dict,
+        groups: Groups,
+        *,
+        micro_batch_size: int,
+        temperature: float,
+        max_tokens: int | None = None,
     ) -> dict:
         """BF16 shadow + FP8 forward of the current policy on ``mini``; new EMA bounds.
 
@@ -70,9 +77,10 @@ class ClipCalibrator:
         """
         loss_cfg, g = self.loss_cfg, groups
         t0 = time.perf_counter()
-        cur8 = actor.compute_logprobs(mini, micro_batch_size, temperature=temperature)
+        kwargs = {"temperature": temperature, "max_tokens": max_tokens}
+        cur8 = actor.compute_logprobs(mini, micro_batch_size, **kwargs)
         with actor.full_precision():
-            cur16 = actor.compute_logprobs(mini, micro_batch_size, temperature=temperature)
+            cur16 = actor.compute_logprobs(mini, micro_batch_size, **kwargs)
         result = None
         if g.is_last_stage:
             lower, upper, stats = calibrated_clip_bounds(

@@ -192,7 +192,18 @@ class TrainConfig:
     prompts_per_step: int = field(
         16, help="Prompts per step (x rollout.n_samples_per_prompt rows)."
     )
-    micro_batch_size: int = field(16, help="Rows per forward/backward micro-batch per DP rank.")
+    micro_batch_size: int = field(
+        16,
+        help="Rows per forward/backward micro-batch per DP rank, padded to the batch's longest "
+        "row (not used when max_tokens_per_gpu is set).",
+    )
+    max_tokens_per_gpu: int | None = field(
+        None,
+        help="Token budget per micro-batch (slime's name): every pass groups this DP rank's rows, "
+        "longest first, into micro-batches of varying row count whose padded size (rows x "
+        "their own longest row) stays within it; a row longer than the budget runs alone. Less "
+        "padding when lengths vary. null = micro_batch_size rows per micro-batch.",
+    )
     updates_per_step: int = field(
         1, help="Optimizer steps per RL step (mini-batches); 1 = strictly on-policy."
     )
@@ -235,4 +246,9 @@ class TrainConfig:
         for name in ("save_interval", "eval_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_tokens_per_gpu is not None and self.max_tokens_per_gpu < 1:
+            raise ValueError(
+                f"max_tokens_per_gpu must be >= 1 (or null for micro_batch_size rows per "
+                f"micro-batch), got {self.max_tokens_per_gpu}"
+            )
         check_literals(self, "train")

@@ -93,6 +93,7 @@ class Trainer:
             self.groups,
             fp8=cfg.fp8,
             memory=cfg.memory,
+            parallel=cfg.parallel,
             init_weights=not cfg.model.pretrained,
             total_steps=cfg.train.steps * cfg.train.updates_per_step,
         )

@@ -48,7 +48,7 @@ from megatron_rl_fp8.models.pretrained import (
     source_model,
 )
 from megatron_rl_fp8.trainer import checkpoint
-from megatron_rl_fp8.trainer.actor import Actor, run_schedule, split_micro_batches
+from megatron_rl_fp8.trainer.actor import Actor, run_schedule, seq_multiple, split_micro_batches
 
 if TYPE_CHECKING:  # megatron_rl_fp8.config may call check_ref_checkpoint: no import cycle
     from megatron_rl_fp8.config import RunConfig
@@ -179,25 +179,33 @@ class Reference:
     # -- forward ---------------------------------------------------------------------------------
     @torch.no_grad()
     def compute_logprobs(
-        self, batch: dict[str, torch.Tensor], micro_batch_size: int, *, temperature: float = 1.0
+        self,
+        batch: dict[str, torch.Tensor],
+        micro_batch_size: int,
+        *,
+        temperature: float = 1.0,
+        max_tokens: int | None = None,
     ) -> torch.Tensor | None:
         """Per-token reference logprobs of ``labels`` ([B, S], on the model's device) on the last
         pipeline stage, else None. ``temperature`` must be the actor's, so both score the same
-        distribution family."""
-        kwargs = {"vocab_size": self.model_cfg.vocab_size, "tp_rank": self.groups.tp_rank}
+        distribution family; ``max_tokens``: the actor's token budget (``split_micro_batches``)."""
+        kwargs = {
+            "vocab_size": self.model_cfg.vocab_size,
+            "tp_rank": self.groups.tp_rank,
+            "tp_group": self.groups.tp,
+        }
 
         def loss_fn(mb, logits):
             lp = token_logprobs(logits, mb["labels"], temperature=temperature, **kwargs)
             return torch.zeros(()), {"logprobs": lp}
 
         # The actor's schedule: same micro-batching, positions and pipeline path as its logprobs.
+        micro_batches = split_micro_batches(
+            batch, micro_batch_size, max_tokens, multiple=seq_multiple(self.config)
+        )
         out = run_schedule(
-            self.model,
-            self.groups.device,
-            split_micro_batches(batch, micro_batch_size),
-            loss_fn,
-            forward_only=True,
+            self.model, self.groups.device, micro_batches, loss_fn, forward_only=True
         )
         if not self.groups.is_last_stage:
             return None
-        return torch.cat([o["logprobs"] for o in out])
+        return micro_batches.merge([o["logprobs"] for o in out])

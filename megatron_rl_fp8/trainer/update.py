@@ -19,6 +19,7 @@ includes it; ``train/kl`` is the mean per-token estimate over the step's respons
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
@@ -76,8 +77,12 @@ class PolicyUpdate:
         self.param_norm = 0.0  # of the weights after the last step (every rank)
 
     def _logprobs(self, batch: dict) -> dict | None:
+        t = self.cfg.train
         return self.actor.compute_logprobs(
-            batch, self.cfg.train.micro_batch_size, temperature=self.cfg.rollout.temperature
+            batch,
+            t.micro_batch_size,
+            temperature=self.cfg.rollout.temperature,
+            max_tokens=t.max_tokens_per_gpu,
         )
 
     def old_logprobs(self, local: dict, acc: MetricAccumulator, calibrating: bool) -> float:
@@ -113,8 +118,12 @@ class PolicyUpdate:
 
     def ref_logprobs(self, local: dict) -> None:
         """Fill ``ref_logprobs`` (the frozen reference's, for the KL penalty) into ``local``."""
+        t = self.cfg.train
         ref = self.reference.compute_logprobs(
-            local, self.cfg.train.micro_batch_size, temperature=self.cfg.rollout.temperature
+            local,
+            t.micro_batch_size,
+            temperature=self.cfg.rollout.temperature,
+            max_tokens=t.max_tokens_per_gpu,
         )
         # Not the last pipeline stage: no logprobs here (and no loss either).
         local["ref_logprobs"] = ref if ref is not None else torch.zeros_like(local["old_logprobs"])
@@ -178,6 +187,8 @@ class PolicyUpdate:
 
     @staticmethod
     def _account(outs: list[dict], acc: MetricAccumulator, applied: bool) -> None:
+        """Token-weighted sums (and extremes) over micro-batches: how rows are grouped into
+        micro-batches (``train.max_tokens_per_gpu``) does not change the step's metrics."""
         for o in outs:
             acc.add("train/loss", o["loss"].item())
             acc.add("train/pg_loss", o["_pg_loss"].item())
@@ -186,10 +197,15 @@ class PolicyUpdate:
             for k, v in o.items():
                 if k in ("loss", "_ntok", "_pg_loss", "_useful", "_ratio_hist"):
                     continue
-                if k.endswith(_MAX_KEYS):
-                    acc.max(k, v.item() / max(o["_ntok"].item(), 1.0))
-                elif k.endswith(_MIN_KEYS):
-                    acc.min(k, v.item() / max(o["_ntok"].item(), 1.0))
+                if k.endswith(_MAX_KEYS + _MIN_KEYS):
+                    # A micro-batch without response tokens (a token budget groups such rows)
+                    # has no extreme: it adds the identity, -inf for a max and +inf for a min
+                    # (its weighted value, 0, would pass for a ratio_min). The key stays, as the
+                    # all-reduce needs the same keys on every rank.
+                    largest = k.endswith(_MAX_KEYS)
+                    ntok = o["_ntok"].item()
+                    value = v.item() / ntok if ntok > 0 else (-math.inf if largest else math.inf)
+                    (acc.max if largest else acc.min)(k, value)
                 else:
                     acc.add("pg/" + k, v.item())
             acc.add("pg_tokens", o["_ntok"].item())
@@ -207,6 +223,9 @@ class PolicyUpdate:
         precision = self.actor.full_precision() if self.bf16 else contextlib.nullcontext()
         with precision:
             metrics = self._update(batch, local, acc, calibrating, t0)
+        # The rollout sync, checkpoints and the norm read the weights next: gather them now
+        # when the distributed optimizer left that to the next forward pass.
+        self.actor.finish_param_gather()
         self.param_norm = self.actor.param_norm()
         if g.is_driver:
             metrics["train/param_norm"] = self.param_norm
@@ -238,6 +257,7 @@ class PolicyUpdate:
                     g,
                     micro_batch_size=cfg.train.micro_batch_size,
                     temperature=cfg.rollout.temperature,
+                    max_tokens=cfg.train.max_tokens_per_gpu,
                 )
                 shadow_time += calib_metrics.pop("perf/shadow_time_s")
             lr = self.actor.lr  # the lr this update uses (the schedule steps after it)
@@ -246,6 +266,7 @@ class PolicyUpdate:
                 cfg.train.micro_batch_size,
                 self._token_loss(counts, *(bounds or self.calibrator.bounds)),
                 temperature=cfg.rollout.temperature,
+                max_tokens=cfg.train.max_tokens_per_gpu,
             )
             grad_norms.append(grad_norm)
             skipped += not applied
@@ -286,7 +307,10 @@ class PolicyUpdate:
                     result["train/" + k[3:]] = v / pg_n
                 else:
                     result[k] = v / n
-            result.update({"train/" + k: v for k, v in {**acc.maxima, **acc.minima}.items()})
+            # A step without response tokens keeps the identities; report the on-policy ratio 1,
+            # as policy_loss does for an empty mask.
+            for table, identity in ((acc.maxima, -math.inf), (acc.minima, math.inf)):
+                result.update({"train/" + k: 1.0 if v == identity else v for k, v in table.items()})
             result["train/response_tokens"] = n
         if g.last_stage_rank != g.driver_rank:
             result = broadcast_object(result, g.last_stage_rank)

@@ -76,7 +76,10 @@ def warm_start(cfg: RunConfig, actor: Actor, groups: Groups, tokenizer, records)
 
         with actor.full_precision():
             outs, _, _ = actor.train_step(
-                rows_for_rank(batch, g.dp_rank, g.dp_size), cfg.train.micro_batch_size, nll
+                rows_for_rank(batch, g.dp_rank, g.dp_size),
+                cfg.train.micro_batch_size,
+                nll,
+                max_tokens=cfg.train.max_tokens_per_gpu,
             )
         if outs:
             local = torch.tensor(

@@ -58,3 +58,142 @@ def test_order_for_updates_gives_every_layout_the_same_mini_batches():
         assert minis == [list(range(12)), list(range(12, 24))], dp
     with pytest.raises(ValueError, match="mini-batches"):
         order_for_updates(batch, 5, updates=2)
+
+
+# -- micro-batches by token budget (train.max_tokens_per_gpu) ------------------------------------
+
+
+def _padded_size(rows, lengths):
+    return len(rows) * max(lengths[i] for i in rows)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_pack_by_tokens_places_every_row_once_within_the_budget(seed):
+    from megatron_rl_fp8.trainer.batch import pack_by_tokens
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 60, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g)
+    lengths = lengths.tolist()
+    budget = int(torch.randint(20, 200, (1,), generator=g))
+    groups = pack_by_tokens(lengths, budget)
+    assert sorted(i for rows in groups for i in rows) == list(range(len(lengths)))
+    for rows in groups:
+        # Over budget only as a single row longer than the budget.
+        assert _padded_size(rows, lengths) <= budget or (
+            len(rows) == 1 and lengths[rows[0]] > budget
+        )
+        # Longest first inside each micro-batch, so the first row is its padded width.
+        assert [lengths[i] for i in rows] == sorted((lengths[i] for i in rows), reverse=True)
+    # Deterministic: the same lengths give the same plan.
+    assert pack_by_tokens(lengths, budget) == groups
+    # Greedy is tight: every micro-batch but the last was full (one more row of at most its
+    # longest row's length would not have fit).
+    for rows in groups[:-1]:
+        assert (len(rows) + 1) * lengths[rows[0]] > budget
+
+
+def test_pack_by_tokens_hand_example():
+    from megatron_rl_fp8.trainer.batch import pack_by_tokens
+
+    lengths = [3, 9, 2, 3, 12, 5]
+    # Longest first, ties by index: 12 alone (over the budget), 9 alone (2 x 9 > 10),
+    # then 5 + 3 (2 x 5 = 10; a third row: 3 x 5 > 10), then 3 + 2 (2 x 3).
+    assert pack_by_tokens(lengths, 10) == [[4], [1], [5, 0], [3, 2]]
+    assert pack_by_tokens(lengths, 1000) == [[4, 1, 5, 0, 3, 2]]
+    with pytest.raises(ValueError, match="max_tokens"):
+        pack_by_tokens(lengths, 0)
+
+
+def test_row_lengths_end_at_the_last_loss_position():
+    from megatron_rl_fp8.trainer.batch import row_lengths
+
+    comps = [
+        Completion(
+            prompt_ids=[1, 5, 6], response_ids=[7, 2], response_logprobs=[0, 0], finished=True
+        ),
+        Completion(
+            prompt_ids=[1], response_ids=[8, 9, 10, 11], response_logprobs=[0] * 4, finished=False
+        ),
+    ]
+    b = build_rl_batch(comps, torch.zeros(2), pad_id=0)
+    # prompt + response - 1: the last input token's prediction (label pad) is never read.
+    assert row_lengths(b["loss_mask"]) == [4, 4]
+    assert row_lengths(torch.zeros(2, 5)) == [1, 1]  # no loss position: one position, not zero
+
+
+def test_take_and_merge_rows_restore_the_batch_order():
+    from megatron_rl_fp8.trainer.batch import merge_rows, pack_by_tokens, row_lengths, take_rows
+
+    mask = torch.zeros(5, 8)
+    for i, n in enumerate([3, 8, 1, 6, 4]):
+        mask[i, :n] = 1
+    batch = {"loss_mask": mask, "x": torch.arange(40.0).reshape(5, 8), "adv": torch.arange(5.0)}
+    lengths = row_lengths(mask)
+    groups = pack_by_tokens(lengths, 12)
+    parts = [take_rows(batch, rows, lengths[rows[0]]) for rows in groups]
+    for rows, part in zip(groups, parts):
+        assert part["x"].shape == (len(rows), lengths[rows[0]])  # cut to its own longest row
+        assert part["adv"].tolist() == [float(i) for i in rows]  # per-row tensors: rows only
+    merged = merge_rows([p["x"] for p in parts], groups, 8)
+    # Every row back in place, real positions exact, positions past its micro-batch's width 0.
+    assert torch.equal(merged * mask, batch["x"] * mask)
+    for rows, part in zip(groups, parts):
+        assert merged[rows, part["x"].shape[1] :].eq(0).all()
+
+
+def test_split_micro_batches_fixed_and_by_tokens():
+    from megatron_rl_fp8.trainer.actor import split_micro_batches
+
+    mask = torch.zeros(6, 10)
+    for i, n in enumerate([2, 9, 3, 9, 1, 4]):
+        mask[i, :n] = 1
+    batch = {"input_ids": torch.arange(60).reshape(6, 10), "loss_mask": mask}
+    fixed = split_micro_batches(batch, 4)
+    assert not fixed.variable_shapes
+    assert [mb["input_ids"].shape for mb in fixed.batches] == [(4, 10), (2, 10)]
+    assert torch.equal(fixed.merge([mb["input_ids"] for mb in fixed.batches]), batch["input_ids"])
+
+    packed = split_micro_batches(batch, 4, max_tokens=20)
+    assert packed.variable_shapes
+    assert [tuple(mb["input_ids"].shape) for mb in packed.batches] == [(2, 9), (4, 4)]
+    merged = packed.merge([mb["input_ids"] for mb in packed.batches])
+    assert torch.equal(merged * mask.long(), batch["input_ids"] * mask.long())
+    # Sequence lengths rounded up to a multiple (sequence / context parallelism), within S.
+    aligned = split_micro_batches(batch, 4, max_tokens=20, multiple=4)
+    assert [tuple(mb["input_ids"].shape) for mb in aligned.batches] == [(2, 10), (4, 4)]
+
+
+def test_metrics_do_not_depend_on_how_rows_are_grouped():
+    """PolicyUpdate._account: token-weighted sums and extremes; a micro-batch without response
+    tokens (a token budget puts such rows together) adds nothing, not a ratio_min of 0."""
+    from megatron_rl_fp8.metrics.accumulator import MetricAccumulator
+    from megatron_rl_fp8.trainer.update import PolicyUpdate
+
+    def out(ntok, clipfrac, ratio_min, ratio_max, loss):
+        t = torch.tensor
+        return {
+            "loss": t(loss),
+            "_pg_loss": t(loss),
+            "_ntok": t(float(ntok)),
+            "_useful": t(float(ntok)),
+            "_ratio_hist": torch.zeros(4),
+            # policy_loss's per-micro-batch means, weighted by the micro-batch's tokens
+            "pg_clipfrac": t(clipfrac * ntok),
+            "ratio_min": t(ratio_min * ntok),
+            "ratio_max": t(ratio_max * ntok),
+        }
+
+    # The same 6 response tokens: 2 + 4 in two micro-batches, or 6 plus an empty one.
+    two = [out(2, 0.5, 0.9, 1.1, 0.25), out(4, 0.25, 0.8, 1.3, 0.5)]
+    empty = [out(6, 1 / 3, 0.8, 1.3, 0.75), out(0, 0.0, 1.0, 1.0, 0.0)]
+    accs = []
+    for outs in (two, empty):
+        acc = MetricAccumulator()
+        PolicyUpdate._account(outs, acc, applied=True)
+        accs.append(acc)
+    a, b = accs
+    for acc in (a, b):
+        assert acc.maxima == {"ratio_max": pytest.approx(1.3)}
+        assert acc.minima == {"ratio_min": pytest.approx(0.8)}
+    assert a.sums == pytest.approx(b.sums)
+    assert a.sums["pg/pg_clipfrac"] / a.sums["pg_tokens"] == pytest.approx(2 / 6)

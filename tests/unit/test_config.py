@@ -149,3 +149,15 @@ def test_every_setting_has_help_and_the_config_command_shows_it(capsys):
     assert "* fp8.recipe = 'blockwise'  (default: 'bf16')" in out
     assert "  loss.calib.ema_decay = " in out  # nested sections are walked
     assert main(["config", "examples/tiny_cpu.yaml", "optim.lrr=1"]) == 2
+
+
+def test_token_budget_lifts_the_micro_batch_divisibility():
+    # tiny_cpu: 128 rows per step, sft.batch_size 64; 48 divides neither.
+    with pytest.raises(ConfigError, match="train.micro_batch_size"):
+        load_config(None, ["train.micro_batch_size=48"]).validate(world_size=1)
+    budget = ["train.micro_batch_size=48", "train.max_tokens_per_gpu=512"]
+    load_config(None, budget).validate(world_size=2)  # rows still split over DP and updates
+    with pytest.raises(ConfigError, match=r"data-parallel size \(3\)"):
+        load_config(None, budget).validate(world_size=3)
+    with pytest.raises(ConfigError, match="max_tokens_per_gpu must be >= 1"):
+        load_config(None, ["train.max_tokens_per_gpu=0"])

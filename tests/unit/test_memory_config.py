@@ -49,3 +49,32 @@ def test_megatron_fields_and_the_te_only_modules():
     sel.check_backend(use_te=True)
     with pytest.raises(ValueError, match=r"\['mlp'\] need Transformer Engine"):
         sel.check_backend(use_te=False)
+
+
+def test_scale_feature_rules():
+    from megatron_rl_fp8.config import ConfigError, load_config
+    from megatron_rl_fp8.parallel import ParallelConfig, check_context_parallel
+
+    with pytest.raises(ValueError, match="sequence_parallel needs parallel.tensor_model"):
+        ParallelConfig(sequence_parallel=True)
+    with pytest.raises(ValueError, match="overlap_param_gather needs parallel.use_distributed"):
+        ParallelConfig(overlap_param_gather=True)
+    assert (
+        ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=2).model_parallel_size
+        == 4
+    )
+    with pytest.raises(ValueError, match="context_parallel_size=2 needs Transformer Engine"):
+        check_context_parallel(2, use_te=False)
+    check_context_parallel(2, use_te=True)
+    with pytest.raises(ValueError, match="optimizer_cpu_offload needs Transformer Engine"):
+        MemoryConfig(optimizer_cpu_offload=True).check_backend(use_te=False)
+    with pytest.raises(ValueError, match="optimizer_offload_fraction must be in"):
+        MemoryConfig(optimizer_offload_fraction=1.5)
+    assert MemoryConfig().optimizer_kwargs() == {}
+
+    cfg = "examples/tiny_cpu.yaml"
+    with pytest.raises(ConfigError, match="context_parallel_size=2: context parallelism"):
+        load_config(cfg, ["parallel.context_parallel_size=2"]).validate(2)
+    with pytest.raises(ConfigError, match="optimizer_cpu_offload needs parallel.use_distributed"):
+        load_config(cfg, ["memory.optimizer_cpu_offload=true"]).validate(1)
+    load_config(cfg, ["parallel.use_distributed_optimizer=true"]).validate(2)

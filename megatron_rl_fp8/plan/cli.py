@@ -1,0 +1,177 @@
+"""``megatron-rl-fp8 plan CONFIG [--gpus-per-node 8] [--nodes N] [section.key=value ...]``: the
+per-GPU memory of a run, whether its layout fits, and the layouts of the same GPUs that would
+(docs/plan.md explains the table)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron_rl_fp8.plan.memory import (
+    DEFAULT_LOGPROBS,
+    GB,
+    PHASES,
+    RUNTIME_ALLOWANCE_GB,
+    Estimate,
+    World,
+    estimate,
+    param_bytes,
+    stage_params,
+)
+
+# The model fields the planner needs when the start checkpoint, which would supply them, is not
+# on this machine (a plan is often made before the download).
+SHAPE_FIELDS = (
+    "arch",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p.add_argument("config", help="YAML config of the run.")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides.")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8).")
+    p.add_argument("--nodes", type=int, default=1, help="Nodes (default 1).")
+    p.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=80.0,
+        help="Memory of one GPU, GB of 10^9 bytes (default 80: H100; 141 for H200).",
+    )
+    p.add_argument(
+        "--spec",
+        choices=["te", "local"],
+        default="te",
+        help="Megatron layer spec: te = Transformer Engine, fused attention without the s^2 "
+        "scores (GPU clusters, the default); local = no TE, the [b, heads, s, s] attention "
+        "scores are stored.",
+    )
+    p.add_argument("--top", type=int, default=5, help="Alternative layouts to print (default 5).")
+    return p
+
+
+def load_for_plan(path: str, overrides: list[str]):
+    """(the run's config, notes). A checkpoint path that is not on this machine is dropped when
+    the config states the model's shape; without the shape it is an error."""
+    from megatron_rl_fp8.config import load_config, read_config_dict
+    from megatron_rl_fp8.config_utils import ConfigError
+
+    model = read_config_dict(path, overrides).get("model") or {}
+    absent = [
+        k
+        for k in ("hf_checkpoint", "load", "ref_checkpoint")
+        if isinstance(model.get(k), str) and not Path(model[k]).expanduser().exists()
+    ]
+    unstated = [f for f in SHAPE_FIELDS if f not in model]
+    start = [k for k in absent if k != "ref_checkpoint"]
+    if start and unstated:
+        raise ConfigError(
+            f"model.{start[0]}={model[start[0]]!r} is not on this machine and the config does "
+            f"not state the model's shape ({', '.join('model.' + f for f in unstated)}): give "
+            "the checkpoint folder, or the shape fields"
+        )
+    cfg = load_config(path, [*overrides, *(f"model.{k}=null" for k in absent)])
+    notes = [
+        f"model.{k}={model[k]!r} is not on this machine: planned from the config's model.* fields"
+        for k in absent
+    ]
+    return cfg, notes
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:9.2f}" if x else "        -"
+
+
+def format_table(e: Estimate) -> str:
+    world = e.world
+    lines = [f"{'GB per GPU (10^9 bytes)':<40}{'update':>9}  {'logprobs':>9}"]
+    for c in e.components:
+        lines.append(f"  {c.name:<38}{_gb(c.update)}  {_gb(c.logprobs)}")
+    lines.append(f"  {'total':<38}{_gb(e.total('update'))}  {_gb(e.total('logprobs'))}")
+    lines.append(f"  {'GPU memory':<38}{world.gpu_memory_gb:9.2f}")
+    phase = max(PHASES, key=e.total)
+    if e.fits:
+        verdict = f"FITS: {e.margin_gb:.1f} GB to spare at the peak ({phase})"
+    else:
+        verdict = f"DOES NOT FIT: {-e.margin_gb:.1f} GB over at the peak ({phase})"
+    return "\n".join([*lines, "", verdict])
+
+
+def format_alternatives(fits: list[Estimate], top: int) -> str:
+    if not fits:
+        return "No layout of these GPUs fits: add GPUs, shorten the micro-batch, or offload."
+    lines = [
+        f"Layouts of the same {fits[0].world.size} GPUs that fit: {len(fits)}, the best "
+        f"{min(top, len(fits))} (fewest model-parallel ranks, least recompute, most margin):",
+        "   TP  PP  CP  DP  SP   dist-opt  recompute    peak GB  margin GB",
+    ]
+    onoff = {True: "on", False: "off"}
+    for e in fits[:top]:
+        lay = e.layout
+        lines.append(
+            f"  {lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.dp:>3}  {onoff[lay.sequence_parallel]:<4}"
+            f" {onoff[lay.distributed_optimizer]:<9} {lay.recompute:<10}"
+            f"{e.peak / GB:9.1f}  {e.margin_gb:9.1f}"
+        )
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from megatron_rl_fp8.plan.layouts import alternatives
+
+    world = World(
+        gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_memory_gb=args.gpu_memory_gb
+    )
+    cfg, notes = load_for_plan(args.config, args.overrides)
+    cfg.validate(world.size)  # the rules `train` applies, with the same one-line errors
+    e = estimate(cfg, world, spec=args.spec, logits=DEFAULT_LOGPROBS)
+    m = cfg.model
+    dtype = "bf16" if param_bytes(m, world.device) == 2 else "fp32"
+    print(
+        f"{args.config} on {world.size} GPUs ({world.nodes} x {world.gpus_per_node}, "
+        f"{world.gpu_memory_gb:g} GB each)"
+    )
+    print(
+        f"  model: {stage_params(m, tp=1, pp=1, stage=0) / 1e9:.2f}B parameters "
+        f"({m.num_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size}), {dtype}; "
+        f"{args.spec} spec"
+    )
+    print(f"  layout: {e.layout.describe()}")
+    stage = f"pipeline stage {e.stage} of {e.layout.pp}" if e.layout.pp > 1 else "every stage"
+    print(
+        f"  micro-batch: {e.micro_batch_tokens} tokens; the table: {stage}, "
+        f"{e.micro_batches_in_flight} micro-batch(es) in flight (1F1B); log-prob path: "
+        f"{DEFAULT_LOGPROBS.name}; allowance {RUNTIME_ALLOWANCE_GB:g} GB"
+    )
+    for note in [*notes, *e.notes]:
+        print(f"  note: {note}")
+    print()
+    print(format_table(e))
+    print()
+    print(
+        format_alternatives(
+            alternatives(cfg, world, spec=args.spec, logits=DEFAULT_LOGPROBS), args.top
+        )
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 plan") -> int:
+    # Intermixed: the overrides may come after the flags.
+    args = build_parser(prog).parse_intermixed_args(argv)
+    from megatron_rl_fp8.config_utils import ConfigError
+
+    try:
+        return run(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2

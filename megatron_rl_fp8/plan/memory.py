@@ -1,0 +1,566 @@
+"""Per-GPU memory of the actor's training run, estimated from the config alone.
+
+A pure function of the resolved ``RunConfig`` and the world layout: no torch.distributed, no
+Megatron, no model. It counts, for one GPU of the pipeline stage that holds the most, in bytes:
+
+=============  ===============================================================================
+weights        this stage's parameters / TP, in the parameter dtype (``model.params_dtype``;
+               ``auto`` = bf16 on GPUs, fp32 on the CPU). The first stage holds the input
+               embedding, the last the output layer (a second copy when tied and PP > 1).
+gradients      Megatron DDP's gradient buffer, fp32 (the actor sets ``grad_reduce_in_fp32``):
+               4 bytes per parameter, whole on every rank (the distributed optimizer
+               reduce-scatters inside it, it does not shrink it).
+optimizer      fp32 main weights (bf16 models only) + Adam ``exp_avg`` and ``exp_avg_sq``:
+               12 bytes per parameter (8 for an fp32 model); / (DP x CP) with
+               ``parallel.use_distributed_optimizer``; minus the host share with
+               ``memory.optimizer_cpu_offload``.
+activations    what the backward needs of each micro-batch (:func:`layer_activation_bytes`)
+               times the micro-batches a stage holds under 1F1B (PP - stage), and the local
+               spec's score buffer; in the backward of full recomputation, also the recomputed
+               chunk's activations; in the no-grad logprob pass, one layer's working set
+               (:func:`forward_working_bytes`).
+logits         the log-prob path's copies of the [tokens, V/TP] logits (:class:`LogitsCost`).
+KL reference   the frozen reference's weights (``loss.kl_coef > 0``), sharded like the actor's.
+SGLang         ``rollout.sglang.mem_fraction_static`` x GPU memory, on a GPU a colocated
+               server shares with a trainer rank.
+allowance      ``RUNTIME_ALLOWANCE_GB`` (CUDA context, libraries, allocator fragmentation).
+=============  ===============================================================================
+
+in two phases: ``update`` (forward and backward of the policy loss, activations kept) and
+``logprobs`` (the no-grad old-logprob pass: nothing kept between layers, but the entropy's copies
+of the logits). Each phase's column lists what is alive at its peak moment, so the rows add up:
+the update peaks at the loss (kept activations + the logits' copies) or, with full recomputation,
+possibly in the backward (kept activations + a recomputed chunk; the logits' copies are gone by
+then); the logprob pass peaks inside a layer or at the loss. A micro-batch is
+``train.micro_batch_size`` rows of the longest sequence, ``task.max_prompt_len +
+rollout.max_new_tokens`` tokens (or ``train.max_tokens_per_gpu`` tokens under a token budget).
+
+Not counted: communication buffers (NCCL, pipeline p2p, the distributed optimizer's all-gather
+buckets), Transformer Engine's FP8 weight caches and its 1-byte FP8 copies of saved activations
+(FP8 runs are counted as bf16), Adam's temporaries where it is torch's foreach Adam rather than
+TE's / apex's fused one (one fp32 copy of the parameters, at the step, when activations are
+freed), the rollout batch itself (a few [rows, S] tensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Literal
+
+from megatron_rl_fp8.config_utils import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_rl_fp8.config import RunConfig
+    from megatron_rl_fp8.models.config import ModelConfig
+
+GB = 1e9  # GB here are 10^9 bytes, as tools/bench_actor.py reports torch.cuda.max_memory_allocated
+
+Spec = Literal["te", "local"]
+Device = Literal["gpu", "cpu"]
+Recompute = Literal["none", "selective", "full"]
+PHASES = ("update", "logprobs")
+
+RUNTIME_ALLOWANCE_GB = 4.0
+"""Per-GPU memory outside the tensors the planner counts, on a GPU run: the CUDA context (~0.5 GB
+with lazy module loading), cuBLAS / cuDNN / Transformer Engine workspaces and NCCL's buffers for
+the TP, PP, DP and embedding groups (~1.5 GB together at 8 GPUs per node), and what PyTorch's
+caching allocator reserves but cannot hand out, its fragmentation (~2 GB: a few percent of a
+peak of 60-130 GB; variable micro-batch shapes make it worse). ``torch.cuda.max_memory_allocated``
+sees none of this; ``nvidia-smi`` sees all of it. Zero on the CPU."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogitsCost:
+    """What the log-prob path (``models/logprobs.py``) keeps of one micro-batch's logits
+    [tokens, V/TP] at its peak: full-size copies in the model's dtype (the output layer's logits,
+    their gradient), full-size fp32 copies, and fixed-size fp32 chunks of ``chunk_tokens`` rows.
+
+    Update this when that module changes; it is the number most likely to move."""
+
+    name: str
+    update_model_copies: float
+    update_fp32_copies: float
+    logprobs_model_copies: float
+    logprobs_fp32_copies: float
+    chunk_tokens: int = 0
+    update_chunks: int = 0
+    logprobs_chunks: int = 0
+    # The first fp32 copy is the upcast ``logits.float()``, which an fp32 model does not make.
+    upcast_copy: bool = False
+
+
+CHUNKED_LOGPROBS = LogitsCost(
+    name="chunked",
+    # Forward: the logits (saved by reference) + one fp32 chunk. Backward: the logits + their
+    # gradient (model dtype) + one chunk; then the gradient and the output layer's contiguous
+    # copy of it.
+    update_model_copies=2,
+    update_fp32_copies=0,
+    chunk_tokens=4096,  # models.logprobs.DEFAULT_CHUNK_TOKENS
+    update_chunks=1,
+    # No grad: the logits + the chunk and its exp (entropy).
+    logprobs_model_copies=1,
+    logprobs_fp32_copies=0,
+    logprobs_chunks=2,
+)
+"""``models/logprobs.py`` since issue 14: tokens in chunks, the fp32 softmax recomputed per chunk
+in the backward (what the trainer runs now)."""
+
+UNCHUNKED_LOGPROBS = LogitsCost(
+    name="unchunked",
+    # Loss: the bf16 logits + ``.float()`` + the [S, B, V] transpose that Megatron's
+    # vocab_parallel_cross_entropy turns into the softmax in place and keeps for the backward.
+    update_model_copies=1,
+    update_fp32_copies=2,
+    # Entropy (no grad): ``.float()``, shifted, exp, exp * shifted.
+    logprobs_model_copies=1,
+    logprobs_fp32_copies=4,
+    upcast_copy=True,
+)
+"""``models/logprobs.py`` before issue 14 (one more fp32 copy each for a padded vocabulary on the
+last TP rank and for a temperature != 1, not counted). The 82.4 GB GPU reference point was
+measured with it."""
+
+DEFAULT_LOGPROBS = CHUNKED_LOGPROBS
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class World:
+    """The GPUs a run gets."""
+
+    gpus_per_node: int = 8
+    nodes: int = 1
+    gpu_memory_gb: float = 80.0
+    # cpu: fp32 for params_dtype=auto, no fused kernels, the local spec, no allowance (the CPU
+    # validation of tools/validate_plan.py).
+    device: Device = "gpu"
+
+    def __post_init__(self):
+        for name in ("gpus_per_node", "nodes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if not self.gpu_memory_gb > 0:
+            raise ConfigError(f"--gpu-memory-gb must be > 0, got {self.gpu_memory_gb}")
+
+    @property
+    def size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layout:
+    """How the actor is laid out over the world: the config's, or an alternative the search
+    tries. Recompute ``full`` is Megatron's ``uniform`` (chunks of ``recompute_num_layers``) or
+    ``block`` method; ``selective`` recomputes ``recompute_modules``."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    recompute: Recompute = "none"
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    recompute_num_layers: int = 1
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    offload_fraction: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, world_size: int) -> Layout:
+        p, mem = cfg.parallel, cfg.memory
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        cp = p.context_parallel_size
+        if world_size % (tp * pp * cp):
+            raise ConfigError(
+                f"{world_size} GPUs are not divisible by parallel.tensor_model_parallel_size "
+                f"({tp}) * parallel.pipeline_model_parallel_size ({pp}) * "
+                f"parallel.context_parallel_size ({cp}); change the layout or --nodes / "
+                "--gpus-per-node"
+            )
+        return cls(
+            tp=tp,
+            pp=pp,
+            cp=cp,
+            dp=world_size // (tp * pp * cp),
+            sequence_parallel=p.sequence_parallel,
+            distributed_optimizer=p.use_distributed_optimizer,
+            recompute=mem.recompute_granularity or "none",
+            recompute_method=mem.recompute_method or "uniform",
+            recompute_num_layers=mem.recompute_num_layers or 1,
+            recompute_modules=tuple(mem.recompute_modules),
+            offload_fraction=mem.optimizer_offload_fraction if mem.optimizer_cpu_offload else 0.0,
+        )
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def describe(self) -> str:
+        recompute = {
+            "none": "off",
+            "selective": "selective (" + ", ".join(self.recompute_modules) + ")",
+            "full": f"full ({self.recompute_method}, {self.recompute_num_layers} layer(s))",
+        }[self.recompute]
+        offload = (
+            f", optimizer offload {self.offload_fraction:.0%}" if self.offload_fraction else ""
+        )
+        return (
+            f"TP {self.tp} x PP {self.pp} x CP {self.cp} x DP {self.dp}; "
+            f"SP {'on' if self.sequence_parallel else 'off'}; distributed optimizer "
+            f"{'on' if self.distributed_optimizer else 'off'}; recompute {recompute}{offload}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+    """One row of the table: bytes per GPU in each phase."""
+
+    name: str
+    update: float
+    logprobs: float
+
+    def __getitem__(self, phase: str) -> float:
+        return getattr(self, phase)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The planner's answer for one layout: the components of the worst GPU (its pipeline
+    ``stage``) and whether they fit."""
+
+    layout: Layout
+    world: World
+    stage: int
+    components: tuple[Component, ...]
+    micro_batch_tokens: int
+    micro_batches_in_flight: int
+    notes: tuple[str, ...] = ()
+
+    def total(self, phase: str) -> float:
+        return sum(c[phase] for c in self.components)
+
+    def allocated(self, phase: str) -> float:
+        """What ``torch.cuda.max_memory_allocated`` would see: the total less the runtime
+        allowance and the SGLang server (another process)."""
+        return sum(c[phase] for c in self.components if c.name not in ("allowance", "SGLang"))
+
+    @property
+    def peak(self) -> float:
+        return max(self.total(p) for p in PHASES)
+
+    @property
+    def margin_gb(self) -> float:
+        return self.world.gpu_memory_gb - self.peak / GB
+
+    @property
+    def fits(self) -> bool:
+        return self.margin_gb >= 0
+
+
+# -- the model's pieces -------------------------------------------------------------------------
+def _widths(m: ModelConfig) -> tuple[int, int, int, int, int]:
+    """(h, q, g, f, n): hidden, query width, key/value width, FFN width, query heads."""
+    n, d = m.num_attention_heads, m.kv_channels
+    return m.hidden_size, n * d, m.num_query_groups * d, m.ffn_hidden_size, n
+
+
+def layer_params(m: ModelConfig, tp: int) -> float:
+    """Parameters of one transformer layer on one TP rank: the four linears split by TP, the
+    norms (and Qwen3's QK-norms) replicated."""
+    h, q, g, f, _ = _widths(m)
+    linear = h * (q + 2 * g) + q * h + 2 * f * h + f * h
+    bias = (q + 2 * g) if m.qkv_bias else 0
+    norms = 2 * h + (2 * m.kv_channels if m.qk_layernorm else 0)
+    return (linear + bias) / tp + norms
+
+
+def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> float:
+    """Parameters on one GPU of pipeline ``stage``: its layers, the embedding on the first stage,
+    the output layer and the final norm on the last (a tied output layer is the embedding itself
+    at PP = 1, a synchronised copy of it at PP > 1)."""
+    vocab = m.padded_vocab_size(tp) * m.hidden_size / tp
+    n = m.num_layers // pp * layer_params(m, tp)
+    if stage == 0:
+        n += vocab
+    if stage == pp - 1:
+        n += m.hidden_size + (vocab if not m.tie_word_embeddings or pp > 1 else 0)
+    return n
+
+
+def param_bytes(m: ModelConfig, device: Device) -> int:
+    if m.params_dtype == "auto":
+        return 4 if device == "cpu" else 2
+    return 2 if m.params_dtype == "bfloat16" else 4
+
+
+def layer_activation_bytes(
+    m: ModelConfig,
+    *,
+    a: int,
+    tp: int,
+    sequence_parallel: bool,
+    seq: int,
+    spec: Spec,
+    fused_swiglu: bool,
+    selective: tuple[str, ...] = (),
+) -> float:
+    """Bytes one transformer layer keeps for its backward, per token of the micro-batch.
+
+    The accounting of Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+    Models" (2022, sec. 4): list the tensors each operation saves for its backward. Redone for
+    these layers: RMSNorm instead of LayerNorm, SwiGLU instead of GeLU, grouped-query attention,
+    Qwen3's QK-norm, RoPE, and no dropout (the actor's dropout is 0: no masks). With a bytes per
+    activation (2 in bf16, 4 in fp32), h the hidden size, q = heads x head_dim, g = query groups
+    x head_dim, f the FFN size, n the heads and s the sequence length::
+
+        outside the TP-split linears (/ TP with sequence parallelism, else on every TP rank):
+            norms           local spec: 8 h per norm, x 2 (torch's composite RMSNorm keeps an
+                            fp32 copy of its input and the fp32 normalized values; the layer's
+                            norm weights are fp32, so a bf16 input never reaches the fused
+                            kernel); TE spec: a h per norm, x 2 (its input)
+          + 2 a h           the inputs of the QKV and FC1 linears
+        inside (/ TP):
+            QK-norm         local spec: 8 (q + g) in bf16; in fp32 the QKV output a (q + 2g) (K's
+                            input is a view of it), Q's input, a copy under GQA, a q, and the
+                            normalized a (q + g); TE spec: a (q + 2g) + a q. Without QK-norm:
+                            the QKV output a (q + 2g) for MHA only (V is a view of it)
+          + attention       local spec: Q after RoPE and, under GQA, K and V repeated to every
+                            query head, a (q + 2q) (MHA: Q and K after RoPE, a (q + g), V being a
+                            view of the QKV output); plus the s^2 scores, kept as the fp32
+                            softmax output and the bf16 probabilities: 6 n s (4 n s in fp32).
+                            TE (flash / cuDNN): Q, K, V, a (q + 2g), and the fp32 softmax
+                            statistics, 4 n
+          + a q             the output projection's input (the fused kernel's saved output)
+          + 2 a f           SwiGLU's input (Megatron's fused kernel, on GPUs; 4 a f unfused on the
+                            CPU: also SiLU's output and the up projection's copy)
+          + a f             the FC2 input
+
+    (The paper's own count for GPT-3's layer, with dropout masks and GeLU, is
+    34 s b h + 5 a s^2 b in bf16.) Selective recomputation of ``core_attn`` keeps only its inputs
+    (local spec: Q and K after RoPE, a (q + g), and V, a view that keeps the QKV output alive; no
+    s^2 term); of ``mlp``, drops SwiGLU's and FC2's terms; of ``layernorm``, the two linear
+    inputs (norm outputs, recomputed). Context parallelism divides the tokens (the caller's
+    business: this is per token). Checked against the tensors autograd saves on the CPU
+    (tools/validate_plan.py); the GPU-only kernels (fused SwiGLU, TE) are read from their code.
+    """
+    h, q, g, f, n = _widths(m)
+    gqa = m.num_attention_heads > m.num_query_groups
+    local = spec == "local"
+    norms = 2 * (8 * h if local else a * h)
+    linear_inputs = 0 if "layernorm" in selective else 2 * a * h
+    # The QKV output stays alive while a view of it is saved: K as the K-norm's input (unless the
+    # local spec's norm saves an fp32 copy of a bf16 K instead), or V (MHA, and the checkpoint of
+    # a selectively recomputed core attention).
+    if not m.qk_layernorm:
+        qk, qkv_kept = 0, not gqa
+    elif local and a == 2:
+        qk, qkv_kept = 8 * (q + g), False  # fp32 copies of Q and K, and their normalized values
+    else:
+        qk, qkv_kept = a * q * gqa + (a * (q + g) if local else 0), True
+    if local and "core_attn" not in selective:
+        scores = (6 if a == 2 else 4) * n * seq
+        attn = a * q + (2 * a * q if gqa else a * g) + scores
+    elif local:
+        attn, qkv_kept = a * (q + g), True  # the checkpoint's inputs: Q, K after RoPE, and V
+    else:
+        attn = a * (q + 2 * g) + 4 * n
+    qk += a * (q + 2 * g) if qkv_kept else 0
+    proj = a * q
+    mlp = 0 if "mlp" in selective else (2 if fused_swiglu else 4) * a * f + a * f
+    outside = norms + linear_inputs
+    return outside / (tp if sequence_parallel else 1) + (qk + attn + proj + mlp) / tp
+
+
+def forward_working_bytes(
+    m: ModelConfig,
+    *,
+    a: int,
+    tp: int,
+    sequence_parallel: bool,
+    seq: int,
+    spec: Spec,
+    fused_swiglu: bool,
+) -> float:
+    """Bytes per token alive at once inside one layer of a no-grad forward (the old-logprob
+    pass), where nothing is kept for a backward: the residual stream (the layer's input and the
+    block output added to it, 2 a h) plus the larger of the two blocks' transients. MLP: its
+    input a h, FC1's output 2 a f, SwiGLU's output a f (unfused on the CPU: also SiLU's output
+    and the up projection's copy, 2 a f more). Attention, local spec: Q and the repeated K, V,
+    3 a q, and the scores in the model dtype, their fp32 copy, the fp32 softmax and the bf16
+    probabilities, 12 n s (8 n s in fp32, where the copy is the scores themselves); TE: Q, K,
+    V and the output, a (2q + 2g)."""
+    h, q, g, f, n = _widths(m)
+    residual = 2 * a * h / (tp if sequence_parallel else 1)
+    mlp = a * h + (3 if fused_swiglu else 5) * a * f / tp
+    if spec == "local":
+        attn = (3 * a * q + (12 if a == 2 else 8) * n * seq) / tp
+    else:
+        attn = a * (2 * q + 2 * g) / tp
+    return residual + max(mlp, attn)
+
+
+# -- the estimate -------------------------------------------------------------------------------
+def micro_batch_tokens(cfg: RunConfig) -> tuple[int, int]:
+    """(tokens of the largest micro-batch, its longest sequence)."""
+    seq = cfg.task.max_prompt_len + cfg.rollout.max_new_tokens
+    budget = getattr(cfg.train, "max_tokens_per_gpu", None)
+    if budget:
+        return max(budget, seq), seq  # a row longer than the budget runs alone
+    return cfg.train.micro_batch_size * seq, seq
+
+
+def _micro_batches(cfg: RunConfig, dp: int) -> int | None:
+    """Micro-batches per optimizer step on one DP rank (None under a token budget: it depends on
+    the lengths)."""
+    if getattr(cfg.train, "max_tokens_per_gpu", None):
+        return None
+    rows = cfg.train.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    per_rank = rows // cfg.train.updates_per_step // dp
+    return max(1, math.ceil(per_rank / cfg.train.micro_batch_size))
+
+
+def _logits_bytes(cost: LogitsCost, phase: str, *, tokens: float, vocab: float, a: int) -> float:
+    model = getattr(cost, f"{phase}_model_copies")
+    fp32 = getattr(cost, f"{phase}_fp32_copies")
+    if cost.upcast_copy and a == 4 and fp32:
+        fp32 -= 1
+    chunks = getattr(cost, f"{phase}_chunks") * min(cost.chunk_tokens, tokens) * vocab * 4
+    return tokens * vocab * (model * a + fp32 * 4) + chunks
+
+
+def _sglang_share(cfg: RunConfig, world: World) -> tuple[float, str | None]:
+    """(bytes of a colocated SGLang server on the GPU it shares, a note for the table)."""
+    r = cfg.rollout
+    if r.engine != "sglang" or world.device == "cpu" or r.sglang.device == "cpu":
+        return 0.0, None
+    gpus = f"{r.sglang.tp_size} of the {world.size} GPUs"
+    if r.sglang.mem_fraction_static is None:
+        return 0.0, (
+            f"SGLang runs on {gpus} but rollout.sglang.mem_fraction_static is unset (SGLang sizes "
+            "itself, most of a GPU): its share is not counted; set it to plan a colocated run"
+        )
+    share = r.sglang.mem_fraction_static * world.gpu_memory_gb * GB
+    return share, (
+        f"rollout.engine=sglang on a GPU run is taken as colocated: the server uses {gpus} "
+        f"(rollout.sglang.tp_size) next to a trainer rank; the table is for one of those"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Activations:
+    """A stage's activation terms, in bytes on one GPU."""
+
+    kept: float  # what one micro-batch in flight keeps for the backward, this stage's layers
+    working: float  # full recompute: a recomputed chunk's activations, during the backward
+    forward: float  # a no-grad forward: one layer's working set
+    buffer: float  # the local spec's score buffer (Megatron's global memory buffer), persistent
+    head: float  # last stage: the final norm's and the output layer's inputs
+
+
+def _activations(
+    m: ModelConfig, lay: Layout, *, a: int, spec: Spec, cpu: bool, tokens: float, seq: int
+) -> _Activations:
+    kwargs = dict(
+        a=a,
+        tp=lay.tp,
+        sequence_parallel=lay.sequence_parallel,
+        seq=seq,
+        spec=spec,
+        fused_swiglu=not cpu,
+    )
+    full = tokens * layer_activation_bytes(m, **kwargs)
+    layer_input = tokens * a * m.hidden_size / (lay.tp if lay.sequence_parallel else 1)
+    layers = m.num_layers // lay.pp
+    n = min(lay.recompute_num_layers, layers)
+    if lay.recompute == "full" and lay.recompute_method == "uniform":  # chunks of n layers
+        kept, working = math.ceil(layers / n) * layer_input, n * full
+    elif lay.recompute == "full":  # block: the first n layers of the stage
+        kept, working = n * layer_input + (layers - n) * full, full
+    elif lay.recompute == "selective":
+        selective = tokens * layer_activation_bytes(m, selective=lay.recompute_modules, **kwargs)
+        kept, working = layers * selective, 0.0
+    else:
+        kept, working = layers * full, 0.0
+    heads = m.num_attention_heads / lay.tp
+    return _Activations(
+        kept=kept,
+        working=working,
+        forward=tokens * forward_working_bytes(m, **kwargs),
+        buffer=tokens * a * heads * seq if spec == "local" else 0.0,
+        head=2 * layer_input,
+    )
+
+
+def estimate(
+    cfg: RunConfig,
+    world: World,
+    *,
+    layout: Layout | None = None,
+    spec: Spec = "te",
+    logits: LogitsCost = DEFAULT_LOGPROBS,
+) -> Estimate:
+    """Per-GPU memory of the actor's run ``cfg`` on ``world`` (its own layout unless ``layout``
+    is given), for the pipeline stage that needs the most. ``spec``: Megatron's layer spec,
+    ``te`` (Transformer Engine: fused attention and norms; GPU clusters) or ``local`` (no TE:
+    the [b, heads, s, s] attention scores are stored; forced on the CPU). ``logits``: what the
+    log-prob path keeps. Raises ConfigError for a layout this cannot run."""
+    lay = layout or Layout.from_config(cfg, world.size)
+    m = cfg.model
+    cpu = world.device == "cpu"
+    if cpu:
+        spec = "local"
+    if lay.cp > 1 and spec == "local":
+        raise ConfigError(
+            f"parallel.context_parallel_size={lay.cp} needs Transformer Engine's attention; the "
+            "local spec has no context parallelism (plan with --spec te, or CP 1)"
+        )
+    a = param_bytes(m, world.device)
+    tokens, seq = micro_batch_tokens(cfg)
+    rank_tokens = tokens / lay.cp
+    acts = _activations(m, lay, a=a, spec=spec, cpu=cpu, tokens=rank_tokens, seq=seq)
+    vocab = m.padded_vocab_size(lay.tp) / lay.tp
+    lg = {ph: _logits_bytes(logits, ph, tokens=rank_tokens, vocab=vocab, a=a) for ph in PHASES}
+    # Bytes per parameter: fp32 main weights (a bf16 model only) and Adam's two moments, sharded
+    # over DP x CP by the distributed optimizer, less the share offloaded to the host.
+    optimizer = ((4 if a == 2 else 0) + 8) * (1 - lay.offload_fraction)
+    if lay.distributed_optimizer:
+        optimizer /= lay.dp * lay.cp
+    n_micro = _micro_batches(cfg, lay.dp)
+    sglang, sglang_note = _sglang_share(cfg, world)
+    allowance = 0.0 if cpu else RUNTIME_ALLOWANCE_GB * GB
+
+    best = None
+    for stage in range(lay.pp):
+        params = stage_params(m, lay.tp, lay.pp, stage)
+        last = stage == lay.pp - 1
+        in_flight = lay.pp - stage if n_micro is None else min(lay.pp - stage, n_micro)
+        stored = in_flight * acts.kept + (acts.head if last else 0.0) + acts.buffer
+        update_lg, logprobs_lg = (lg["update"], lg["logprobs"]) if last else (0.0, 0.0)
+        # Each phase peaks at one of two moments, and a column lists what is alive then. Update:
+        # at the loss (every kept activation and the logits' copies) or, recomputing, in the
+        # backward (the kept ones and a recomputed chunk's; the logits' are freed by then).
+        # Logprobs: inside a layer (its working set) or at the loss (the logits' copies).
+        if update_lg >= acts.working:
+            update = (stored, update_lg)
+        else:
+            update = (stored + acts.working, 0.0)
+        if logprobs_lg >= acts.forward:
+            logprobs = (acts.buffer, logprobs_lg)
+        else:
+            logprobs = (acts.buffer + acts.forward, 0.0)
+        ref = params * a if cfg.loss.kl_coef > 0 else 0.0
+        rows = (
+            Component("weights", params * a, params * a),
+            Component("gradients", params * 4, params * 4),
+            Component("optimizer", optimizer * params, optimizer * params),
+            Component("activations", update[0], logprobs[0]),
+            Component("logits", update[1], logprobs[1]),
+            Component("KL reference", ref, ref),
+            Component("SGLang", sglang, sglang),
+            Component("allowance", allowance, allowance),
+        )
+        est = Estimate(lay, world, stage, rows, tokens, in_flight)
+        if best is None or est.peak > best.peak:
+            best = est
+    return dataclasses.replace(best, notes=(sglang_note,) if sglang_note else ())

@@ -1,0 +1,180 @@
+"""Megatron's scale features on real gloo ranks give the plain layouts' training.
+
+* The distributed optimizer (ZeRO-1: reduce-scattered gradients, Adam state and fp32 main weights
+  sharded over DP, all-gathered weights), with and without overlapped gradient reduction and
+  parameter gathering, at DP=2 equals plain DDP at DP=2 and one rank: loss, grad norm and weights
+  after two Adam steps.
+* Sequence parallelism at TP=2 equals TP=2 without it.
+* A distributed-optimizer checkpoint (its sharded Adam state through dist_checkpointing) written at
+  DP=2 loads at DP=1 and the next step matches the run that went on at DP=2.
+
+Tolerances: the layouts add the same fp32 numbers in different orders (DP sums two half-batch
+gradients, SP moves the TP reductions into reduce-scatters / all-gathers); that is ~1e-7 relative
+per reduction. Adam's first steps divide the gradient by its own magnitude, so a weight moves by
+~lr whatever the rounding, except where a gradient is ~0; after two steps weights agree to ~1e-7
+absolute (lr = 1e-3, weights ~0.02) and losses / grad norms to ~1e-6 relative. 1e-5 leaves room.
+"""
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+VOCAB, ROWS, SEQ, MICRO = 53, 8, 12, 2
+
+
+def _batch():
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(ROWS, SEQ)
+    mask[:, :3] = 0  # prompt positions carry no loss
+    return {"input_ids": ids, "labels": ids.roll(-1, dims=1), "loss_mask": mask}
+
+
+def _nll(count):
+    def loss(mb, lp):
+        # Normalised by the global token count: sums over micro-batches and ranks to the mean.
+        return -(lp * mb["loss_mask"]).sum() / count, {}
+
+    return loss
+
+
+def _train(groups, parallel_cfg, steps, *, actor=None):
+    """``steps`` Adam steps on this rank's rows; (actor, [(loss, grad norm)], full weights)."""
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.models.config import ModelConfig
+    from megatron_rl_fp8.trainer.actor import Actor
+    from megatron_rl_fp8.trainer.batch import rows_for_rank
+    from megatron_rl_fp8.trainer.config import OptimConfig
+
+    if actor is None:
+        parallel.init_model_parallel(parallel_cfg, seed=1)  # the same initial weights each time
+        actor = Actor(
+            ModelConfig(vocab_size=VOCAB), OptimConfig(lr=1e-3), groups, parallel=parallel_cfg
+        )
+    batch = _batch()
+    count = batch["loss_mask"].sum().item()
+    local = rows_for_rank(batch, groups.dp_rank, groups.dp_size)
+    history = []
+    for _ in range(steps):
+        out, grad_norm, applied = actor.train_step(local, MICRO, _nll(count))
+        assert applied
+        loss = torch.stack([o["loss"] for o in out]).sum()
+        torch.distributed.all_reduce(loss, group=groups.dp)
+        history.append((loss.item(), grad_norm))
+    actor.finish_param_gather()
+    return actor, history, _full_weights(actor, groups)
+
+
+def _full_weights(actor, groups):
+    """Every weight at full size (TP shards gathered along their partition dimension)."""
+    import torch.distributed as dist
+
+    weights = {}
+    for name, p in actor.module.named_parameters():
+        w = p.detach().float().clone()  # a copy: training goes on in place
+        if getattr(p, "tensor_model_parallel", False) and groups.tp_size > 1:
+            parts = [torch.empty_like(w) for _ in range(groups.tp_size)]
+            dist.all_gather(parts, w.contiguous(), group=groups.tp)
+            w = torch.cat(parts, dim=p.partition_dim)
+        weights[name] = w
+    return weights
+
+
+def _dp_body(rank, world, ckpt_dir):
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.trainer import checkpoint
+
+    g = parallel.initialize(parallel.ParallelConfig(), seed=1)
+    results = {}
+    for name, cfg in {
+        "ddp": parallel.ParallelConfig(),
+        "distopt": parallel.ParallelConfig(use_distributed_optimizer=True),
+        "distopt_overlap": parallel.ParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True
+        ),
+    }.items():
+        if world == 1 and name == "distopt_overlap":
+            continue  # nothing to overlap on one rank
+        actor, history, weights = _train(g, cfg, 2)
+        results[name] = (history, weights)
+        if name == "distopt" and ckpt_dir:
+            checkpoint.save(
+                ckpt_dir, "iter_0000002", actor.sharded_state_dict(with_optimizer=True), {"step": 2}
+            )
+            results["distopt_step3"] = _train(g, cfg, 1, actor=actor)[1:]
+    parallel.destroy()
+    return results
+
+
+def _resume_body(rank, world, ckpt_dir):
+    """Load the DP=2 distributed-optimizer checkpoint here (DP=1) and take the third step."""
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.models.config import ModelConfig
+    from megatron_rl_fp8.trainer import checkpoint
+    from megatron_rl_fp8.trainer.actor import Actor
+    from megatron_rl_fp8.trainer.config import OptimConfig
+
+    cfg = parallel.ParallelConfig(use_distributed_optimizer=True)
+    g = parallel.initialize(cfg, seed=1)
+    actor = Actor(ModelConfig(vocab_size=VOCAB), OptimConfig(lr=1e-3), g, parallel=cfg)
+    loaded, state = checkpoint.load(
+        checkpoint.latest(ckpt_dir), actor.sharded_state_dict(with_optimizer=True, is_loading=True)
+    )
+    actor.load_sharded(loaded)
+    restored = _full_weights(actor, g)
+    out = (state["step"], restored, *_train(g, cfg, 1, actor=actor)[1:])
+    parallel.destroy()
+    return out
+
+
+def _sp_body(rank, world):
+    from megatron_rl_fp8 import parallel
+
+    g = parallel.initialize(parallel.ParallelConfig(tensor_model_parallel_size=2), seed=1)
+    results = {}
+    for sp in (False, True):
+        cfg = parallel.ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sp)
+        results[sp] = _train(g, cfg, 2)[1:]
+    parallel.destroy()
+    return results
+
+
+def _assert_same(a, b, what):
+    (hist_a, weights_a), (hist_b, weights_b) = a, b
+    for (loss_a, gn_a), (loss_b, gn_b) in zip(hist_a, hist_b, strict=True):
+        assert loss_a == pytest.approx(loss_b, rel=1e-5), (what, "loss", loss_a, loss_b)
+        assert gn_a == pytest.approx(gn_b, rel=1e-5), (what, "grad norm", gn_a, gn_b)
+    assert weights_a.keys() == weights_b.keys()
+    for k in weights_a:
+        diff = (weights_a[k] - weights_b[k]).abs().max().item()
+        assert diff <= 1e-5, f"{what}: {k} differs by {diff:.3g}"
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    return run_distributed(_dp_body, world_size=1, args=(None,))[0]
+
+
+def test_distributed_optimizer_matches_ddp_and_one_rank(one_rank, tmp_path):
+    ranks = run_distributed(_dp_body, world_size=2, args=(str(tmp_path),))
+    dp2 = ranks[0]
+    for name in ("distopt", "distopt_overlap"):
+        _assert_same(dp2[name], dp2["ddp"], f"{name} vs DDP at DP=2")
+        # Both ranks hold the same (all-gathered) weights.
+        _assert_same(ranks[1][name], dp2[name], f"{name} rank 1 vs rank 0")
+    _assert_same(dp2["ddp"], one_rank["ddp"], "DP=2 vs one rank")
+    _assert_same(dp2["distopt"], one_rank["distopt"], "distributed optimizer DP=2 vs one rank")
+
+    # The DP=2 checkpoint (Adam state sharded over two ranks) loads on one rank.
+    step, restored, history, weights = run_distributed(
+        _resume_body, world_size=1, args=(str(tmp_path),)
+    )[0]
+    assert step == 2
+    for k, w in dp2["distopt"][1].items():
+        assert torch.equal(restored[k], w), k
+    _assert_same((history, weights), dp2["distopt_step3"], "step 3 after a DP=2 -> DP=1 resume")
+
+
+def test_sequence_parallel_matches_tp2():
+    results = run_distributed(_sp_body, world_size=2)[0]
+    _assert_same(results[True], results[False], "SP vs no SP at TP=2")

@@ -1,0 +1,283 @@
+"""The memory planner (megatron_rl_fp8/plan): hand-computed model state, the directions every knob
+moves the estimate in, the alternative layouts, the CLI, and the GPU reference point."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_rl_fp8 import cli
+from megatron_rl_fp8.config import EXAMPLES_DIR, RunConfig
+from megatron_rl_fp8.config_utils import from_dict
+from megatron_rl_fp8.plan import UNCHUNKED_LOGPROBS, Layout, World, alternatives, estimate
+from megatron_rl_fp8.plan.memory import GB, layer_activation_bytes, layer_params
+
+# qwen3 (QK-norm), hidden 64, 4 query heads / 2 KV groups of 16, SwiGLU 128, vocab 256 (no
+# padding at TP 1 or 2), untied output layer, bf16.
+SMALL = dict(
+    arch="qwen3",
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+    params_dtype="bfloat16",
+)
+# Per layer: QKV 64 x (64 + 2 * 32) + proj 64 x 64 + FC1 64 x 256 + FC2 128 x 64 = 36864 linear
+# weights; norms 2 x 64 + QK-norms 2 x 16 = 160. Two layers, embedding and output layer 256 x 64
+# each, final norm 64.
+SMALL_PARAMS = 2 * (36864 + 160) + 2 * 256 * 64 + 64
+
+
+def make_cfg(model=None, **sections) -> RunConfig:
+    """A RunConfig from sections (dicts), the small model by default."""
+    data = {
+        "model": {**SMALL, **(model or {})},
+        "task": {"max_prompt_len": 128},
+        "rollout": {"max_new_tokens": 128, "n_samples_per_prompt": 4},
+        "train": {"micro_batch_size": 2, "prompts_per_step": 8, "updates_per_step": 1},
+    }
+    for name, values in sections.items():
+        data[name] = {**data.get(name, {}), **values}
+    return from_dict(RunConfig, data)
+
+
+def row(e, name: str, phase: str = "update") -> float:
+    (c,) = [c for c in e.components if c.name == name]
+    return c[phase]
+
+
+def test_weights_gradients_and_optimizer_by_hand():
+    e = estimate(make_cfg(), World(gpus_per_node=1))
+    assert row(e, "weights") == SMALL_PARAMS * 2  # bf16
+    assert row(e, "gradients") == SMALL_PARAMS * 4  # fp32 grad buffer
+    assert row(e, "optimizer") == SMALL_PARAMS * 12  # fp32 main weights + Adam's two moments
+    # An fp32 model is its own main copy: Adam only.
+    fp32 = estimate(make_cfg({"params_dtype": "float32"}), World(gpus_per_node=1))
+    assert row(fp32, "weights") == SMALL_PARAMS * 4 and row(fp32, "optimizer") == SMALL_PARAMS * 8
+    # A tied output layer is the embedding at PP 1.
+    tied = estimate(make_cfg({"tie_word_embeddings": True}), World(gpus_per_node=1))
+    assert row(tied, "weights") == (SMALL_PARAMS - 256 * 64) * 2
+
+
+def test_tensor_parallelism_halves_the_linear_weights():
+    m = make_cfg().model
+    norms = 160
+    assert layer_params(m, 2) - norms == (layer_params(m, 1) - norms) / 2
+    e = estimate(make_cfg(parallel={"tensor_model_parallel_size": 2}), World(gpus_per_node=2))
+    # Layers split (norms replicated), embedding and output layer split along the vocabulary.
+    assert row(e, "weights") == (2 * (36864 / 2 + 160) + 2 * 128 * 64 + 64) * 2
+
+
+def test_distributed_optimizer_divides_the_optimizer_state_by_dp():
+    world = World(gpus_per_node=4)
+    plain = estimate(make_cfg(), world)
+    sharded = estimate(make_cfg(parallel={"use_distributed_optimizer": True}), world)
+    assert plain.layout.dp == 4
+    assert row(sharded, "optimizer") == pytest.approx(row(plain, "optimizer") / 4)
+    assert row(sharded, "gradients") == row(plain, "gradients")  # the grad buffer stays whole
+    assert row(sharded, "weights") == row(plain, "weights")
+
+
+def test_offload_removes_the_offloaded_optimizer_bytes():
+    world = World(gpus_per_node=4)
+    parallel = {"use_distributed_optimizer": True}
+    on = estimate(make_cfg(parallel=parallel), world)
+    half = estimate(
+        make_cfg(
+            parallel=parallel,
+            memory={"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5},
+        ),
+        world,
+    )
+    full = estimate(make_cfg(parallel=parallel, memory={"optimizer_cpu_offload": True}), world)
+    assert row(half, "optimizer") == pytest.approx(row(on, "optimizer") / 2)
+    assert row(full, "optimizer") == 0
+    assert on.total("update") - full.total("update") == pytest.approx(row(on, "optimizer"))
+
+
+def test_sequence_and_context_parallelism_and_recompute_reduce_activations():
+    world = World(gpus_per_node=4)
+    # Eight layers: with two, full recompute's working set (one whole layer, recomputed in the
+    # backward) would outweigh what it saves.
+    cfg = make_cfg({"num_layers": 8}, parallel={"tensor_model_parallel_size": 2})
+
+    def acts(spec="te", **layout):
+        lay = dataclasses.replace(Layout(tp=2, dp=2), **layout)
+        return row(estimate(cfg, world, layout=lay, spec=spec), "activations")
+
+    assert acts(sequence_parallel=True) < acts()
+    assert acts(cp=2, dp=1) < acts()
+    assert acts(sequence_parallel=True, cp=2, dp=1) < acts(sequence_parallel=True)
+    # Local spec: the s^2 scores are stored, and selective recompute drops exactly them.
+    local = [acts("local", recompute=r) for r in ("none", "selective", "full")]
+    assert local[0] > local[1] > local[2]
+    assert acts("local") > acts()
+    assert acts(recompute="full") < acts()
+    # Full recompute in chunks of two layers keeps fewer inputs but recomputes more at once.
+    assert acts(recompute="full", recompute_num_layers=2) != acts(recompute="full")
+
+
+def test_layer_activations_match_the_tensors_autograd_saves_on_the_cpu():
+    """Hidden 256, 8 query / 2 KV heads of 32, SwiGLU 768, 64 tokens, fp32 local spec: the
+    tensors one layer of the real actor saved for its backward (counted per storage through
+    saved_tensors_hooks, as tools/validate_plan.py's FirstLayerSaved does) came to 31824 bytes
+    per token, 31488 of them in the terms the planner counts (norms 6144, QKV output and
+    QK-norms 3840, attention 3072 + scores 2048, projection 1024, SwiGLU 12288, FC2 3072) and
+    336 in small ones it leaves out (norm statistics, RoPE tables, the causal mask)."""
+    m = make_cfg(
+        {"hidden_size": 256, "ffn_hidden_size": 768, "num_attention_heads": 8, "head_dim": 32}
+    ).model
+    per_token = layer_activation_bytes(
+        m, a=4, tp=1, sequence_parallel=False, seq=64, spec="local", fused_swiglu=False
+    )
+    assert per_token == 31488
+
+
+def test_pipeline_stage_zero_holds_pp_micro_batches():
+    cfg = make_cfg(
+        {"num_layers": 4},
+        parallel={"pipeline_model_parallel_size": 2},
+        train={"prompts_per_step": 16},
+    )
+    e = estimate(cfg, World(gpus_per_node=2))
+    assert e.stage == 0 and e.micro_batches_in_flight == 2
+
+
+def test_alternative_layouts_fit_and_are_valid():
+    cfg = make_cfg(
+        {
+            "num_layers": 8,
+            "hidden_size": 1024,
+            "ffn_hidden_size": 4096,
+            "num_attention_heads": 16,
+            "num_query_groups": 8,
+            "vocab_size": 32000,
+            "max_position_embeddings": 4096,
+        },
+        task={"max_prompt_len": 1024},
+        rollout={"max_new_tokens": 3072, "n_samples_per_prompt": 8},
+        train={"prompts_per_step": 16, "micro_batch_size": 4},
+    )
+    world = World(gpus_per_node=8, gpu_memory_gb=16)
+    assert not estimate(cfg, world, spec="local").fits
+    fits = alternatives(cfg, world, spec="local", logits=UNCHUNKED_LOGPROBS)
+    assert fits
+    ranks = [e.layout.model_parallel_size for e in fits]
+    assert ranks == sorted(ranks)
+    for e in fits:
+        assert e.fits and e.peak <= world.gpu_memory_gb * GB
+        lay = e.layout
+        p = dataclasses.replace(
+            cfg.parallel,
+            tensor_model_parallel_size=lay.tp,
+            pipeline_model_parallel_size=lay.pp,
+            sequence_parallel=lay.sequence_parallel,
+            use_distributed_optimizer=lay.distributed_optimizer,
+        )
+        recompute = {
+            "none": {},
+            "selective": {"recompute_granularity": "selective"},
+            "full": dict(
+                recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+            ),
+        }[lay.recompute]
+        memory = dataclasses.replace(cfg.memory, **recompute)
+        dataclasses.replace(cfg, parallel=p, memory=memory).validate(world.size)
+        # Re-planning the layout from its config gives the same answer.
+        again = estimate(
+            dataclasses.replace(cfg, parallel=p, memory=memory),
+            world,
+            spec="local",
+            logits=UNCHUNKED_LOGPROBS,
+        )
+        assert again.peak == pytest.approx(e.peak)
+
+
+def test_the_2b_gpu_reference_point():
+    """tools/bench_actor.py's 2.03B Qwen3 shape (28 layers, hidden 2048, ffn 6144, 16 / 8 heads
+    of 128, vocab 151936, untied), local spec, bf16, 8 x 2048-token rows in micro-batches of 2,
+    no recompute, plain DDP + Adam, the unchunked log-prob path it ran with:
+    torch.cuda.max_memory_allocated was 82.4 GB on an H200. The planner's allocated bytes (no
+    allowance: max_memory_allocated does not see it) come within 15%."""
+    cfg = make_cfg(
+        {
+            "num_layers": 28,
+            "hidden_size": 2048,
+            "ffn_hidden_size": 6144,
+            "num_attention_heads": 16,
+            "num_query_groups": 8,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "max_position_embeddings": 2048,
+        },
+        task={"max_prompt_len": 1024},
+        rollout={"max_new_tokens": 1024, "n_samples_per_prompt": 2},
+        train={"prompts_per_step": 4, "micro_batch_size": 2},
+    )
+    e = estimate(
+        cfg, World(gpus_per_node=1, gpu_memory_gb=141), spec="local", logits=UNCHUNKED_LOGPROBS
+    )
+    assert e.layout == Layout()
+    assert abs(row(e, "weights") / 2 / 2.03e9 - 1) < 0.01
+    assert e.allocated("update") / GB == pytest.approx(82.4, rel=0.15)
+    assert e.fits
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["qwen3_8b_grpo_math_fp8.yaml", "--nodes", "2"],
+        ["qwen3_32b_dapo_math_fp8.yaml", "--nodes", "2", "--gpu-memory-gb", "141"],
+    ],
+)
+def test_cli_prints_the_table_for_the_gpu_examples(args, capsys):
+    assert cli.main(["plan", str(EXAMPLES_DIR / args[0]), *args[1:]]) == 0
+    out = capsys.readouterr().out
+    for line in ("weights", "gradients", "optimizer", "activations", "logits", "SGLang", "total"):
+        assert f"\n  {line}" in out
+    assert "FITS" in out and "Layouts of the same 16 GPUs that fit" in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["parallel.tensor_model_parallel_size=3"],
+        ["train.no_such_key=1"],
+        ["--nodes", "3"],
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(args, capsys):
+    path = str(EXAMPLES_DIR / "qwen3_8b_grpo_math_fp8.yaml")
+    assert cli.main(["plan", path, *args]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("config error: ")
+
+
+def test_cli_needs_the_shape_when_the_checkpoint_is_not_here(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("base: " + str(EXAMPLES_DIR / "qwen3_8b_grpo_math.yaml") + "\n")
+    # The example states the shape: the missing checkpoint is a note.
+    assert cli.main(["plan", str(config), "model.hf_checkpoint=/nowhere/Qwen3-8B"]) == 0
+    assert "model.hf_checkpoint='/nowhere/Qwen3-8B' is not on this machine" in (
+        capsys.readouterr().out
+    )
+    config.write_text("model:\n  hf_checkpoint: /nowhere/Qwen3-8B\n")
+    assert cli.main(["plan", str(config)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "does not state the model's shape (model.arch, model.num_layers" in line
+
+
+def test_the_estimate_imports_neither_torch_nor_megatron():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, megatron_rl_fp8.plan; "
+        "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
