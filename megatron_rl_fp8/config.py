@@ -70,8 +70,10 @@ class RunConfig:
             # does not, and SFT on bare answers would only teach it a format.
             self.sft.steps = 0 if self.model.pretrained else SFT_STEPS_FROM_SCRATCH
 
-    def validate(self, world_size: int = 1) -> RunConfig:
-        """Cross-section rules; raises ConfigError naming the fields involved."""
+    def validate(self, world_size: int = 1, *, this_machine: bool = True) -> RunConfig:
+        """Cross-section rules; raises ConfigError naming the fields involved. ``this_machine``:
+        also what this machine must have to run it (logger packages, Transformer Engine where a
+        setting needs it); off when planning a run for another machine."""
         p, m, t = self.parallel, self.model, self.train
         check_model_matches(m, p.tensor_model_parallel_size)
         if self.loss.kl_coef > 0:
@@ -80,7 +82,8 @@ class RunConfig:
             check_ref_checkpoint(m)
         self._check_reward()
         # On every rank: only the driver logs, but a missing package must stop all of them.
-        require_packages(self.logging)
+        if this_machine:
+            require_packages(self.logging)
         try:
             self.optim.resolved_lr_decay_steps(t.steps * t.updates_per_step)
         except ValueError as e:
@@ -98,7 +101,7 @@ class RunConfig:
                 f"model.num_layers={m.num_layers} is not divisible by "
                 f"parallel.pipeline_model_parallel_size={pp}"
             )
-        self._check_scale_features()
+        self._check_scale_features(this_machine)
         problem = self.memory.check_layers(m.num_layers // pp)
         if problem:
             raise ConfigError(problem)
@@ -168,7 +171,7 @@ class RunConfig:
             )
         return self
 
-    def _check_scale_features(self) -> None:
+    def _check_scale_features(self, this_machine: bool) -> None:
         p = self.parallel
         if p.context_parallel_size > 1:
             # Megatron's CP needs TE's attention, and the trainer's batches, losses and token
@@ -183,6 +186,18 @@ class RunConfig:
                 "memory.optimizer_cpu_offload needs parallel.use_distributed_optimizer=true "
                 "(Megatron offloads the distributed optimizer's shards)"
             )
+        if not this_machine:
+            return
+        # What the actor will build on this machine (as Actor.__init__ decides it).
+        import torch
+
+        from megatron_rl_fp8.fp8.te import have_te, should_emulate
+
+        use_te = torch.cuda.is_available() and not should_emulate(self.fp8) and have_te()
+        try:
+            self.memory.check_backend(use_te=use_te)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def _check_reward(self) -> None:
         from megatron_rl_fp8.reward.verifiers import VERIFIERS

@@ -1,9 +1,17 @@
-"""One actor training step on one GPU at a ~2B Qwen3 shape: tokens/s, MFU and peak memory.
+"""The actor's training step at a ~2B Qwen3 shape: tokens/s, MFU and peak memory per configuration.
 
 The project's own ``Actor`` (Megatron GPTModel, local layer spec unless Transformer Engine is
-installed, Megatron DDP and Adam), one process, TP = PP = DP = 1, bf16 parameters with float32
-main weights and gradients. The default batch is 8 rows x 2048 tokens in micro-batches of 2, a
-token-mean NLL loss, one optimizer step per timed step.
+installed, Megatron DDP and Adam), TP = PP = 1, one process or one per GPU under torchrun (data
+parallel), bf16 parameters with float32 main weights and gradients. The default batch is 8 rows x
+2048 tokens (over all ranks) in micro-batches of 2, a token-mean NLL loss, one optimizer step per
+timed step. ``--varlen`` gives the rows lengths spread evenly from a quarter of ``--seq`` to all of
+it (right-padded, as RL responses are); tokens/s then counts real tokens only.
+
+``--configs`` runs several configurations side by side in one process (``CONFIGS``): ``base``,
+``selective`` / ``recompute`` (Megatron's selective core-attention and full uniform 1-layer
+activation recomputation), ``distopt`` (distributed optimizer with overlapped gradient
+reduction: it shards only over DP ranks, so run it under torchrun), ``budget``
+(``train.max_tokens_per_gpu`` = micro-batch x seq: packs short rows, with ``--varlen``), ``all``.
 
 Model: the Qwen3-1.7B block (28 layers, hidden 2048, 16 query / 8 KV heads of 128, SwiGLU 6144,
 vocab 151936) with an untied output layer, 2.03B parameters. Throughput in model FLOPs
@@ -13,18 +21,25 @@ vocab 151936) with an untied output layer, 2.03B parameters. Throughput in model
                       + 12 * layers * seq * heads * head_dim
 
 MFU divides that by ``--peak-tflops`` (dense BF16; default 989 for H100 / H200, the datasheet's
-dense number; other GPUs need the flag). Peak memory is ``torch.cuda.max_memory_allocated``
-over the timed steps (parameters, gradients and Adam state included), in GB of 10^9 bytes.
+dense number; other GPUs need the flag; under torchrun it is per GPU). Peak memory is
+``torch.cuda.max_memory_allocated`` over the timed steps (parameters, gradients and Adam state
+included), the largest over ranks, in GB of 10^9 bytes; on the CPU, the peak of live tensor
+bytes in the first step from PyTorch's profiler (allocations since the build: the same things).
 
     python tools/bench_actor.py                          # on a GPU node
     python tools/bench_actor.py --peak-tflops 2250 --json out.json
     python tools/bench_actor.py --cpu-smoke              # 2 layers on the CPU: tests the script
+    python tools/bench_actor.py --varlen --configs base,selective,recompute,budget
+    torchrun --nproc-per-node 8 tools/bench_actor.py --rows 64 --configs base,distopt,all --varlen
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -34,10 +49,35 @@ import torch
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
 """Dense BF16 tensor-core peak by GPU name fragment (NVIDIA datasheets, SXM, without sparsity)."""
 
+_FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+_DISTOPT = {"use_distributed_optimizer": True, "overlap_grad_reduce": True}
+CONFIGS = {
+    "base": {},
+    "selective": {"memory": {"recompute_granularity": "selective"}},
+    "recompute": {"memory": _FULL},
+    "distopt": {"parallel": _DISTOPT},
+    "budget": {"budget": True},
+    "all": {"memory": _FULL, "parallel": _DISTOPT, "budget": True},
+}
+"""Name -> MemoryConfig / ParallelConfig fields and whether a token budget groups the rows."""
 
-def model_config(cpu_smoke: bool, seq: int):
+
+def model_config(cpu_smoke: bool, seq: int, *, cpu_small: bool = False):
     from megatron_rl_fp8.models.config import ModelConfig
 
+    if cpu_small:  # ~19M parameters: big enough on the CPU for the configurations to differ
+        return ModelConfig(
+            arch="qwen3",
+            num_layers=4,
+            hidden_size=384,
+            ffn_hidden_size=1024,
+            num_attention_heads=6,
+            num_query_groups=2,
+            head_dim=64,
+            vocab_size=16384,
+            max_position_embeddings=seq,
+            tie_word_embeddings=False,
+        )
     if cpu_smoke:
         return ModelConfig(
             arch="qwen3",
@@ -87,10 +127,27 @@ def peak_tflops(arg: float | None) -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
-def run(args) -> dict:
+def make_batch(args, vocab: int) -> dict[str, torch.Tensor]:
+    """All ranks' rows: random tokens; with ``args.varlen`` right-padded to lengths spread
+    evenly over [seq / 4, seq]."""
+    ids = torch.randint(4, vocab, (args.rows, args.seq), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(args.rows, args.seq)
+    if args.varlen:
+        lengths = torch.linspace(args.seq // 4, args.seq, args.rows).round().long()
+        mask = (torch.arange(args.seq) < lengths[:, None]).float()
+        ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "labels": ids.roll(-1, 1), "loss_mask": mask}
+
+
+def run(args) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from validate_plan import peak_bytes  # this script's folder is on sys.path
+
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.models.memory import MemoryConfig
     from megatron_rl_fp8.trainer.actor import Actor
+    from megatron_rl_fp8.trainer.batch import rows_for_rank
     from megatron_rl_fp8.trainer.config import OptimConfig
 
     if not args.cpu_smoke and not torch.cuda.is_available():
@@ -98,80 +155,123 @@ def run(args) -> dict:
             "no CUDA GPU: bench_actor measures a GPU training step (use --cpu-smoke "
             "to test the script on CPU)"
         )
-    mc = model_config(args.cpu_smoke, args.seq)
+    mc = model_config(args.cpu_smoke, args.seq, cpu_small=args.cpu_small)
     groups = parallel.initialize(parallel.ParallelConfig(), seed=1)
-    try:
-        t0 = time.perf_counter()
-        actor = Actor(mc, OptimConfig(), groups, fp8=FP8Config(recipe=args.fp8_recipe))
-        build_s = time.perf_counter() - t0
-        print(actor.describe(), flush=True)
-        # Batches stay on the host, as the trainer builds them; the actor moves each micro-batch.
-        ids = torch.randint(
-            4, mc.vocab_size, (args.rows, args.seq), generator=torch.Generator().manual_seed(0)
-        )
-        batch = {
-            "input_ids": ids,
-            "labels": ids.roll(-1, 1),
-            "loss_mask": torch.ones(args.rows, args.seq),
-        }
-        tokens = args.rows * args.seq
-
-        def nll(mb, logprobs):
-            return -(logprobs * mb["loss_mask"]).sum() / tokens, {}
-
-        def step() -> float:
-            t = time.perf_counter()
-            _, grad_norm, ok = actor.train_step(batch, args.micro_batch, nll)
-            if groups.device.type == "cuda":
-                torch.cuda.synchronize()  # the step's kernels, not just their launches
-            if not ok:
-                raise RuntimeError("the optimizer skipped the step (non-finite gradients)")
-            return time.perf_counter() - t
-
-        for _ in range(args.warmup):  # first step allocates Adam state and autotunes kernels
-            step()
-        if groups.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        seconds = statistics.median(step() for _ in range(args.steps))
-        peak_mem = torch.cuda.max_memory_allocated() / 1e9 if groups.device.type == "cuda" else None
-    finally:
-        parallel.destroy()
-
+    on_gpu = groups.device.type == "cuda"
+    batch = make_batch(args, mc.vocab_size)
+    if args.rows % groups.dp_size:
+        raise SystemExit(f"--rows {args.rows} must be a multiple of the {groups.dp_size} ranks")
+    local = rows_for_rank(batch, groups.dp_rank, groups.dp_size)
+    tokens = batch["loss_mask"].sum().item()  # real tokens of all ranks
     fpt, params = flops_per_token(mc, args.seq)
     peak = peak_tflops(args.peak_tflops)
-    achieved = fpt * tokens / seconds / 1e12
-    return {
-        "device": torch.cuda.get_device_name() if groups.device.type == "cuda" else "cpu",
-        "params_b": params / 1e9,
-        "layers": mc.num_layers,
-        "hidden": mc.hidden_size,
-        "fp8_recipe": args.fp8_recipe,
-        "rows": args.rows,
-        "seq": args.seq,
-        "micro_batch": args.micro_batch,
-        "build_s": build_s,
-        "step_s": seconds,
-        "tokens_per_s": tokens / seconds,
-        "model_tflops": achieved,
-        "peak_tflops": peak,
-        "mfu": achieved / peak if peak else None,
-        "peak_mem_gb": peak_mem,
-    }
+    results = []
+
+    def nll(mb, logprobs):
+        return -(logprobs * mb["loss_mask"]).sum() / tokens, {}
+
+    try:
+        for name in args.configs:
+            spec = CONFIGS[name]
+            parallel_cfg = parallel.ParallelConfig(**spec.get("parallel", {}))
+            parallel.init_model_parallel(parallel_cfg, seed=1)  # same weights for every config
+            # On the CPU the profiler's allocation trace stands in for the allocator's peak
+            # (tools/validate_plan.py): from before the build, so weights and Adam count.
+            profiler = (
+                contextlib.nullcontext()
+                if on_gpu
+                else profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            )
+            with profiler as prof:
+                t0 = time.perf_counter()
+                actor = Actor(
+                    mc,
+                    OptimConfig(),
+                    groups,
+                    fp8=FP8Config(recipe=args.fp8_recipe),
+                    memory=MemoryConfig(**spec.get("memory", {})),
+                    parallel=parallel_cfg,
+                )
+                build_s = time.perf_counter() - t0
+                budget = args.micro_batch * args.seq if spec.get("budget") else None
+                with record_function("bench/step"):
+                    _, _, ok = actor.train_step(local, args.micro_batch, nll, max_tokens=budget)
+            if groups.rank == 0:
+                print(f"{name}: {actor.describe()}", flush=True)
+
+            def step(actor=actor, budget=budget) -> float:
+                t = time.perf_counter()
+                _, _, ok = actor.train_step(local, args.micro_batch, nll, max_tokens=budget)
+                if on_gpu:
+                    torch.cuda.synchronize()  # the step's kernels, not just their launches
+                if not ok:
+                    raise RuntimeError("the optimizer skipped the step (non-finite gradients)")
+                return time.perf_counter() - t
+
+            # The step above allocated Adam's state; more untimed steps autotune kernels.
+            for _ in range(args.warmup - 1):
+                step()
+            if on_gpu:
+                torch.cuda.reset_peak_memory_stats()
+            seconds = statistics.median(step() for _ in range(args.steps))
+            peak_mem = None if on_gpu else peak_bytes(prof, ["bench/step"])["bench/step"] / 1e9
+            if on_gpu:
+                mem = torch.tensor([torch.cuda.max_memory_allocated() / 1e9], device=groups.device)
+                torch.distributed.all_reduce(mem, op=torch.distributed.ReduceOp.MAX)
+                peak_mem = mem.item()
+            achieved = fpt * tokens / seconds / 1e12
+            results.append(
+                {
+                    "config": name,
+                    "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+                    "ranks": groups.dp_size,
+                    "params_b": params / 1e9,
+                    "layers": mc.num_layers,
+                    "hidden": mc.hidden_size,
+                    "fp8_recipe": args.fp8_recipe,
+                    "rows": args.rows,
+                    "seq": args.seq,
+                    "real_tokens": tokens,
+                    "micro_batch": args.micro_batch,
+                    "max_tokens_per_gpu": budget,
+                    "build_s": build_s,
+                    "step_s": seconds,
+                    "tokens_per_s": tokens / seconds,
+                    "model_tflops": achieved,
+                    "peak_tflops": peak,
+                    "mfu": achieved / (peak * groups.dp_size) if peak else None,
+                    "peak_mem_gb": peak_mem,
+                }
+            )
+            del actor, step
+            gc.collect()
+            if on_gpu:
+                torch.cuda.empty_cache()
+    finally:
+        parallel.destroy()
+    return results
 
 
-def markdown(r: dict) -> str:
-    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "- (pass --peak-tflops)"
-    mem = f"{r['peak_mem_gb']:.1f}" if r["peak_mem_gb"] is not None else "- (CPU)"
-    return "\n".join(
-        [
-            "| device | params | recipe | rows x seq (mb) | s/step | tokens/s | TFLOP/s | MFU | "
-            "peak GB |",
-            "|---|---:|---|---|---:|---:|---:|---:|---:|",
-            f"| {r['device']} | {_params(r['params_b'])} | {r['fp8_recipe']} | "
-            f"{r['rows']} x {r['seq']} ({r['micro_batch']}) | {r['step_s']:.3f} | "
-            f"{r['tokens_per_s']:.0f} | {r['model_tflops']:.3g} | {mfu} | {mem} |",
-        ]
-    )
+def markdown(results: list[dict]) -> str:
+    """One row per configuration; the ratios are against the first one, measured in this run."""
+    base = results[0]
+    lines = [
+        "| config | device x ranks | params | recipe | rows x seq (mb / budget) | s/step | "
+        "tokens/s | vs first | MFU | peak GB | vs first |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "- (pass --peak-tflops)"
+        mem = f"{r['peak_mem_gb']:.3g}"
+        mem_ratio = f"{r['peak_mem_gb'] / base['peak_mem_gb']:.2f}x"
+        batching = r["max_tokens_per_gpu"] or r["micro_batch"]
+        lines.append(
+            f"| {r['config']} | {r['device']} x {r['ranks']} | {_params(r['params_b'])} | "
+            f"{r['fp8_recipe']} | {r['rows']} x {r['seq']} ({batching}) | {r['step_s']:.3f} | "
+            f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+            f"{mfu} | {mem} | {mem_ratio} |"
+        )
+    return "\n".join(lines)
 
 
 def _params(billions: float) -> str:
@@ -185,11 +285,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a 2-layer model, 4 rows x 16 tokens, on the CPU: tests the script",
     )
+    p.add_argument(
+        "--cpu-small",
+        action="store_true",
+        help="a ~19M-parameter model (4 layers, hidden 384, vocab 16384), 8 rows x 256 tokens, "
+        "on the CPU: the configurations' relative costs where no GPU is at hand",
+    )
     p.add_argument("--rows", type=int, help="sequences per step (default 8; smoke 4)")
-    p.add_argument("--seq", type=int, help="tokens per sequence (default 2048; smoke 16)")
+    p.add_argument(
+        "--seq", type=int, help="tokens per sequence (default 2048; small 256; smoke 16)"
+    )
     p.add_argument("--micro-batch", type=int, default=2, help="rows per micro-batch")
     p.add_argument("--steps", type=int, default=3, help="timed steps (median)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (>= 1)")
     p.add_argument(
         "--fp8-recipe",
         default="bf16",
@@ -201,17 +309,35 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="the GPU's dense BF16 peak for MFU (default: 989 on H100/H200)",
     )
-    p.add_argument("--json", type=Path, help="also write the result to this JSON file")
+    p.add_argument(
+        "--configs",
+        default="base",
+        help=f"comma-separated, run side by side in this order: {', '.join(CONFIGS)}",
+    )
+    p.add_argument(
+        "--varlen",
+        action="store_true",
+        help="rows of lengths spread over [seq/4, seq], right-padded (RL-like)",
+    )
+    p.add_argument("--json", type=Path, help="also write the results (a list) to this JSON file")
     args = p.parse_args(argv)
-    args.rows = args.rows or (4 if args.cpu_smoke else 8)
-    args.seq = args.seq or (16 if args.cpu_smoke else 2048)
-    if args.cpu_smoke:
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown or not args.configs:
+        p.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
+    if args.cpu_small:
+        args.seq = args.seq or 256
+    elif args.cpu_smoke:
+        args.rows, args.seq = args.rows or 4, args.seq or 16
         args.steps = min(args.steps, 2)
-    result = run(args)
-    print(markdown(result))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+    args.rows, args.seq = args.rows or 8, args.seq or 2048
+    args.cpu_smoke = args.cpu_smoke or args.cpu_small  # both run on the CPU
+    results = run(args)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(markdown(results))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=1))
     return 0
 
 

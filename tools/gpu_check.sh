@@ -236,7 +236,7 @@ grep '^|' "$STEP_LOG" >"$OUT_DIR/bench_gemm.md" 2>/dev/null
 step bench_actor 150 "$PYTHON" tools/bench_actor.py --json "$OUT_DIR/bench_actor.json"
 detail=$("$PYTHON" - "$OUT_DIR/bench_actor.json" <<'PY' 2>/dev/null
 import json, sys
-r = json.load(open(sys.argv[1]))
+r = json.load(open(sys.argv[1]))[0]
 mfu = f"MFU {r['mfu']:.1%}" if r["mfu"] is not None else "MFU ? (no --peak-tflops for this GPU)"
 print(f"{r['params_b']:.2f}B, {r['rows']}x{r['seq']} tokens: {r['step_s']:.2f} s/step, "
       f"{r['tokens_per_s']:.0f} tokens/s, {mfu}, peak {r['peak_mem_gb']:.1f} GB")

@@ -61,7 +61,7 @@ CONFIGS = {
 MICRO_BATCHES = 2  # per training step
 
 
-def _peaks(prof, windows: list[str]) -> dict[str, int]:
+def peak_bytes(prof, windows: list[str]) -> dict[str, int]:
     """Peak live tensor bytes inside each ``record_function`` window, from the profiler's
     allocation (+) and free (-) events; live bytes count from the start of the profile."""
     events = list(prof.profiler.kineto_results.events())
@@ -146,7 +146,7 @@ def measure(cfg) -> dict[str, int]:
             del actor
     finally:
         parallel.destroy()
-    peaks = _peaks(prof, ["measure/update", "measure/logprobs"])
+    peaks = peak_bytes(prof, ["measure/update", "measure/logprobs"])
     return {
         "update": peaks["measure/update"],
         "logprobs": peaks["measure/logprobs"],

@@ -132,7 +132,9 @@ def run(args) -> int:
         gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_memory_gb=args.gpu_memory_gb
     )
     cfg, notes = load_for_plan(args.config, args.overrides)
-    cfg.validate(world.size)  # the rules `train` applies, with the same one-line errors
+    # The rules `train` applies, with the same one-line errors; not what this machine lacks
+    # (TE, logger packages): plans are usually made away from the GPUs.
+    cfg.validate(world.size, this_machine=False)
     e = estimate(cfg, world, spec=args.spec, logits=DEFAULT_LOGPROBS)
     m = cfg.model
     dtype = "bf16" if param_bytes(m, world.device) == 2 else "fp32"

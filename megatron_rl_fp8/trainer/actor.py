@@ -67,16 +67,18 @@ class MicroBatches:
     batches: list[dict]
     # Batch rows of each micro-batch under a token budget; None: consecutive rows, in order.
     groups: list[list[int]] | None = None
-    width: int = 0  # the batch's S, which merged per-token outputs get back
+    width: int | None = None  # the batch's S, which merged per-token outputs get back
 
     @property
     def variable_shapes(self) -> bool:
         return self.groups is not None
 
     def merge(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """Per-micro-batch per-token outputs as one [B, S] tensor in the batch's row order."""
+        """Per-micro-batch per-token outputs as one [B, S] tensor in the batch's row order (the
+        positions padded for ``seq_multiple`` cut off again)."""
         if self.groups is None:
-            return torch.cat(parts)
+            merged = torch.cat(parts)
+            return merged if self.width is None else merged[:, : self.width]
         return merge_rows(parts, self.groups, self.width)
 
 
@@ -99,17 +101,26 @@ def split_micro_batches(
     """``micro_batch_size`` consecutive rows at a time, each padded to the batch's S; or, with a
     token budget ``max_tokens``, rows grouped by ``pack_by_tokens`` over their real lengths
     (``row_lengths`` of ``loss_mask``, rounded up to ``multiple``), each micro-batch cut to its
-    own longest row (``micro_batch_size`` unused)."""
+    own longest row (``micro_batch_size`` unused). Sequence lengths are padded up to a multiple
+    of ``multiple`` (``seq_multiple``: sequence / context parallelism split them)."""
     n, width = batch["input_ids"].shape
+    padded = math.ceil(width / multiple) * multiple
+    if padded != width:
+        # Right padding (token 0, no loss): causal attention keeps it from the real positions.
+        batch = {
+            k: torch.nn.functional.pad(v, (0, padded - width)) if v.dim() >= 2 else v
+            for k, v in batch.items()
+        }
     if max_tokens is None:
         return MicroBatches(
             [
                 {k: v[i : i + micro_batch_size] for k, v in batch.items()}
                 for i in range(0, n, micro_batch_size)
-            ]
+            ],
+            width=width,
         )
     lengths = [
-        min(math.ceil(length / multiple) * multiple, width)
+        min(math.ceil(length / multiple) * multiple, padded)
         for length in row_lengths(batch["loss_mask"])
     ]
     groups = pack_by_tokens(lengths, max_tokens)

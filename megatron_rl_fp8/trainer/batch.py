@@ -146,5 +146,6 @@ def merge_rows(parts: list[torch.Tensor], groups: list[list[int]], width: int) -
     n = sum(len(g) for g in groups)
     out = parts[0].new_zeros((n, width))
     for rows, part in zip(groups, parts):
+        part = part[:, :width]  # positions padded past the batch's S carry nothing
         out[torch.tensor(rows, device=part.device), : part.shape[1]] = part
     return out

@@ -9,10 +9,11 @@
   DP=2 loads at DP=1 and the next step matches the run that went on at DP=2.
 
 Tolerances: the layouts add the same fp32 numbers in different orders (DP sums two half-batch
-gradients, SP moves the TP reductions into reduce-scatters / all-gathers); that is ~1e-7 relative
-per reduction. Adam's first steps divide the gradient by its own magnitude, so a weight moves by
-~lr whatever the rounding, except where a gradient is ~0; after two steps weights agree to ~1e-7
-absolute (lr = 1e-3, weights ~0.02) and losses / grad norms to ~1e-6 relative. 1e-5 leaves room.
+gradients, SP moves the TP reductions into reduce-scatters / all-gathers and pads the 11-token rows
+to 12); that is ~1e-7 relative per reduction, and losses and grad norms agree to 1e-5 relative.
+Adam divides each element's update by that element's own gradient magnitude, so an element whose
+gradient nearly cancels can move by a good part of lr in one layout and not the other: weights are
+compared within lr / 10 = 1e-4 (measured: up to ~1.5e-5).
 """
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 
-VOCAB, ROWS, SEQ, MICRO = 53, 8, 12, 2
+VOCAB, ROWS, SEQ, MICRO = 53, 8, 11, 2  # SEQ odd: SP pads it to a multiple of TP
 
 
 def _batch():
@@ -147,7 +148,7 @@ def _assert_same(a, b, what):
     assert weights_a.keys() == weights_b.keys()
     for k in weights_a:
         diff = (weights_a[k] - weights_b[k]).abs().max().item()
-        assert diff <= 1e-5, f"{what}: {k} differs by {diff:.3g}"
+        assert diff <= 1e-4, f"{what}: {k} differs by {diff:.3g}"
 
 
 @pytest.fixture(scope="module")

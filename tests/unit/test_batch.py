@@ -158,9 +158,17 @@ def test_split_micro_batches_fixed_and_by_tokens():
     assert [tuple(mb["input_ids"].shape) for mb in packed.batches] == [(2, 9), (4, 4)]
     merged = packed.merge([mb["input_ids"] for mb in packed.batches])
     assert torch.equal(merged * mask.long(), batch["input_ids"] * mask.long())
-    # Sequence lengths rounded up to a multiple (sequence / context parallelism), within S.
+    # Sequence lengths rounded up to a multiple (sequence / context parallelism): S = 10 is
+    # padded to 12 (token 0, no loss), and the merged outputs are cut back to S.
     aligned = split_micro_batches(batch, 4, max_tokens=20, multiple=4)
-    assert [tuple(mb["input_ids"].shape) for mb in aligned.batches] == [(2, 10), (4, 4)]
+    # (the two 9-token rows become 12 long: 24 tokens no longer fit the budget together)
+    assert [tuple(mb["input_ids"].shape) for mb in aligned.batches] == [(1, 12), (1, 12), (4, 4)]
+    assert aligned.batches[0]["loss_mask"][:, 10:].sum() == 0
+    merged = aligned.merge([mb["input_ids"] for mb in aligned.batches])
+    assert torch.equal(merged * mask.long(), batch["input_ids"] * mask.long())
+    fixed = split_micro_batches(batch, 4, multiple=4)
+    assert [mb["input_ids"].shape for mb in fixed.batches] == [(4, 12), (2, 12)]
+    assert torch.equal(fixed.merge([mb["input_ids"] for mb in fixed.batches]), batch["input_ids"])
 
 
 def test_metrics_do_not_depend_on_how_rows_are_grouped():

@@ -72,6 +72,9 @@ def test_bench_actor_cpu_smoke(tmp_path):
             sys.executable,
             "tools/bench_actor.py",
             "--cpu-smoke",
+            "--varlen",
+            "--configs",
+            "base,budget",
             "--peak-tflops",
             "0.5",
             "--json",
@@ -79,13 +82,18 @@ def test_bench_actor_cpu_smoke(tmp_path):
         ]
     )
     assert out.returncode == 0, out.stderr
-    r = json.loads((tmp_path / "actor.json").read_text())
-    assert (r["rows"], r["seq"], r["micro_batch"], r["layers"]) == (4, 16, 2, 2)
-    assert r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(64 / r["step_s"])
-    assert r["mfu"] == pytest.approx(r["model_tflops"] / 0.5)
-    assert r["peak_mem_gb"] is None  # host memory is not what the GPU column reports
-    (row,) = _table_rows(out.stdout)
-    assert row[0] == "cpu" and float(row[5]) > 0
+    base, budget = json.loads((tmp_path / "actor.json").read_text())
+    assert (base["rows"], base["seq"], base["micro_batch"], base["layers"]) == (4, 16, 2, 2)
+    # Lengths 4, 8, 12, 16 (--varlen): 40 real tokens, packed under a 32-token budget.
+    assert base["real_tokens"] == budget["real_tokens"] == 40
+    assert (base["max_tokens_per_gpu"], budget["max_tokens_per_gpu"]) == (None, 32)
+    assert base["step_s"] > 0 and base["tokens_per_s"] == pytest.approx(40 / base["step_s"])
+    assert base["mfu"] == pytest.approx(base["model_tflops"] / 0.5)
+    # Host tensors from the profiler: weights + fp32 grads + Adam of ~0.09M parameters, at least.
+    assert base["peak_mem_gb"] > 0.09e6 * 16 / 1e9
+    rows = _table_rows(out.stdout)
+    assert [r[0] for r in rows] == ["base", "budget"]
+    assert rows[0][1] == "cpu x 1" and float(rows[0][6]) > 0 and rows[0][7] == "1.00x"
     assert "parameters on this rank" in out.stdout
 
 
