@@ -351,16 +351,21 @@ class Actor:
         *,
         temperature: float = 1.0,
         max_tokens: int | None = None,
+        entropy: bool = True,
     ) -> dict[str, torch.Tensor] | None:
-        """Per-token logprobs of ``labels`` and entropy; [B, S] tensors on the last stage, else None.
-        ``max_tokens``: micro-batches by token budget (``split_micro_batches``); positions past a
-        micro-batch's longest row come back as 0 (no loss or metric reads them)."""
+        """Per-token logprobs of ``labels`` and (with ``entropy``) entropy; [B, S] tensors on the
+        last stage, else None. ``max_tokens``: micro-batches by token budget
+        (``split_micro_batches``); positions past a micro-batch's longest row come back as 0 (no
+        loss or metric reads them). Entropy costs one more pass over each logits chunk: only the
+        pass whose entropy is reported asks for it."""
         self.model.eval()
+        keys = ("logprobs", "entropy") if entropy else ("logprobs",)
 
         def loss_fn(mb, logits):
-            lp, ent = token_logprobs_and_entropy(
-                logits, mb["labels"], temperature=temperature, **self._logits_kwargs()
-            )
+            kwargs = {"temperature": temperature, **self._logits_kwargs()}
+            if not entropy:
+                return torch.zeros(()), {"logprobs": token_logprobs(logits, mb["labels"], **kwargs)}
+            lp, ent = token_logprobs_and_entropy(logits, mb["labels"], **kwargs)
             return torch.zeros(()), {"logprobs": lp, "entropy": ent}
 
         micro_batches = self._split(batch, micro_batch_size, max_tokens)
@@ -370,7 +375,7 @@ class Actor:
             return None
         # Left on the model's device: the loss, the calibration histograms (all-reduced over
         # NCCL on GPU) and the metrics all consume them there.
-        return {k: micro_batches.merge([o[k] for o in out]) for k in ("logprobs", "entropy")}
+        return {k: micro_batches.merge([o[k] for o in out]) for k in keys}
 
     def train_step(
         self,

@@ -77,7 +77,7 @@ class ClipCalibrator:
         """
         loss_cfg, g = self.loss_cfg, groups
         t0 = time.perf_counter()
-        kwargs = {"temperature": temperature, "max_tokens": max_tokens}
+        kwargs = {"temperature": temperature, "max_tokens": max_tokens, "entropy": False}
         cur8 = actor.compute_logprobs(mini, micro_batch_size, **kwargs)
         with actor.full_precision():
             cur16 = actor.compute_logprobs(mini, micro_batch_size, **kwargs)

@@ -76,13 +76,14 @@ class PolicyUpdate:
         self.bf16 = False
         self.param_norm = 0.0  # of the weights after the last step (every rank)
 
-    def _logprobs(self, batch: dict) -> dict | None:
+    def _logprobs(self, batch: dict, *, entropy: bool = True) -> dict | None:
         t = self.cfg.train
         return self.actor.compute_logprobs(
             batch,
             t.micro_batch_size,
             temperature=self.cfg.rollout.temperature,
             max_tokens=t.max_tokens_per_gpu,
+            entropy=entropy,
         )
 
     def old_logprobs(self, local: dict, acc: MetricAccumulator, calibrating: bool) -> float:
@@ -93,7 +94,7 @@ class PolicyUpdate:
         if calibrating:
             ts = time.perf_counter()
             with self.actor.full_precision():
-                old16 = self._logprobs(local)
+                old16 = self._logprobs(local, entropy=False)  # train/entropy is FP8's
             shadow_time = time.perf_counter() - ts
             local["old_logprobs_bf16"] = (
                 old16["logprobs"]
