@@ -81,61 +81,71 @@ def _full_weights(actor, groups):
     return weights
 
 
-def _dp_body(rank, world, ckpt_dir):
+def _dp_configs(world):
+    from megatron_rl_fp8.parallel import ParallelConfig
+
+    configs = {
+        "ddp": ParallelConfig(),
+        "distopt": ParallelConfig(use_distributed_optimizer=True),
+        "distopt_overlap": ParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True
+        ),
+    }
+    if world == 1:
+        del configs["distopt_overlap"]  # nothing to overlap on one rank
+    return configs
+
+
+def _two_ranks_body(rank, world, ckpt_dir):
+    """DP=2: each data-parallel configuration, the distributed optimizer's checkpoint and the
+    step after it; then, in the same processes, TP=2 with and without sequence parallelism."""
+    from megatron.core import parallel_state
+
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.trainer import checkpoint
 
     g = parallel.initialize(parallel.ParallelConfig(), seed=1)
     results = {}
-    for name, cfg in {
-        "ddp": parallel.ParallelConfig(),
-        "distopt": parallel.ParallelConfig(use_distributed_optimizer=True),
-        "distopt_overlap": parallel.ParallelConfig(
-            use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True
-        ),
-    }.items():
-        if world == 1 and name == "distopt_overlap":
-            continue  # nothing to overlap on one rank
+    for name, cfg in _dp_configs(world).items():
         actor, history, weights = _train(g, cfg, 2)
         results[name] = (history, weights)
-        if name == "distopt" and ckpt_dir:
+        if name == "distopt":
             checkpoint.save(
                 ckpt_dir, "iter_0000002", actor.sharded_state_dict(with_optimizer=True), {"step": 2}
             )
             results["distopt_step3"] = _train(g, cfg, 1, actor=actor)[1:]
+    parallel_state.destroy_model_parallel()
+    tp2 = parallel.ParallelConfig(tensor_model_parallel_size=2)
+    g = parallel.init_model_parallel(tp2, seed=1)
+    for sp in (False, True):
+        cfg = parallel.ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sp)
+        results[f"tp2_sp={sp}"] = _train(g, cfg, 2)[1:]
     parallel.destroy()
     return results
 
 
-def _resume_body(rank, world, ckpt_dir):
-    """Load the DP=2 distributed-optimizer checkpoint here (DP=1) and take the third step."""
+def _one_rank_body(rank, world, ckpt_dir):
+    """One rank: the data-parallel configurations' reference, then the DP=2 distributed-optimizer
+    checkpoint loaded here (DP=1) and the third step taken."""
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.trainer import checkpoint
     from megatron_rl_fp8.trainer.actor import Actor
     from megatron_rl_fp8.trainer.config import OptimConfig
 
+    g = parallel.initialize(parallel.ParallelConfig(), seed=1)
+    results = {name: _train(g, cfg, 2)[1:] for name, cfg in _dp_configs(world).items()}
     cfg = parallel.ParallelConfig(use_distributed_optimizer=True)
-    g = parallel.initialize(cfg, seed=1)
     actor = Actor(ModelConfig(vocab_size=VOCAB), OptimConfig(lr=1e-3), g, parallel=cfg)
     loaded, state = checkpoint.load(
         checkpoint.latest(ckpt_dir), actor.sharded_state_dict(with_optimizer=True, is_loading=True)
     )
     actor.load_sharded(loaded)
-    restored = _full_weights(actor, g)
-    out = (state["step"], restored, *_train(g, cfg, 1, actor=actor)[1:])
-    parallel.destroy()
-    return out
-
-
-def _sp_body(rank, world):
-    from megatron_rl_fp8 import parallel
-
-    g = parallel.initialize(parallel.ParallelConfig(tensor_model_parallel_size=2), seed=1)
-    results = {}
-    for sp in (False, True):
-        cfg = parallel.ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sp)
-        results[sp] = _train(g, cfg, 2)[1:]
+    results["resume"] = (
+        state["step"],
+        _full_weights(actor, g),
+        *_train(g, cfg, 1, actor=actor)[1:],
+    )
     parallel.destroy()
     return results
 
@@ -152,12 +162,16 @@ def _assert_same(a, b, what):
 
 
 @pytest.fixture(scope="module")
-def one_rank():
-    return run_distributed(_dp_body, world_size=1, args=(None,))[0]
+def runs(tmp_path_factory):
+    """(the two ranks' results, the one rank's): one spawn each for every test here."""
+    ckpt = str(tmp_path_factory.mktemp("ckpt"))
+    two = run_distributed(_two_ranks_body, world_size=2, args=(ckpt,))
+    one = run_distributed(_one_rank_body, world_size=1, args=(ckpt,))[0]
+    return two, one
 
 
-def test_distributed_optimizer_matches_ddp_and_one_rank(one_rank, tmp_path):
-    ranks = run_distributed(_dp_body, world_size=2, args=(str(tmp_path),))
+def test_distributed_optimizer_matches_ddp_and_one_rank(runs):
+    ranks, one_rank = runs
     dp2 = ranks[0]
     for name in ("distopt", "distopt_overlap"):
         _assert_same(dp2[name], dp2["ddp"], f"{name} vs DDP at DP=2")
@@ -166,16 +180,17 @@ def test_distributed_optimizer_matches_ddp_and_one_rank(one_rank, tmp_path):
     _assert_same(dp2["ddp"], one_rank["ddp"], "DP=2 vs one rank")
     _assert_same(dp2["distopt"], one_rank["distopt"], "distributed optimizer DP=2 vs one rank")
 
-    # The DP=2 checkpoint (Adam state sharded over two ranks) loads on one rank.
-    step, restored, history, weights = run_distributed(
-        _resume_body, world_size=1, args=(str(tmp_path),)
-    )[0]
+
+def test_distributed_optimizer_checkpoint_loads_at_another_dp_size(runs):
+    """The DP=2 checkpoint (Adam state sharded over two ranks) loads on one rank."""
+    (dp2, _), one_rank = runs
+    step, restored, history, weights = one_rank["resume"]
     assert step == 2
     for k, w in dp2["distopt"][1].items():
         assert torch.equal(restored[k], w), k
     _assert_same((history, weights), dp2["distopt_step3"], "step 3 after a DP=2 -> DP=1 resume")
 
 
-def test_sequence_parallel_matches_tp2():
-    results = run_distributed(_sp_body, world_size=2)[0]
-    _assert_same(results[True], results[False], "SP vs no SP at TP=2")
+def test_sequence_parallel_matches_tp2(runs):
+    (tp_rank0, _), _ = runs
+    _assert_same(tp_rank0["tp2_sp=True"], tp_rank0["tp2_sp=False"], "SP vs no SP at TP=2")
