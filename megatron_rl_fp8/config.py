@@ -21,7 +21,7 @@ from megatron_rl_fp8.metrics.logger import require_packages
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.memory import MemoryConfig
 from megatron_rl_fp8.models.pretrained import check_model_matches, fill_model_section
-from megatron_rl_fp8.parallel import ParallelConfig
+from megatron_rl_fp8.parallel import ParallelConfig, check_context_parallel
 from megatron_rl_fp8.reward.verifiers import RewardConfig
 from megatron_rl_fp8.rollout.base import RolloutConfig
 from megatron_rl_fp8.trainer.config import OptimConfig, PolicyLossConfig, SFTConfig, TrainConfig
@@ -89,13 +89,14 @@ class RunConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-        if world_size % (tp * pp):
+        if world_size % p.model_parallel_size:
             raise ConfigError(
                 f"world size {world_size} is not divisible by parallel.tensor_model_parallel_size "
-                f"({tp}) * parallel.pipeline_model_parallel_size ({pp}); change the layout or the "
-                "number of processes"
+                f"({tp}) * parallel.pipeline_model_parallel_size ({pp}) * "
+                f"parallel.context_parallel_size ({p.context_parallel_size}); change the layout "
+                "or the number of processes"
             )
-        dp = world_size // (tp * pp)
+        dp = world_size // p.model_parallel_size
         if m.num_layers % pp:
             raise ConfigError(
                 f"model.num_layers={m.num_layers} is not divisible by "
@@ -172,14 +173,21 @@ class RunConfig:
         return self
 
     def _check_scale_features(self, this_machine: bool) -> None:
-        p = self.parallel
-        if p.context_parallel_size > 1:
-            # Megatron's CP needs TE's attention, and the trainer's batches, losses and token
-            # statistics are not split over CP ranks yet.
+        p, cp = self.parallel, self.parallel.context_parallel_size
+        # Under CP each rank holds part of every sequence (trainer/context_parallel.py): what
+        # needs a whole row inside the loss cannot be computed there.
+        if cp > 1 and self.loss.agg == "seq-mean-token-mean":
             raise ConfigError(
-                f"parallel.context_parallel_size={p.context_parallel_size}: context parallelism "
-                "is not supported by this trainer yet; set it to 1 and use memory.recompute_*, "
-                "parallel.sequence_parallel or train.max_tokens_per_gpu for long sequences"
+                f"loss.agg=seq-mean-token-mean divides by each sequence's token count, which "
+                f"parallel.context_parallel_size={cp} splits over ranks; use token-mean or "
+                "seq-mean-token-sum, or context_parallel_size=1"
+            )
+        level = self.loss.is_correction.level if self.loss.is_correction else "token"
+        if cp > 1 and level != "token":
+            raise ConfigError(
+                f"loss.is_correction.level={level} weighs whole sequences, which "
+                f"parallel.context_parallel_size={cp} splits over ranks; use level=token, or "
+                "context_parallel_size=1"
             )
         if self.memory.optimizer_cpu_offload and not p.use_distributed_optimizer:
             raise ConfigError(
@@ -196,6 +204,7 @@ class RunConfig:
         use_te = torch.cuda.is_available() and not should_emulate(self.fp8) and have_te()
         try:
             self.memory.check_backend(use_te=use_te)
+            check_context_parallel(cp, use_te=use_te)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

@@ -1,9 +1,8 @@
 """Other layouts of the same GPUs that would fit, best first.
 
 The search tries every TP that divides the query heads and the KV groups (at most one node's
-GPUs: TP's all-reduces want NVLink), every PP that divides the layers, CP = 1 only (the trainer
-does not run context parallelism yet; the estimate itself covers CP), the distributed optimizer off
-and on, and recomputation none / selective (``core_attn``,
+GPUs: TP's all-reduces want NVLink), every PP that divides the layers, CP in powers of two (TE spec
+only: Megatron's local attention has none), the distributed optimizer off and on, and recomputation none / selective (``core_attn``,
 local spec only: TE's attention keeps no s^2 scores, so it would save nothing) / full (uniform,
 one layer), with sequence parallelism whenever TP > 1 (it only saves memory). A layout must also
 split the config's batch: each mini-batch's rows over the DP ranks, in whole micro-batches. Optimizer
@@ -50,8 +49,7 @@ def candidate_layouts(cfg: RunConfig, world: World, spec: Spec) -> Iterator[Layo
         for t in _divisors(heads)
         if t <= world.gpus_per_node and m.ffn_hidden_size % t == 0 and n % t == 0
     ]
-    # The trainer refuses context parallelism for now (RunConfig.validate): never offer it.
-    cps = [1]
+    cps = [2**i for i in range(n.bit_length()) if spec == "te" or i == 0]
     recomputes = ("none", "selective", "full") if spec == "local" else ("none", "full")
     for tp in tps:
         for pp in _divisors(m.num_layers):

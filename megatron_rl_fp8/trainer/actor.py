@@ -31,6 +31,7 @@ from megatron_rl_fp8.models.memory import MemoryConfig
 from megatron_rl_fp8.parallel import Groups, ParallelConfig, check_context_parallel
 from megatron_rl_fp8.trainer.batch import merge_rows, pack_by_tokens, row_lengths, take_rows
 from megatron_rl_fp8.trainer.config import OptimConfig
+from megatron_rl_fp8.trainer.context_parallel import gather_from_cp, split_for_cp
 
 
 def build_opt_param_scheduler(optimizer, optim_cfg: OptimConfig, lr_decay_steps: int):
@@ -135,6 +136,7 @@ def run_schedule(
     """Megatron's forward(/backward) schedule over ``micro_batches`` (PP=1 and PP>1 alike);
     returns the per-micro-batch dicts of ``loss_fn`` (last pipeline stage only). The actor and
     the frozen KL reference both run their passes through it."""
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
@@ -146,15 +148,22 @@ def run_schedule(
         # micro-batches, so all set it in the same call.
         get_model_config(model).variable_seq_lengths = True
     micro_batches = micro_batches.batches
+    cp_size = get_model_config(model).context_parallel_size
+    cp_rank = parallel_state.get_context_parallel_rank() if cp_size > 1 else 0
 
     def forward_step(data_iterator, model):
         # Batches are built on the host; the model's device is CUDA on GPU clusters.
         mb = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
-        ids = mb["input_ids"]
-        pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        if cp_size > 1:
+            # This CP rank's tokens of every sequence; loss_fn sees the same share.
+            mb = split_for_cp(mb, cp_size, cp_rank)
+            pos = mb.pop("position_ids")
+        else:
+            ids = mb["input_ids"]
+            pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
         # attention_mask=None: the local spec applies a causal mask; right padding never
         # influences earlier (real) positions under a causal mask.
-        output = model(ids, pos, None)
+        output = model(mb["input_ids"], pos, None)
         return output, functools.partial(loss_fn, mb)
 
     fwd_bwd = get_forward_backward_func()
@@ -340,8 +349,18 @@ class Actor:
 
     def _split(self, batch: dict, micro_batch_size: int, max_tokens: int | None) -> MicroBatches:
         return split_micro_batches(
-            batch, micro_batch_size, max_tokens, multiple=seq_multiple(self.config)
+            batch,
+            micro_batch_size,
+            # Per GPU: a CP rank holds 1 / CP of each sequence's tokens.
+            max_tokens * self.groups.cp_size if max_tokens is not None else None,
+            multiple=seq_multiple(self.config),
         )
+
+    def _whole(self, local: torch.Tensor) -> torch.Tensor:
+        """A per-token output of this CP rank's positions as the whole [B, S] (``gather_from_cp``);
+        itself without context parallelism."""
+        g = self.groups
+        return gather_from_cp(local, g.cp, g.cp_size) if g.cp_size > 1 else local
 
     @torch.no_grad()
     def compute_logprobs(
@@ -364,9 +383,10 @@ class Actor:
         def loss_fn(mb, logits):
             kwargs = {"temperature": temperature, **self._logits_kwargs()}
             if not entropy:
-                return torch.zeros(()), {"logprobs": token_logprobs(logits, mb["labels"], **kwargs)}
+                lp = token_logprobs(logits, mb["labels"], **kwargs)
+                return torch.zeros(()), {"logprobs": self._whole(lp)}
             lp, ent = token_logprobs_and_entropy(logits, mb["labels"], **kwargs)
-            return torch.zeros(()), {"logprobs": lp, "entropy": ent}
+            return torch.zeros(()), {"logprobs": self._whole(lp), "entropy": self._whole(ent)}
 
         micro_batches = self._split(batch, micro_batch_size, max_tokens)
         out = self._run(micro_batches, loss_fn, forward_only=True)
@@ -396,7 +416,8 @@ class Actor:
         micro_batches = self._split(batch, micro_batch_size, max_tokens)
         # This rank's own micro-batch count, as the schedule divides by it: under a token budget
         # it differs between DP ranks.
-        scale = len(micro_batches.batches) * self.groups.dp_size
+        # Megatron averages gradients over DP x CP; each CP rank's loss covers its own tokens.
+        scale = len(micro_batches.batches) * self.groups.dp_size * self.groups.cp_size
 
         def loss_fn(mb, logits):
             lp = token_logprobs(
@@ -454,7 +475,8 @@ class Actor:
             if not (duplicate or tied_copy):
                 total += p.detach().float().pow(2).sum()
         torch.distributed.all_reduce(total)
-        return math.sqrt(total.item() / g.dp_size) if math.isfinite(total.item()) else float("inf")
+        copies = g.dp_size * g.cp_size  # replicas holding the same weights
+        return math.sqrt(total.item() / copies) if math.isfinite(total.item()) else float("inf")
 
     # -- checkpoints -----------------------------------------------------------------------------
     def sharded_state_dict(self, *, with_optimizer: bool, is_loading: bool = False) -> dict:

@@ -138,9 +138,10 @@ class Trainer:
 
     def sync_weights(self, version: int) -> float:
         """Megatron shards -> full tensors -> the export path (``sync.buckets.export_for_rollout``:
-        HF names, rollout FP8, buckets) -> engine. Collective over the DP-rank-0 replica."""
+        HF names, rollout FP8, buckets) -> engine. Collective over the DP-rank-0 replica (its
+        CP-rank-0 ranks: the other CP ranks hold the same weights)."""
         t0 = time.perf_counter()
-        if self.groups.dp_rank == 0:
+        if self.groups.dp_rank == 0 and self.groups.cp_rank == 0:
             full = iter_full_params(
                 self.actor.model,
                 tp_group=self.groups.tp,
@@ -164,7 +165,7 @@ class Trainer:
             return {}
         g = self.groups
         mine = {}
-        if g.dp_rank == 0 and g.tp_rank == 0:
+        if g.dp_rank == 0 and g.cp_rank == 0 and g.tp_rank == 0:
             mine = weight_quantization_errors(self.actor.module, self.cfg.fp8)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)

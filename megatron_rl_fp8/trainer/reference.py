@@ -49,6 +49,7 @@ from megatron_rl_fp8.models.pretrained import (
 )
 from megatron_rl_fp8.trainer import checkpoint
 from megatron_rl_fp8.trainer.actor import Actor, run_schedule, seq_multiple, split_micro_batches
+from megatron_rl_fp8.trainer.context_parallel import gather_from_cp
 
 if TYPE_CHECKING:  # megatron_rl_fp8.config may call check_ref_checkpoint: no import cycle
     from megatron_rl_fp8.config import RunConfig
@@ -113,6 +114,9 @@ class Reference:
             on_cpu=on_cpu,
             use_te=use_te,
             perform_initialization=False,  # every weight is loaded or copied next
+            # The actor's sequence and context split: its batches arrive padded for them.
+            sequence_parallel=actor.config.sequence_parallel,
+            context_parallel_size=g.cp_size,
         )
         self.model = build_gpt_model(self.model_cfg, self.config, use_te=use_te)
         if g.device.type == "cuda":
@@ -195,13 +199,20 @@ class Reference:
             "tp_group": self.groups.tp,
         }
 
+        g = self.groups
+
         def loss_fn(mb, logits):
             lp = token_logprobs(logits, mb["labels"], temperature=temperature, **kwargs)
+            if g.cp_size > 1:
+                lp = gather_from_cp(lp, g.cp, g.cp_size)
             return torch.zeros(()), {"logprobs": lp}
 
         # The actor's schedule: same micro-batching, positions and pipeline path as its logprobs.
         micro_batches = split_micro_batches(
-            batch, micro_batch_size, max_tokens, multiple=seq_multiple(self.config)
+            batch,
+            micro_batch_size,
+            max_tokens * g.cp_size if max_tokens is not None else None,
+            multiple=seq_multiple(self.config),
         )
         out = run_schedule(
             self.model, self.groups.device, micro_batches, loss_fn, forward_only=True

@@ -38,6 +38,9 @@ from megatron_rl_fp8.trainer.reference import Reference
 # Policy-loss metrics that combine with max / min instead of a token-weighted mean.
 _MAX_KEYS = ("ratio_max",)
 _MIN_KEYS = ("ratio_min",)
+# Shares of the negative / positive-advantage tokens only: weighted by those tokens' counts, so
+# micro-batches, token budgets and CP ranks with different mixes combine into the exact share.
+_CONDITIONAL = {"pg_clipfrac_neg_lower": "_nneg", "pg_clipfrac_pos_upper": "_npos"}
 
 
 def global_loss_count(batch: dict, update: int, *, agg: str, dp_size: int, updates: int) -> float:
@@ -104,8 +107,11 @@ class PolicyUpdate:
         if old is None:  # not the last pipeline stage: no logprobs here
             local["old_logprobs"] = torch.zeros_like(local["rollout_logprobs"])
             return shadow_time
-        mask = local["loss_mask"]
         local["old_logprobs"] = old["logprobs"]
+        # Whole sequences on every CP rank (gathered): CP rank 0 accounts them, as the update's
+        # statistics are summed over DP x CP.
+        first = self.groups.cp_rank == 0
+        mask = local["loss_mask"] if first else torch.zeros_like(local["loss_mask"])
         # rollout - train: positive when the rollout engine was more confident.
         diff = (local["rollout_logprobs"] - old["logprobs"]) * mask
         acc.add("n_tokens", mask.sum().item())
@@ -172,10 +178,16 @@ class PolicyUpdate:
             # weighted sums, so micro-batches and DP ranks combine into token means.
             pg_loss = m.pop("pg_loss").detach()
             ntok = mb["loss_mask"].sum()
-            weighted = {k: v.detach() * ntok for k, v in m.items()}
             adv = mb["advantages"]
-            carries = mb["loss_mask"] * (adv.unsqueeze(-1) if adv.dim() == 1 else adv).ne(0)
+            adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
+            sides = {
+                "_nneg": (mb["loss_mask"] * adv.lt(0)).sum(),
+                "_npos": (mb["loss_mask"] * adv.gt(0)).sum(),
+            }
+            weighted = {k: v.detach() * sides.get(_CONDITIONAL.get(k), ntok) for k, v in m.items()}
+            carries = mb["loss_mask"] * adv.ne(0)
             private = {
+                **sides,
                 "_pg_loss": pg_loss,
                 "_ntok": ntok,
                 # Tokens whose gradient is not zero by construction (throughput per useful update).
@@ -196,7 +208,7 @@ class PolicyUpdate:
             acc.add("useful_tokens", o["_useful"].item() if applied else 0.0)
             acc.add_vector("ratio_hist", o["_ratio_hist"])
             for k, v in o.items():
-                if k in ("loss", "_ntok", "_pg_loss", "_useful", "_ratio_hist"):
+                if k in ("loss", "_ntok", "_nneg", "_npos", "_pg_loss", "_useful", "_ratio_hist"):
                     continue
                 if k.endswith(_MAX_KEYS + _MIN_KEYS):
                     # A micro-batch without response tokens (a token budget groups such rows)
@@ -210,6 +222,8 @@ class PolicyUpdate:
                 else:
                     acc.add("pg/" + k, v.item())
             acc.add("pg_tokens", o["_ntok"].item())
+            for count in _CONDITIONAL.values():
+                acc.add("pg_tokens" + count, o[count].item())
 
     def __call__(self, batch: dict, step: int) -> dict:
         """Old logprobs and the optimizer steps on ``batch`` (the whole, ordered rollout batch);
@@ -292,11 +306,16 @@ class PolicyUpdate:
         g = self.groups
         result = None
         if g.is_last_stage and g.tp_rank == 0:
-            if g.dp_size > 1:
-                acc.all_reduce(g.dp, g.device)
+            # Token statistics of the update are per CP rank's tokens: summed over DP x CP.
+            if g.dp_size * g.cp_size > 1:
+                acc.all_reduce(g.dp_cp if g.cp_size > 1 else g.dp, g.device)
             total = {k: acc.sums[k] for k in sorted(acc.sums)}
             n = max(total.pop("n_tokens", 0.0), 1.0)
             pg_n = max(total.pop("pg_tokens", 0.0), 1.0)
+            side_n = {
+                key: max(total.pop("pg_tokens" + count, 0.0), 1.0)
+                for key, count in _CONDITIONAL.items()
+            }
             result = {"perf/useful_tokens": total.pop("useful_tokens", 0.0)}
             if "ratio_hist" in acc.vectors:
                 stats = ratio_stats(acc.vectors["ratio_hist"])
@@ -305,7 +324,7 @@ class PolicyUpdate:
                 if k in ("train/loss", "train/pg_loss"):  # per update, summed over micro-batches
                     result[k] = v / self.cfg.train.updates_per_step
                 elif k.startswith("pg/"):
-                    result["train/" + k[3:]] = v / pg_n
+                    result["train/" + k[3:]] = v / side_n.get(k[3:], pg_n)
                 else:
                     result[k] = v / n
             # A step without response tokens keeps the identities; report the on-policy ratio 1,

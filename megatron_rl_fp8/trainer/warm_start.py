@@ -85,8 +85,8 @@ def warm_start(cfg: RunConfig, actor: Actor, groups: Groups, tokenizer, records)
             local = torch.tensor(
                 [sum(o["loss"].item() for o in outs)], dtype=torch.float64, device=g.device
             )
-            if g.dp_size > 1:
-                dist.all_reduce(local, group=g.dp)
+            if g.dp_size * g.cp_size > 1:  # each CP rank's loss covers its own tokens
+                dist.all_reduce(local, group=g.dp_cp if g.cp_size > 1 else g.dp)
             loss_value = local.item()
         if (s + 1) % 50 == 0 or s == sft.steps - 1:
             loss_value = broadcast_object(loss_value, g.last_stage_rank)

@@ -177,12 +177,16 @@ def test_metrics_do_not_depend_on_how_rows_are_grouped():
     from megatron_rl_fp8.metrics.accumulator import MetricAccumulator
     from megatron_rl_fp8.trainer.update import PolicyUpdate
 
-    def out(ntok, clipfrac, ratio_min, ratio_max, loss):
+    def out(ntok, clipfrac, ratio_min, ratio_max, loss, nneg, neg_lower):
         t = torch.tensor
         return {
             "loss": t(loss),
             "_pg_loss": t(loss),
             "_ntok": t(float(ntok)),
+            "_nneg": t(float(nneg)),
+            "_npos": t(float(ntok - nneg)),
+            # a share of the negative-advantage tokens, weighted by their count
+            "pg_clipfrac_neg_lower": t(neg_lower * nneg),
             "_useful": t(float(ntok)),
             "_ratio_hist": torch.zeros(4),
             # policy_loss's per-micro-batch means, weighted by the micro-batch's tokens
@@ -192,8 +196,9 @@ def test_metrics_do_not_depend_on_how_rows_are_grouped():
         }
 
     # The same 6 response tokens: 2 + 4 in two micro-batches, or 6 plus an empty one.
-    two = [out(2, 0.5, 0.9, 1.1, 0.25), out(4, 0.25, 0.8, 1.3, 0.5)]
-    empty = [out(6, 1 / 3, 0.8, 1.3, 0.75), out(0, 0.0, 1.0, 1.0, 0.0)]
+    # Negative-advantage tokens: 1 (clipped) + 3 (none clipped), or all 4 together (1/4).
+    two = [out(2, 0.5, 0.9, 1.1, 0.25, 1, 1.0), out(4, 0.25, 0.8, 1.3, 0.5, 3, 0.0)]
+    empty = [out(6, 1 / 3, 0.8, 1.3, 0.75, 4, 0.25), out(0, 0.0, 1.0, 1.0, 0.0, 0, 0.0)]
     accs = []
     for outs in (two, empty):
         acc = MetricAccumulator()
@@ -205,3 +210,5 @@ def test_metrics_do_not_depend_on_how_rows_are_grouped():
         assert acc.minima == {"ratio_min": pytest.approx(0.8)}
     assert a.sums == pytest.approx(b.sums)
     assert a.sums["pg/pg_clipfrac"] / a.sums["pg_tokens"] == pytest.approx(2 / 6)
+    share = a.sums["pg/pg_clipfrac_neg_lower"] / a.sums["pg_tokens_nneg"]
+    assert share == pytest.approx(1 / 4)

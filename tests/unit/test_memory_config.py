@@ -73,8 +73,15 @@ def test_scale_feature_rules():
     assert MemoryConfig().optimizer_kwargs() == {}
 
     cfg = "examples/tiny_cpu.yaml"
-    with pytest.raises(ConfigError, match="context_parallel_size=2: context parallelism"):
+    # CP needs TE's attention (none here), and whole rows for per-sequence loss terms.
+    with pytest.raises(ConfigError, match="context_parallel_size=2 needs Transformer Engine"):
         load_config(cfg, ["parallel.context_parallel_size=2"]).validate(2)
+    load_config(cfg, ["parallel.context_parallel_size=2"]).validate(2, this_machine=False)
+    with pytest.raises(ConfigError, match="seq-mean-token-mean divides by each sequence's"):
+        cp2 = ["parallel.context_parallel_size=2", "loss.agg=seq-mean-token-mean"]
+        load_config(cfg, cp2).validate(2, this_machine=False)
+    with pytest.raises(ConfigError, match="world size 2 is not divisible"):
+        load_config(cfg, ["parallel.context_parallel_size=4"]).validate(2, this_machine=False)
     with pytest.raises(ConfigError, match="optimizer_cpu_offload needs parallel.use_distributed"):
         load_config(cfg, ["memory.optimizer_cpu_offload=true"]).validate(1)
     load_config(cfg, ["parallel.use_distributed_optimizer=true"]).validate(2)
