@@ -41,7 +41,18 @@ def _micro_batch():
     }, old + 0.3 * torch.randn(ROWS, SEQ, generator=g)  # the current policy's logprobs
 
 
-def _body(rank, world, agg):
+def _body(rank, world):
+    """Both aggregations in one spawn: {agg: (shares ok, losses, gradients, metrics)}."""
+    from megatron_rl_fp8 import parallel
+
+    g = parallel.initialize(parallel.ParallelConfig(context_parallel_size=2), seed=1)
+    assert (g.cp_size, g.cp_rank, g.dp_size) == (2, rank, 1)
+    out = {agg: _check(g, rank, agg) for agg in ("token-mean", "seq-mean-token-sum")}
+    parallel.destroy()
+    return out
+
+
+def _check(g, rank, agg):
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.config import load_config
     from megatron_rl_fp8.metrics.accumulator import MetricAccumulator
@@ -49,8 +60,6 @@ def _body(rank, world, agg):
     from megatron_rl_fp8.trainer.context_parallel import cp_positions, gather_from_cp, split_for_cp
     from megatron_rl_fp8.trainer.update import PolicyUpdate
 
-    g = parallel.initialize(parallel.ParallelConfig(context_parallel_size=2), seed=1)
-    assert (g.cp_size, g.cp_rank, g.dp_size) == (2, rank, 1)
     cfg = load_config("examples/tiny_cpu.yaml", [f"loss.agg={agg}", "loss.kl_coef=0.1"])
     mb, current = _micro_batch()
     mask = mb["loss_mask"]
@@ -91,13 +100,17 @@ def _body(rank, world, agg):
     whole_grad = torch.zeros_like(full_grad)
     whole_grad[:, positions] = grad
     torch.distributed.all_reduce(whole_grad, group=g.cp)
-    parallel.destroy()
     return shares_ok, (full_loss, loss), (full_grad, whole_grad), (full_metrics, metrics)
 
 
+@pytest.fixture(scope="module")
+def ranks():
+    return run_distributed(_body, world_size=2)
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
-def test_cp_split_gives_the_whole_loss_gradients_and_metrics(agg):
-    ranks = run_distributed(_body, world_size=2, args=(agg,))
+def test_cp_split_gives_the_whole_loss_gradients_and_metrics(ranks, agg):
+    ranks = [r[agg] for r in ranks]
     for rank, (shares_ok, (full, split), (full_grad, grad), _) in enumerate(ranks):
         assert shares_ok, rank
         torch.testing.assert_close(split, full, rtol=1e-6, atol=1e-7)
