@@ -98,12 +98,12 @@ def _token_rows(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     try:
         return t.view(-1, v), False
     except RuntimeError:
-        pass
+        pass  # not row-contiguous: maybe Megatron's [S, B, V] seen as [B, S, V]
     if t.dim() == 3:
         try:
             return t.transpose(0, 1).view(-1, v), True
         except RuntimeError:
-            pass
+            pass  # some other strided layout: the one copy below
     return t.reshape(-1, v), False
 
 
