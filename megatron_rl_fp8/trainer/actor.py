@@ -130,6 +130,20 @@ def split_micro_batches(
     return MicroBatches(batches, groups, width)
 
 
+def split_for_model(
+    batch: dict, micro_batch_size: int, max_tokens: int | None, config, groups: Groups
+) -> MicroBatches:
+    """``split_micro_batches`` for a model built with Megatron ``config`` on ``groups``: lengths
+    padded for its sequence / context split, and the token budget per GPU (a CP rank holds
+    1 / CP of each sequence's tokens). The actor and the KL reference split alike."""
+    return split_micro_batches(
+        batch,
+        micro_batch_size,
+        max_tokens * groups.cp_size if max_tokens is not None else None,
+        multiple=seq_multiple(config),
+    )
+
+
 def run_schedule(
     model, device, micro_batches: MicroBatches, loss_fn: Callable, *, forward_only: bool
 ) -> list[dict]:
@@ -348,13 +362,7 @@ class Actor:
         }
 
     def _split(self, batch: dict, micro_batch_size: int, max_tokens: int | None) -> MicroBatches:
-        return split_micro_batches(
-            batch,
-            micro_batch_size,
-            # Per GPU: a CP rank holds 1 / CP of each sequence's tokens.
-            max_tokens * self.groups.cp_size if max_tokens is not None else None,
-            multiple=seq_multiple(self.config),
-        )
+        return split_for_model(batch, micro_batch_size, max_tokens, self.config, self.groups)
 
     def _whole(self, local: torch.Tensor) -> torch.Tensor:
         """A per-token output of this CP rank's positions as the whole [B, S] (``gather_from_cp``);

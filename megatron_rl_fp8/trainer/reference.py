@@ -48,7 +48,7 @@ from megatron_rl_fp8.models.pretrained import (
     source_model,
 )
 from megatron_rl_fp8.trainer import checkpoint
-from megatron_rl_fp8.trainer.actor import Actor, run_schedule, seq_multiple, split_micro_batches
+from megatron_rl_fp8.trainer.actor import Actor, run_schedule, split_for_model
 from megatron_rl_fp8.trainer.context_parallel import gather_from_cp
 
 if TYPE_CHECKING:  # megatron_rl_fp8.config may call check_ref_checkpoint: no import cycle
@@ -208,12 +208,7 @@ class Reference:
             return torch.zeros(()), {"logprobs": lp}
 
         # The actor's schedule: same micro-batching, positions and pipeline path as its logprobs.
-        micro_batches = split_micro_batches(
-            batch,
-            micro_batch_size,
-            max_tokens * g.cp_size if max_tokens is not None else None,
-            multiple=seq_multiple(self.config),
-        )
+        micro_batches = split_for_model(batch, micro_batch_size, max_tokens, self.config, g)
         out = run_schedule(
             self.model, self.groups.device, micro_batches, loss_fn, forward_only=True
         )
