@@ -36,6 +36,7 @@ REQUIREMENTS=(
   pydantic "python-dateutil<3" python-multipart "pyzmq>=25.1.2" regex requests scipy setproctitle
   tiktoken tqdm "uvicorn>=0.51" uvloop watchfiles xxhash zstandard dill mistral_common
   safetensors huggingface_hub pyyaml
+  "sglang-router==0.3.2"
 )
 STAMP="$VENV/.sglang-cpu-installed"
 WANT="sglang=$SGLANG_VERSION torch=$TORCH_VERSION $(printf '%s\n' "${REQUIREMENTS[@]}" | sha256sum | cut -c1-16) stubs=2"

@@ -33,9 +33,10 @@ def build_engine(
         )
     if cfg.engine == "sglang":
         # No sglang import here: the server runs in its own interpreter (rollout.sglang.python).
-        from megatron_rl_fp8.rollout.sglang import SGLangEngine
+        from megatron_rl_fp8.rollout.sglang import SGLangEngine, SGLangFleet
 
-        return SGLangEngine(
+        kind = SGLangFleet if cfg.sglang.fleet or cfg.placement == "colocated" else SGLangEngine
+        return kind(
             cfg, hf_cfg, pad_token_id=pad_token_id, eos_token_id=eos_token_id, output_dir=output_dir
         )
     raise ValueError(f"rollout.engine={cfg.engine!r} is not a known engine")

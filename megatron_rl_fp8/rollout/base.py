@@ -27,6 +27,12 @@ class RolloutConfig:
     sglang: SGLangConfig = field(
         default_factory=SGLangConfig, help="The SGLang server (used when engine is sglang)."
     )
+    placement: Literal["dedicated", "colocated"] = field(
+        "dedicated",
+        help="Where SGLang engines run: dedicated = GPUs of their own (other nodes, or GPUs of "
+        "this node after the trainer's); colocated = on the trainer's GPUs, releasing their "
+        "memory while the trainer trains and resuming it for the sync and the rollout.",
+    )
     n_samples_per_prompt: int = field(8, help="Group size: completions sampled per prompt (GRPO).")
     temperature: float = field(1.0, help="Sampling temperature (logprobs use the same).")
     top_p: float = field(1.0, help="Nucleus sampling mass; 1.0 keeps logprobs unbiased.")
@@ -53,6 +59,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.placement == "colocated" and self.engine != "sglang":
+            raise ValueError(
+                "rollout.placement=colocated applies to SGLang engines; the local engine "
+                "always runs inside the trainer (set rollout.engine=sglang or placement=dedicated)"
+            )
 
 
 def eos_ids(eos_token_id: int | Iterable[int]) -> tuple[int, ...]:
@@ -99,6 +110,9 @@ class RolloutEngine(Protocol):
         them), then serve only that version."""
 
     def weight_version(self) -> int: ...
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's numbers for the step's metrics line (``rollout/...``; may be empty)."""
 
     def health(self) -> bool: ...
 

@@ -91,6 +91,9 @@ class LocalEngine:
             raise RuntimeError(f"weight update incomplete, missing {sorted(missing)[:5]}...")
         self._version = version
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def weight_version(self) -> int:
         return self._version
 

@@ -31,6 +31,7 @@ from megatron_rl_fp8.models.fp8 import weight_quantization_errors
 from megatron_rl_fp8.models.hf_mapping import hf_config
 from megatron_rl_fp8.models.pretrained import load_converted, load_hf_weights
 from megatron_rl_fp8.rollout import build_engine
+from megatron_rl_fp8.rollout.sglang.errors import SyncFailed
 from megatron_rl_fp8.sync.buckets import export_for_rollout
 from megatron_rl_fp8.sync.gather import iter_full_params
 from megatron_rl_fp8.trainer import checkpoint, run_dir
@@ -139,23 +140,42 @@ class Trainer:
     def sync_weights(self, version: int) -> float:
         """Megatron shards -> full tensors -> the export path (``sync.buckets.export_for_rollout``:
         HF names, rollout FP8, buckets) -> engine. Collective over the DP-rank-0 replica (its
-        CP-rank-0 ranks: the other CP ranks hold the same weights)."""
+        CP-rank-0 ranks: the other CP ranks hold the same weights), and a barrier for the rest.
+
+        A sync that an engine fleet could not complete (``SyncFailed``: an engine died during it
+        and was relaunched) runs again: the engines' weights are unknown, the trainer's are not.
+        Colocated engines get their weights' memory back before it and their KV cache after."""
         t0 = time.perf_counter()
-        if self.groups.dp_rank == 0 and self.groups.cp_rank == 0:
-            full = iter_full_params(
-                self.actor.model,
-                tp_group=self.groups.tp,
-                pp_group=self.groups.pp,
-                dst_global_rank=self.groups.driver_rank,
-            )
-            options = self.engine.export_options if self.is_driver else {}
-            buckets = export_for_rollout(full, self.cfg.model, self.cfg.rollout.fp8, **options)
-            if self.is_driver:
-                self.engine.update_weights(buckets, version=version)
-            else:
-                # Drive the gather's collectives; non-driver ranks receive nothing.
-                collections.deque(buckets, maxlen=0)
-        dist.barrier()
+        colocated = self.is_driver and self.cfg.rollout.placement == "colocated"
+        if colocated:
+            self.engine.resume_memory(("weights",))
+        for attempt in range(1, self.cfg.rollout.sglang.max_restarts + 2):
+            failure = None
+            if self.groups.dp_rank == 0 and self.groups.cp_rank == 0:
+                full = iter_full_params(
+                    self.actor.model,
+                    tp_group=self.groups.tp,
+                    pp_group=self.groups.pp,
+                    dst_global_rank=self.groups.driver_rank,
+                )
+                options = self.engine.export_options if self.is_driver else {}
+                buckets = export_for_rollout(full, self.cfg.model, self.cfg.rollout.fp8, **options)
+                if self.is_driver:
+                    try:
+                        self.engine.update_weights(buckets, version=version)
+                    except SyncFailed as e:
+                        failure = str(e)
+                else:
+                    # Drive the gather's collectives; non-driver ranks receive nothing.
+                    collections.deque(buckets, maxlen=0)
+            failure = broadcast_object(failure, self.groups.driver_rank)  # also the barrier
+            if failure is None:
+                break
+            print_rank0(f"sync: {failure} (attempt {attempt})")
+        else:
+            raise SyncFailed(f"weight sync to version {version} failed on every attempt")
+        if colocated:
+            self.engine.resume_memory(("kv_cache",))
         return time.perf_counter() - t0
 
     def fp8_weight_errors(self) -> dict:
@@ -412,6 +432,8 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         completions, rewards, rollout_stats = self.sampler.rollout(self.step)
+        if self.is_driver and cfg.rollout.placement == "colocated":
+            self.engine.release_memory()  # the trainer's phase: engines give their memory back
         advantages = grpo_advantages(
             rewards, cfg.rollout.n_samples_per_prompt, norm_std=cfg.loss.norm_adv_by_std
         )

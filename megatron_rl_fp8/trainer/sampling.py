@@ -139,6 +139,7 @@ class Sampler:
             "rollout/truncated_frac": sum(not c.finished for c in all_completions)
             / len(all_completions),
             "perf/rollout_time_s": time.perf_counter() - t0,
+            **self.engine.metrics(),
             **scoring,
             **garbled_stats(
                 all_texts,

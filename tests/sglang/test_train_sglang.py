@@ -84,6 +84,32 @@ def test_tp2_trainer_syncs_into_sglang(sglang_py, tmp_path):
     _assert_rollout_matches_trainer(metrics)
 
 
+def test_dp2_trainer_with_two_engines_behind_a_router_survives_a_killed_engine(
+    sglang_py, tmp_path, monkeypatch
+):
+    # Rollouts: eval at step 0 (1st), steps 1, 2, 3 (2nd-4th), final eval. The 3rd, step 2's, has
+    # the second engine SIGKILLed while its requests are in flight.
+    monkeypatch.setenv(FAULT_ENV, "generate@3")
+    work = tmp_path / "sglang"
+    overrides = [
+        *SMALL,
+        "train.steps=3",
+        f"train.output_dir={tmp_path / 'run'}",
+        f"train.cache_dir={tmp_path / 'cache'}",
+        *_sglang_args(sglang_py, work),
+        "rollout.sglang.num_engines=2",
+    ]
+    metrics = run_distributed(trainer_body, world_size=2, args=(overrides,), timeout=900)[0]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    _assert_rollout_matches_trainer(metrics)  # every rollout on the weights the trainer had
+    one, two, three = metrics[1:]
+    assert one["rollout/engines_used"] == 2 and one["rollout/engine_restarts"] == 0
+    assert two["rollout/engine_restarts"] == 1  # the step finished on the other engine
+    assert three["rollout/engines_serving"] == 2 and three["rollout/engines_used"] == 2
+    assert (work / "engine1-2.log").exists()  # relaunched once
+    assert not list(work.rglob("*.safetensors"))  # no weight copy per step
+
+
 def _assert_rollout_matches_trainer(metrics):
     for m in metrics[1:]:
         # The trainer names it rollout/... or fp8/... depending on its version; one must exist.

@@ -4,7 +4,9 @@ their HTTP API, and pushes every weight sync into them.
 Modules: ``config`` (``rollout.sglang.*``), ``process`` (command line, environment, guard,
 ports, process groups), ``http`` (the JSON calls, request and answer formats), ``transports``
 (tensor / distributed pushes, the disk copy), ``faults`` (fault injection, testing only),
-``engine`` (:class:`SGLangEngine`: the server's life, sync, generate, recovery).
+``engine`` (:class:`SGLangEngine`: the server's life, sync, generate, recovery), ``fleet``
+(:class:`SGLangFleet`: several engines behind sglang-router, broadcast sync, no disk copy; its
+docstring says how it differs from the single engine described below).
 
 How it fits the trainer: :class:`SGLangEngine` implements the same ``RolloutEngine`` protocol as the
 in-process ``LocalEngine``; the trainer's ``sync_weights`` streams the buckets of
@@ -69,6 +71,8 @@ from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
 # and the engine imports ``rollout.base``, so loading the engine eagerly would be circular.
 _LAZY = {
     "SGLangEngine": "engine",
+    "SGLangFleet": "fleet",
+    "SyncFailed": "errors",
     "SGLangServerError": "errors",
     "FAULT_ENV": "faults",
     "FAULT_POINTS": "faults",
@@ -79,6 +83,7 @@ _LAZY = {
     "pick_port": "process",
     "resolve_python": "process",
     "server_command": "process",
+    "router_command": "process",
     "server_group_pids": "process",
     "spawn_guarded": "process",
     "new_sender_group": "transports",

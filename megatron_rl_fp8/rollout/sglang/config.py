@@ -26,7 +26,35 @@ class SGLangConfig:
         "(update_weights_from_disk).",
     )
     bucket_mb: float = field(512.0, help="Largest weight message to the server, in MiB.")
-    tp_size: int = field(1, help="Tensor-parallel size of the SGLang server.")
+    tp_size: int = field(1, help="Tensor-parallel size of each SGLang server (GPUs per engine).")
+    num_engines: int = field(
+        1,
+        help="SGLang servers this run launches. More than one: a fleet behind one sglang-router, "
+        "started with placeholder weights and synced by one broadcast per bucket to every "
+        "engine (transport distributed); no weight copy is written to disk.",
+    )
+    engine_urls: list[str] = field(
+        default_factory=list,
+        help="Attach to SGLang servers that already run (e.g. started by the Slurm launcher) "
+        "instead of launching any: their base URLs. The run syncs them by broadcast and cannot "
+        "relaunch them; one that dies is dropped.",
+    )
+    router_url: str = field(
+        "",
+        help="An sglang-router that already runs in front of engine_urls; empty = launch one "
+        "(fleets of more than one engine) or none (a single engine is called directly).",
+    )
+    router_policy: Literal["round_robin", "cache_aware", "random", "power_of_two"] = field(
+        "round_robin",
+        help="The launched router's --policy. Every request is one prompt with all of its "
+        "samples, so a prompt's prefix is computed once whatever the policy.",
+    )
+    base_gpu_id: int | None = field(
+        None,
+        help="GPU of the first engine (SGLang --base-gpu-id; engine i uses base_gpu_id + "
+        "i * tp_size onwards). None = after the trainer's GPUs on this node with "
+        "rollout.placement=dedicated, 0 with colocated.",
+    )
     device: Literal["auto", "cpu", "cuda"] = field(
         "auto",
         help="Server device; auto = cuda when this process sees a GPU, else SGLang's CPU "
@@ -93,6 +121,25 @@ class SGLangConfig:
         for name in ("startup_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"rollout.sglang.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_engines < 1:
+            raise ValueError(f"rollout.sglang.num_engines must be >= 1, got {self.num_engines}")
+        if self.router_url and not self.engine_urls:
+            raise ValueError(
+                "rollout.sglang.router_url is set but rollout.sglang.engine_urls is empty: the "
+                "trainer syncs weights into each engine, so list the engines behind the router"
+            )
+        bad = [u for u in [self.router_url, *self.engine_urls] if u and not _is_http_url(u)]
+        if bad:
+            raise ValueError(
+                f"rollout.sglang.engine_urls / router_url: {bad[0]!r} is not an http://host:port URL"
+            )
+        if self.engine_urls and self.num_engines not in (1, len(self.engine_urls)):
+            raise ValueError(
+                f"rollout.sglang.num_engines={self.num_engines} but {len(self.engine_urls)} "
+                "engine_urls are given: attached engines are not launched; leave num_engines at 1"
+            )
+        if self.base_gpu_id is not None and self.base_gpu_id < 0:
+            raise ValueError(f"rollout.sglang.base_gpu_id must be >= 0, got {self.base_gpu_id}")
         if self.max_restarts < 0:
             raise ValueError(f"rollout.sglang.max_restarts must be >= 0, got {self.max_restarts}")
         owned = {
@@ -104,6 +151,9 @@ class SGLangConfig:
             "--weight-version",
             "--skip-tokenizer-init",
             "--device",
+            "--load-format",
+            "--base-gpu-id",
+            "--enable-metrics",
         }
         clash = sorted(a.split("=")[0] for a in self.extra_args if a.split("=")[0] in owned)
         if clash:
@@ -111,3 +161,16 @@ class SGLangConfig:
                 f"rollout.sglang.extra_args sets {clash}, which the engine sets "
                 "itself; use the matching rollout.sglang fields instead"
             )
+
+    @property
+    def fleet(self) -> bool:
+        """True when the run talks to a fleet (several engines, or engines it attaches to) rather
+        than the single server it launches and restarts from a disk copy."""
+        return self.num_engines > 1 or bool(self.engine_urls)
+
+
+def _is_http_url(url: str) -> bool:
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    return parsed.scheme in ("http", "https") and bool(parsed.hostname) and parsed.port is not None

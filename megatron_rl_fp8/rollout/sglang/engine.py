@@ -317,15 +317,14 @@ class SGLangEngine:
             push_tensor(self._http, bucket, tp_size=self.cfg.tp_size, timeout=timeout)
         else:
             group = self._ensure_group()
-            push_distributed(self._http, group, bucket, device=self.device, timeout=timeout)
+            push_distributed([self._http], group, bucket, device=self.device, timeout=timeout)
         self.stats["buckets"] += 1
 
     def _ensure_group(self):
         if self._group is None:
             self._group = join_sender_group(
-                self._http,
+                [(self._http, self.cfg.tp_size)],
                 host=self.cfg.host,
-                tp_size=self.cfg.tp_size,
                 device=self.device,
                 name=f"mrf8_weight_sync_{os.getpid()}_{self._launches}",
                 timeout=self.cfg.request_timeout_s,
@@ -336,6 +335,9 @@ class SGLangEngine:
         group, self._group = self._group, None
         if group is not None:
             destroy_sender_group(group)
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/engine_restarts": float(self.stats["restarts"])}
 
     def weight_version(self) -> int:
         return self._version

@@ -1,10 +1,16 @@
-"""The SGLang engine's two errors: one to report, one to recover from."""
+"""The SGLang engine's errors: one to report, one to recover from, one that asks the trainer
+to sync again."""
 
 from __future__ import annotations
 
 
 class SGLangServerError(RuntimeError):
     """The SGLang server failed, or answered something the engine cannot accept."""
+
+
+class SyncFailed(SGLangServerError):
+    """A sync did not reach every engine of a fleet; their weights are unknown until the trainer
+    runs the sync again (the engines that failed have been relaunched)."""
 
 
 class _ServerGone(SGLangServerError):

@@ -43,8 +43,11 @@ def generate_request(
     greedy: bool,
     seed: int,
     eos_token_id: int | Iterable[int],
+    first_row: int = 0,
 ) -> dict:
-    """The ``/generate`` body for ``rows`` (token ids), asking for the sampled tokens' logprobs."""
+    """The ``/generate`` body for ``rows`` (token ids), asking for the sampled tokens' logprobs.
+    ``first_row``: the batch index of ``rows[0]`` when a batch is sent as several requests (the
+    per-row seeds follow the batch index, so the split does not change what is sampled)."""
     params = [
         # Distinct, reproducible per-row seeds (honoured by SGLang's deterministic sampling
         # mode; otherwise a hint).
@@ -56,7 +59,7 @@ def generate_request(
             eos_token_id=eos_token_id,
             seed=(seed * 1_000_003 + i) % (2**31),
         )
-        for i in range(len(rows))
+        for i in range(first_row, first_row + len(rows))
     ]
     return {
         "input_ids": rows,
@@ -64,6 +67,17 @@ def generate_request(
         "return_logprob": True,
         "logprob_start_len": -1,
     }
+
+
+def row_requests(rows: list[list[int]], **kwargs) -> list[dict]:
+    """One ``/generate`` body per row, each with that row's own seed (as in the batch body of
+    :func:`generate_request`, which takes the same ``kwargs``): what an sglang-router takes (it
+    accepts one sampling_params object per request) and spreads over its engines."""
+    batch = generate_request(rows, **kwargs)
+    return [
+        {**batch, "input_ids": ids, "sampling_params": params}
+        for ids, params in zip(batch["input_ids"], batch["sampling_params"])
+    ]
 
 
 def parse_completion(

@@ -181,8 +181,14 @@ def server_command(
     dtype: str,
     fp8_checkpoint: bool,
     weight_version: str,
+    placeholder_weights: bool = False,
+    base_gpu_id: int | None = None,
 ) -> list[str]:
-    """The ``sglang.launch_server`` command line (pure function: unit-tested)."""
+    """The ``sglang.launch_server`` command line (pure function: unit-tested).
+
+    ``placeholder_weights``: ``model_path`` holds only ``config.json`` and the server starts on
+    SGLang's dummy weights (``--load-format dummy``), to be replaced by the first sync; its
+    request counters are exported (``--enable-metrics``) so a fleet can report who served."""
     cmd = [
         python,
         "-m",
@@ -214,7 +220,30 @@ def server_command(
         cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
     if fp8_checkpoint:
         cmd += ["--quantization", "fp8"]
+    if placeholder_weights:
+        cmd += ["--load-format", "dummy", "--enable-metrics"]
+    if base_gpu_id is not None and device == "cuda":
+        cmd += ["--base-gpu-id", str(base_gpu_id)]
     return cmd + list(cfg.extra_args)
+
+
+def router_command(
+    cfg: SGLangConfig, *, python: str, port: int, worker_urls: list[str]
+) -> list[str]:
+    """The ``sglang_router.launch_router`` command line in front of ``worker_urls``."""
+    return [
+        python,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--policy",
+        cfg.router_policy,
+        "--worker-urls",
+        *worker_urls,
+    ]
 
 
 def server_env(cfg: SGLangConfig, device: str) -> dict[str, str]:
@@ -255,12 +284,16 @@ def launch_guarded_server(
     version: str,
     work_dir: Path,
     log_path: Path,
+    pid_file: str = "server.pid",
+    port: int | None = None,
+    **command,
 ) -> tuple[subprocess.Popen, int]:
     """Start one server on ``model_path`` under the guard; returns (guard process, port).
+    ``command``: further :func:`server_command` arguments.
 
-    The command line heads the log. ``<work_dir>/server.pid`` names the live process group, for
+    The command line heads the log. ``<work_dir>/<pid_file>`` names the live process group, for
     operators and tests: ``kill -9 -- -$(cat server.pid)`` stops all of it."""
-    port = cfg.port or pick_port()
+    port = port or cfg.port or pick_port()
     cmd = server_command(
         cfg,
         python=python,
@@ -270,15 +303,19 @@ def launch_guarded_server(
         dtype=dtype,
         fp8_checkpoint=fp8_checkpoint,
         weight_version=version,
+        **command,
     )
+    proc = launch_logged(cmd, python=python, env=server_env(cfg, device), log_path=log_path)
+    (work_dir / pid_file).write_text(f"{proc.pid}\n")
+    return proc, port
+
+
+def launch_logged(cmd: list[str], *, python: str, env: dict, log_path: Path) -> subprocess.Popen:
+    """``cmd`` under the guard, its output in ``log_path`` after the command line."""
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
-        proc = spawn_guarded(
-            cmd, python=python, stdout=log, env=server_env(cfg, device), cwd=work_dir
-        )
-    (work_dir / "server.pid").write_text(f"{proc.pid}\n")
-    return proc, port
+        return spawn_guarded(cmd, python=python, stdout=log, env=env, cwd=log_path.parent)
 
 
 def wait_healthy(

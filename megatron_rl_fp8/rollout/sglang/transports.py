@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
-from megatron_rl_fp8.rollout.sglang.errors import _ServerGone
+from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError, _ServerGone
 from megatron_rl_fp8.rollout.sglang.http import Http
 from megatron_rl_fp8.rollout.sglang.process import pick_port
 from megatron_rl_fp8.sync.buckets import Bucket
@@ -43,57 +43,66 @@ def push_tensor(http: Http, bucket: Bucket, *, tp_size: int, timeout: float) -> 
 
 
 def push_distributed(
-    http: Http, group: tuple, bucket: Bucket, *, device: str, timeout: float
+    engines: list[Http], group: tuple, bucket: Bucket, *, device: str, timeout: float
 ) -> None:
-    """``distributed`` transport: a broadcast per tensor over the private group ``(pg, name)``
-    while the server's ``/update_weights_from_distributed`` call receives them."""
-    tensors = [t.contiguous() for _, t in bucket.tensors]
+    """``distributed`` transport: the bucket's bytes as one flat buffer, broadcast once over the
+    private group ``(pg, name)`` to every engine in ``engines`` while each one's
+    ``/update_weights_from_distributed`` call (SGLang's ``flattened_bucket`` format) receives it.
+    A failure names the first engine whose call failed."""
+    ordered, flat = flatten_for_broadcast(bucket.tensors)
     if device == "cuda":
-        tensors = [t.cuda() for t in tensors]
+        flat = flat.cuda()
     payload = {
-        "names": bucket.names,
-        "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-        "shapes": [list(t.shape) for t in tensors],
+        "names": [n for n, _ in ordered],
+        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in ordered],
+        "shapes": [list(t.shape) for _, t in ordered],
         "group_name": group[1],
         "flush_cache": False,
+        "load_format": "flattened_bucket",
     }
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        reply = pool.submit(
-            http.ok,
-            "/update_weights_from_distributed",
-            payload,
-            timeout=timeout,
-        )
+    with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
+        replies = [
+            pool.submit(http.ok, "/update_weights_from_distributed", payload, timeout=timeout)
+            for http in engines
+        ]
         try:
-            for t in tensors:  # the server posts its receives in this order
-                opts = torch.distributed.BroadcastOptions()
-                opts.rootRank = 0
-                group[0].broadcast([t], opts).wait()
+            opts = torch.distributed.BroadcastOptions()
+            opts.rootRank = 0
+            group[0].broadcast([flat], opts).wait()
         except RuntimeError as e:
-            reply.cancel()
-            raise _ServerGone(f"broadcast to the SGLang server failed: {e}") from e
-        reply.result()
+            for reply in replies:
+                reply.cancel()
+            raise _ServerGone(f"weight broadcast to the SGLang engines failed: {e}") from e
+        for http, reply in zip(engines, replies):
+            try:
+                reply.result()
+            except SGLangServerError as e:
+                raise type(e)(f"{http.base_url}: {e}") from e
+
+
+def flatten_for_broadcast(
+    named: list[tuple[str, torch.Tensor]],
+) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
+    """(tensors in send order, their bytes as one uint8 buffer). Widest dtypes first, so every
+    tensor starts at a multiple of its element size, as the receiving side requires."""
+    ordered = sorted(named, key=lambda nt: -nt[1].element_size())  # stable within a width
+    flat = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in ordered])
+    return ordered, flat
 
 
 def join_sender_group(
-    http: Http, *, host: str, tp_size: int, device: str, name: str, timeout: float
+    engines: list[tuple[Http, int]], *, host: str, device: str, name: str, timeout: float
 ) -> tuple:
-    """Form the private group of the ``distributed`` transport with the server's TP ranks:
+    """Form the private group of the ``distributed`` transport: this process is rank 0, then the
+    TP ranks of each engine in ``engines`` (``(http, tp_size)``, in order). Returns
     ``(process group, name)``."""
     port = pick_port()
-    world = 1 + tp_size
+    world = 1 + sum(tp for _, tp in engines)
     backend = "nccl" if device == "cuda" else "gloo"
-    payload = {
-        "master_address": host,
-        "master_port": port,
-        "rank_offset": 1,
-        "world_size": world,
-        "group_name": name,
-        "backend": backend,
-    }
-    # Our side joins in a daemon thread while the HTTP call makes the server join; the reply
-    # comes only once both sides are in. If the call fails instead (server gone), the
-    # rendezvous can never complete: it is left to time out in its thread, not waited for.
+    offsets = [1 + sum(tp for _, tp in engines[:i]) for i in range(len(engines))]
+    # Our side joins in a daemon thread while the HTTP calls make the engines join; each reply
+    # comes only once all sides are in. If a call fails instead (engine gone), the rendezvous can
+    # never complete: it is left to time out in its thread, not waited for.
     joined: dict[str, Any] = {}
 
     def join():
@@ -104,11 +113,32 @@ def join_sender_group(
 
     thread = threading.Thread(target=join, name="mrf8-sglang-weight-group", daemon=True)
     thread.start()
-    http.ok("/init_weights_update_group", payload, timeout=timeout)
+    with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
+        calls = [
+            pool.submit(
+                http.ok,
+                "/init_weights_update_group",
+                {
+                    "master_address": host,
+                    "master_port": port,
+                    "rank_offset": offset,
+                    "world_size": world,
+                    "group_name": name,
+                    "backend": backend,
+                },
+                timeout=timeout,
+            )
+            for (http, _), offset in zip(engines, offsets)
+        ]
+        for (http, _), call in zip(engines, calls):
+            try:
+                call.result()
+            except SGLangServerError as e:
+                raise type(e)(f"{http.base_url}: {e}") from e
     thread.join(timeout)
     if "pg" not in joined:
         raise _ServerGone(
-            f"the weight-sync group with the SGLang server did not form: "
+            f"the weight-sync group with the SGLang engines did not form: "
             f"{joined.get('error', 'timed out')}"
         )
     return joined["pg"], name

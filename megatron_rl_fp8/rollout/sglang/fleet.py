@@ -1,0 +1,673 @@
+"""A fleet of SGLang engines behind one sglang-router, synced by one broadcast per bucket.
+
+What it is for: at 8B-32B one server is not a deployment. ``rollout.sglang.num_engines`` engines
+(each ``tp_size`` GPUs) run behind a router (``sglang_router.launch_router``, or one that already
+runs: ``router_url``); every rollout request goes through the router, one request per prompt with
+all of its samples, so the router spreads prompts over the engines. Or the run attaches to
+engines something else started (``engine_urls``, e.g. the Slurm launcher's rollout nodes).
+
+Life of an engine:
+
+* Launched engines start on SGLang's placeholder weights (``--load-format dummy``) from a
+  directory that holds only ``config.json``; the first sync gives them the real weights. Nothing
+  of the weights is ever written to disk: the trainer always holds the current weights, so an
+  engine that is lost is relaunched on placeholders and re-synced by the next sync.
+* A sync (:meth:`SGLangFleet.update_weights`): every engine that is up is marked
+  ``"<v>-partial"``, each bucket is broadcast once, as one flat buffer, to all of them over one
+  private process group (this process is rank 0, the engines' TP ranks follow; NCCL on GPU, gloo
+  on CPU; re-formed whenever the set of engines changes), then every engine is marked ``"<v>"``,
+  its cache flushed and the version it reports read back. Engines that were not in the router
+  (new or relaunched) join it now, once they serve the current version.
+* A rollout: requests go to the router (or to the only engine). An answer from another weight
+  version, or a request that failed, is retried; after each rollout every engine's process is
+  checked, and one that died is taken out of the router and relaunched (in the background: it
+  rejoins at the next sync). Relaunches per engine are bounded by ``max_restarts`` since its last
+  good sync; past that the run stops with the engine's log tail. A launched router that dies is
+  relaunched in front of the engines that serve. Attached engines cannot be relaunched: one that
+  dies is dropped, and the run stops when none serves.
+* A sync that fails (an engine died during it, the group broke) leaves every engine's weights
+  unknown: the failed engines are relaunched, and :class:`SyncFailed` tells the trainer to run
+  the whole sync again (its export is a collective; see ``trainer/loop.py``).
+
+Colocated placement (``rollout.placement=colocated``): the engines share the trainer's GPUs.
+The trainer calls :meth:`release_memory` once the rollout is done and :meth:`resume_memory` with
+``("weights",)`` before the sync and ``("kv_cache",)`` after it (SGLang's
+``/release_memory_occupation`` and ``/resume_memory_occupation``, with ``--enable-memory-saver``).
+On CPU there is no GPU memory to give back: the calls are logged and recorded
+(``memory_calls``), not sent, so the sequencing is tested there. A sync while the weights are
+released is refused.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from megatron_rl_fp8.rollout.base import Completion, RolloutConfig, eos_ids
+from megatron_rl_fp8.rollout.sglang.errors import (
+    SGLangServerError,
+    SyncFailed,
+    _first_line,
+    _ServerGone,
+)
+from megatron_rl_fp8.rollout.sglang.faults import fault_hook_from_env
+from megatron_rl_fp8.rollout.sglang.http import (
+    Http,
+    begin_update,
+    check_version,
+    end_update,
+    parse_completion,
+    row_requests,
+)
+from megatron_rl_fp8.rollout.sglang.process import (
+    _kill_group,
+    launch_guarded_server,
+    launch_logged,
+    log_tail,
+    pick_port,
+    resolve_device,
+    resolve_python,
+    resolve_work_dir,
+    router_command,
+    serve_dtype,
+    server_env,
+    wait_healthy,
+)
+from megatron_rl_fp8.rollout.sglang.transports import (
+    destroy_sender_group,
+    join_sender_group,
+    push_distributed,
+    write_checkpoint_files,
+)
+from megatron_rl_fp8.sync.buckets import Bucket
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(eq=False)
+class _Engine:
+    """One SGLang server of the fleet."""
+
+    index: int
+    url: str = ""
+    proc: subprocess.Popen | None = None  # the guard leading its process group; None: attached
+    launches: int = 0
+    restarts: int = 0  # relaunches since its last good sync
+    version: int = -1  # the weight version it was verified to serve; -1 = none
+    in_router: bool = False
+
+    @property
+    def http(self) -> Http:
+        return Http(self.url)
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return bool(self.url)  # attached: alive until a call to it fails
+
+
+class SGLangFleet:
+    """RolloutEngine over several SGLang servers (launched or attached) and one router."""
+
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        hf_config,
+        *,
+        pad_token_id: int,
+        eos_token_id: int | Iterable[int],
+        output_dir: str | os.PathLike | None = None,
+    ):
+        self.cfg = cfg.sglang
+        self.fp8 = cfg.fp8
+        self.colocated = cfg.placement == "colocated"
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_ids(eos_token_id)
+        self.attached = bool(self.cfg.engine_urls)
+        self.python = (
+            resolve_python(self.cfg) if not self.attached or not self.cfg.router_url else ""
+        )
+        self.device = resolve_device(self.cfg)
+        self.serve_dtype = serve_dtype(self.cfg, self.device)
+        self.fp8_checkpoint = self.fp8.enabled and self.device == "cuda"
+        self.work_dir, self._tmp = resolve_work_dir(self.cfg, output_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.model_dir = self.work_dir / "model"  # config.json only: engines start on placeholders
+        self.model_dir.mkdir(exist_ok=True)
+        write_checkpoint_files(
+            self.model_dir,
+            {},
+            hf_config,
+            serve_dtype=self.serve_dtype,
+            fp8=self.fp8 if self.fp8_checkpoint else None,
+        )
+        n = len(self.cfg.engine_urls) or self.cfg.num_engines
+        self.engines = [_Engine(i) for i in range(n)]
+        self._router: subprocess.Popen | None = None
+        self.router_url = self.cfg.router_url
+        self._router_launches = 0
+        self._group = None  # (process group, name) of the sync broadcast
+        self._group_members: tuple = ()  # the (index, url) pairs the group was formed with
+        self._version = -1  # the last version synced into every engine that is up
+        self._released: set[str] = set()  # colocated: memory tags released, not yet resumed
+        self.memory_calls: list[tuple[str, tuple[str, ...]]] = []
+        self.stats: dict[str, float] = {
+            "restarts": 0,
+            "router_restarts": 0,
+            "retried_requests": 0,
+            "update_seconds": 0.0,
+            "buckets": 0,
+        }
+        self._engines_used = 0  # engines that answered requests in the last rollout
+        self.fault_hook: Callable[[str], None] | None = fault_hook_from_env(self)
+        try:
+            if self.attached:
+                for eng, url in zip(self.engines, self.cfg.engine_urls):
+                    eng.url = url.rstrip("/")
+            else:
+                self._check_gpus()
+                for eng in self.engines:
+                    self._launch(eng)
+                for eng in self.engines:
+                    self._wait(eng)
+            if not self.router_url and len(self.engines) > 1:
+                self._launch_router()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- processes -------------------------------------------------------------------------------
+    def _log(self, eng: _Engine) -> Path:
+        return self.work_dir / f"engine{eng.index}-{eng.launches}.log"
+
+    def _base_gpu(self, eng: _Engine) -> int | None:
+        if self.device != "cuda":
+            return None
+        base = self.cfg.base_gpu_id
+        if base is None:
+            base = 0 if self.colocated else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return base + eng.index * self.cfg.tp_size
+
+    def _check_gpus(self) -> None:
+        if self.device != "cuda":
+            return
+        have = torch.cuda.device_count()
+        last = self._base_gpu(self.engines[-1]) + self.cfg.tp_size
+        if last > have:
+            raise SGLangServerError(
+                f"rollout.sglang: {len(self.engines)} engine(s) x tp_size={self.cfg.tp_size} from "
+                f"GPU {self._base_gpu(self.engines[0])} need GPUs up to {last - 1}, this node has "
+                f"{have}; lower num_engines or tp_size, set rollout.sglang.base_gpu_id, or use "
+                "rollout.placement=colocated"
+            )
+
+    def _launch(self, eng: _Engine) -> None:
+        """Start ``eng`` on placeholder weights (returns at once; :meth:`_wait` for health)."""
+        eng.launches += 1
+        extra = ["--enable-memory-saver"] if self.colocated and self.device == "cuda" else []
+        proc, port = launch_guarded_server(
+            dataclasses.replace(self.cfg, extra_args=[*self.cfg.extra_args, *extra]),
+            python=self.python,
+            device=self.device,
+            dtype=self.serve_dtype,
+            fp8_checkpoint=self.fp8_checkpoint,
+            model_path=self.model_dir,
+            version="-1",
+            work_dir=self.work_dir,
+            log_path=self._log(eng),
+            pid_file=f"engine{eng.index}.pid",
+            port=pick_port() if self.cfg.port == 0 else self.cfg.port + eng.index,
+            placeholder_weights=True,
+            base_gpu_id=self._base_gpu(eng),
+        )
+        eng.proc, eng.url = proc, f"http://{self.cfg.host}:{port}"
+        eng.version, eng.in_router = -1, False
+
+    def _wait(self, eng: _Engine) -> None:
+        wait_healthy(
+            eng.proc,
+            eng.http,
+            self._log(eng),
+            port=int(eng.url.rsplit(":", 1)[1]),
+            timeout_s=self.cfg.startup_timeout_s,
+        )
+
+    def _relaunch(self, eng: _Engine, why: str) -> None:
+        """Take ``eng`` out of the router, kill what is left of it, and start it again (it
+        rejoins at the next sync). Attached engines are dropped instead."""
+        self._router_remove(eng)
+        if eng.proc is None:  # attached: nothing to relaunch
+            print(f"[sglang] engine {eng.url}: {why}; dropped from the fleet", file=sys.stderr)
+            eng.url, eng.version = "", -1
+            return
+        if eng.restarts >= self.cfg.max_restarts:
+            log = self._log(eng)
+            _kill_group(eng.proc)
+            raise SGLangServerError(
+                f"SGLang engine {eng.index} failed ({why}) and {eng.restarts} relaunch(es) did "
+                f"not bring it back (rollout.sglang.max_restarts={self.cfg.max_restarts}); "
+                f"its log: {log}\n{log_tail(log)}"
+            )
+        eng.restarts += 1
+        self.stats["restarts"] += 1
+        print(
+            f"[sglang] engine {eng.index} ({eng.url}): {why}; relaunching it (restart "
+            f"{eng.restarts} of rollout.sglang.max_restarts={self.cfg.max_restarts}; previous "
+            f"log {self._log(eng)}); it is re-synced by the next sync",
+            file=sys.stderr,
+            flush=True,
+        )
+        _kill_group(eng.proc)
+        self._launch(eng)
+
+    def kill_server(self) -> None:
+        """SIGKILL the last engine's process group without telling the fleet, as a crash would
+        (fault injection: ``MRF8_SGLANG_FAULT``, tests)."""
+        eng = self.engines[-1]
+        if eng.proc is not None:
+            _kill_group(eng.proc)
+
+    def _fault(self, point: str) -> None:
+        if self.fault_hook is not None:  # testing only; see faults.KillServerAt
+            self.fault_hook(point)
+
+    # -- router ----------------------------------------------------------------------------------
+    def _launch_router(self) -> None:
+        self._router_launches += 1
+        port = pick_port()
+        serving = [e.url for e in self.engines if e.alive()]
+        log = self.work_dir / f"router-{self._router_launches}.log"
+        cmd = router_command(self.cfg, python=self.python, port=port, worker_urls=serving)
+        self._router = launch_logged(
+            cmd, python=self.python, env=server_env(self.cfg, "cpu"), log_path=log
+        )
+        self.router_url = f"http://{self.cfg.host}:{port}"
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while True:
+            if self._router.poll() is not None:
+                raise SGLangServerError(f"sglang-router exited during startup; see {log}")
+            try:
+                if len(self._router_workers()) == len(serving):
+                    break
+            except SGLangServerError:
+                pass
+            if time.monotonic() > deadline:
+                raise SGLangServerError(
+                    f"sglang-router not ready after rollout.sglang.startup_timeout_s="
+                    f"{self.cfg.startup_timeout_s}s; see {log}"
+                )
+            time.sleep(0.3)
+        for eng in self.engines:
+            eng.in_router = eng.url in serving
+
+    def _router_workers(self) -> dict[str, str]:
+        """url -> worker id, as the router lists them."""
+        out = Http(self.router_url).call("/workers", timeout=30)
+        return {w["url"]: w["id"] for w in (out or {}).get("workers", [])}
+
+    def _router_remove(self, eng: _Engine) -> None:
+        if not eng.in_router or not self.router_url:
+            return
+        eng.in_router = False
+        try:
+            wid = self._router_workers().get(eng.url)
+            if wid is not None:
+                Http(self.router_url).call(f"/workers/{wid}", timeout=30, method="DELETE")
+        except SGLangServerError:
+            self._check_router()
+
+    def _router_add(self, eng: _Engine) -> None:
+        if eng.in_router or not self.router_url:
+            return
+        Http(self.router_url).call("/workers", {"url": eng.url}, timeout=30)
+        deadline = time.monotonic() + 60
+        while eng.url not in self._router_workers():
+            if time.monotonic() > deadline:
+                raise _ServerGone(f"sglang-router did not take worker {eng.url} within 60 s")
+            time.sleep(0.2)
+        eng.in_router = True
+
+    def _check_router(self) -> None:
+        """Relaunch a router this fleet launched and that has died."""
+        if self._router is None or self._router.poll() is None:
+            return
+        self.stats["router_restarts"] += 1
+        print("[sglang] sglang-router died; relaunching it", file=sys.stderr, flush=True)
+        _kill_group(self._router)
+        self._launch_router()
+
+    # -- weights ---------------------------------------------------------------------------------
+    @property
+    def export_options(self) -> dict:
+        return {
+            "bucket_mb": self.cfg.bucket_mb,
+            "dequantize_to": None if self.fp8_checkpoint else _DTYPES[self.serve_dtype],
+        }
+
+    def _up(self) -> list[_Engine]:
+        return [e for e in self.engines if e.alive()]
+
+    def _ensure_group(self, members: list[_Engine]):
+        key = tuple((e.index, e.url) for e in members)
+        if self._group is not None and key == self._group_members:
+            return self._group
+        self._destroy_group()
+        self._group = join_sender_group(
+            [(e.http, self.cfg.tp_size) for e in members],
+            host=self.cfg.host,
+            device=self.device,
+            name=f"mrf8_fleet_sync_{os.getpid()}_{time.monotonic_ns()}",
+            timeout=self.cfg.request_timeout_s,
+        )
+        self._group_members = key
+        return self._group
+
+    def _destroy_group(self) -> None:
+        group, self._group, members = self._group, None, self._group_members
+        self._group_members = ()
+        if group is None:
+            return
+        for index, url in members:
+            eng = self.engines[index]
+            if eng.url == url and eng.alive():
+                try:
+                    eng.http.ok(
+                        "/destroy_weights_update_group",
+                        {"group_name": group[1]},
+                        timeout=self.cfg.request_timeout_s,
+                    )
+                except SGLangServerError:
+                    pass  # an engine that cannot answer is replaced before it is used again
+        destroy_sender_group(group)
+
+    def _each(self, engines: list[_Engine], call: Callable[[_Engine], None]) -> list[_Engine]:
+        """Run ``call`` on every engine at once; returns the engines whose call failed."""
+        if not engines:
+            return []
+        with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
+            futures = [(e, pool.submit(call, e)) for e in engines]
+        failed = []
+        for eng, fut in futures:
+            error = fut.exception()
+            if error is not None:
+                if not isinstance(error, SGLangServerError):
+                    raise error
+                print(f"[sglang] engine {eng.index}: {_first_line(error)}", file=sys.stderr)
+                failed.append(eng)
+        return failed
+
+    @torch.no_grad()
+    def update_weights(self, buckets: Iterable[Bucket], *, version: int) -> None:
+        if "weights" in self._released:
+            raise SGLangServerError(
+                "weight sync while the engines' weights are released (colocated placement): "
+                "resume_memory(('weights',)) must come first"
+            )
+        t0 = time.perf_counter()
+        self._check_router()
+        for eng in self._up():  # relaunched engines: wait until they can take the weights
+            if eng.version < 0 and eng.proc is not None:
+                try:
+                    self._wait(eng)
+                except SGLangServerError as e:
+                    self._relaunch(eng, _first_line(e))
+                    self._wait(eng)
+        members = self._up()
+        if not members:
+            raise SGLangServerError("no SGLang engine is up to take the weights")
+        self._version = -1
+        timeout = self.cfg.request_timeout_s
+        failed: list[_Engine] = []
+        try:
+            group = self._ensure_group(members)
+            for eng in members:
+                eng.version = -1
+            self._fault("begin_update")
+            failed = self._each(members, lambda e: begin_update(e.http, version, timeout=timeout))
+        except SGLangServerError as e:
+            print(f"[sglang] the sync group did not form: {_first_line(e)}", file=sys.stderr)
+            failed = [e_ for e_ in members if not self._healthy(e_)] or list(members)
+        for bucket in buckets:  # consumed to its end whatever happens: the export is a collective
+            if failed:
+                continue
+            try:
+                self._fault("push")
+                push_distributed(
+                    [e.http for e in members], group, bucket, device=self.device, timeout=timeout
+                )
+                self.stats["buckets"] += 1
+            except SGLangServerError as e:
+                print(f"[sglang] weight broadcast failed: {_first_line(e)}", file=sys.stderr)
+                failed = [e_ for e_ in members if not self._healthy(e_)] or list(members)
+        if not failed:
+            self._fault("end_update")
+
+            def finish(e: _Engine) -> None:
+                end_update(e.http, version, timeout=timeout)
+                check_version(e.http, str(version), timeout=timeout)
+
+            failed = self._each(members, finish)
+        if failed:
+            self._destroy_group()
+            for eng in failed:
+                self._relaunch(eng, f"failed during the sync to version {version}")
+            raise SyncFailed(
+                f"the weight sync to version {version} failed on engine(s) "
+                f"{[e.index for e in failed]}; the sync is to be run again"
+            )
+        for eng in members:
+            eng.version, eng.restarts = version, 0
+            self._router_add(eng)
+        self._version = version
+        self.stats["update_seconds"] = time.perf_counter() - t0
+
+    def _healthy(self, eng: _Engine) -> bool:
+        if not eng.alive():
+            return False
+        try:
+            eng.http.call("/health", timeout=10)
+            return True
+        except SGLangServerError:
+            return False
+
+    def weight_version(self) -> int:
+        return self._version if any(e.version == self._version for e in self._up()) else -1
+
+    def health(self) -> bool:
+        return any(self._healthy(e) for e in self.engines)
+
+    # -- colocated memory ------------------------------------------------------------------------
+    def release_memory(self) -> None:
+        """Colocated: the engines give their weights and KV cache memory back to the trainer."""
+        tags = tuple(t for t in ("weights", "kv_cache") if t not in self._released)
+        if tags:
+            self._memory("release_memory_occupation", tags)
+            self._released |= set(tags)
+
+    def resume_memory(self, tags: tuple[str, ...]) -> None:
+        """Colocated: the engines take back the memory of ``tags`` (weights before a sync, the
+        KV cache after it); tags not released are skipped."""
+        tags = tuple(t for t in tags if t in self._released)
+        if tags:
+            self._memory("resume_memory_occupation", tags)
+            self._released -= set(tags)
+
+    def _memory(self, call: str, tags: tuple[str, ...]) -> None:
+        if not self.colocated:
+            return
+        self.memory_calls.append((call, tuple(tags)))
+        if self.device != "cuda":
+            print(
+                f"[sglang] colocated: {call}{list(tags)} skipped (no GPU memory on CPU)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        timeout = self.cfg.request_timeout_s
+        failed = self._each(
+            self._up(), lambda e: e.http.ok(f"/{call}", {"tags": list(tags)}, timeout=timeout)
+        )
+        for eng in failed:
+            self._relaunch(eng, f"/{call} failed")
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float = 1.0,
+        seed: int = 0,
+        greedy: bool = False,
+    ) -> list[Completion]:
+        if self._released:
+            raise SGLangServerError(
+                f"rollout while the engines' memory is released ({sorted(self._released)}); "
+                "resume_memory must come first"
+            )
+        if self._version < 0:
+            raise SGLangServerError(
+                "the SGLang fleet holds no synced weights; call update_weights (the trainer's "
+                "sync_weights) before generate"
+            )
+        rows = [p for p in prompts for _ in range(n)]
+        requests = dict(
+            enumerate(
+                row_requests(
+                    rows,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    greedy=greedy,
+                    seed=seed,
+                    eos_token_id=self.eos_token_id,
+                )
+            )
+        )
+        before = self.request_counts()
+        done: dict[int, Completion] = {}
+        for attempt in range(self.cfg.max_restarts + 2):
+            pending = {i: r for i, r in requests.items() if i not in done}
+            if not pending:
+                break
+            if attempt:
+                self.stats["retried_requests"] += len(pending)
+            done.update(self._send(pending, rows))
+            self._check_engines()
+        if len(done) < len(requests):
+            raise SGLangServerError(
+                f"{len(requests) - len(done)} of {len(requests)} rollout requests failed on every "
+                f"try (rollout.sglang.max_restarts={self.cfg.max_restarts}); engine logs in "
+                f"{self.work_dir}"
+            )
+        self._engines_used = sum(b > a for a, b in zip(before, self.request_counts()))
+        return [done[i] for i in range(len(rows))]
+
+    def _target(self) -> str:
+        if self.router_url:
+            return self.router_url
+        serving = [e for e in self._up() if e.version == self._version]
+        if not serving:
+            raise SGLangServerError("no SGLang engine serves the synced weights")
+        return serving[0].url
+
+    def _send(self, pending: dict[int, dict], rows: list[list[int]]) -> dict[int, Completion]:
+        """One round of requests (one per row), all in flight at once; the answers that came
+        back right, by row."""
+        http = Http(self._target())
+        timeout = self.cfg.request_timeout_s
+        out: dict[int, Completion] = {}
+        with concurrent.futures.ThreadPoolExecutor(min(len(pending), 64)) as pool:
+            futures = {
+                i: pool.submit(http.call, "/generate", r, timeout=timeout)
+                for i, r in pending.items()
+            }
+            self._fault("generate")  # mid-rollout: the requests are in flight
+            failures = []
+            for i, fut in futures.items():
+                try:
+                    answer = fut.result()
+                    if not isinstance(answer, dict):
+                        raise _ServerGone(f"/generate returned {type(answer).__name__}")
+                    out[i] = parse_completion(
+                        rows[i],
+                        answer,
+                        eos_token_id=self.eos_token_id,
+                        expected_version=str(self._version),
+                    )
+                except SGLangServerError as e:
+                    failures.append(f"row {i}: {_first_line(e)}")
+        if failures:
+            print(
+                f"[sglang] {len(failures)} rollout request(s) failed, to be retried; first: "
+                f"{failures[0]}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return out
+
+    def _check_engines(self) -> None:
+        """Relaunch every engine that died (it rejoins at the next sync); fail when none serves."""
+        self._check_router()
+        for eng in self.engines:
+            if eng.url and not eng.alive():
+                self._relaunch(eng, "its process exited")
+        if not any(e.version == self._version and e.alive() for e in self.engines):
+            raise SGLangServerError(
+                f"no SGLang engine serves weight version {self._version} any more; engine logs "
+                f"in {self.work_dir}"
+            )
+
+    # -- reporting, shutdown ---------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """Per-step numbers for the trainer's log."""
+        return {
+            "rollout/engines_serving": float(
+                sum(e.version == self._version and e.alive() for e in self.engines)
+            ),
+            "rollout/engines_used": float(self._engines_used),
+            "rollout/engine_restarts": float(self.stats["restarts"]),
+            "rollout/retried_requests": float(self.stats["retried_requests"]),
+        }
+
+    def request_counts(self) -> list[float]:
+        """Requests each launched engine has served since its launch (its ``/metrics``; attached
+        engines may not export them: zeros)."""
+        counts = []
+        for eng in self.engines:
+            if not eng.alive():
+                counts.append(0.0)
+                continue
+            total = 0.0
+            try:
+                text = eng.http.call("/metrics", timeout=30)
+                for line in str(text).splitlines():
+                    if line.startswith("sglang:num_requests_total"):
+                        total += float(line.rsplit(" ", 1)[1])
+            except SGLangServerError:
+                pass
+            counts.append(total)
+        return counts
+
+    def shutdown(self) -> None:
+        self._destroy_group()
+        if self._router is not None:
+            _kill_group(self._router)
+            self._router = None
+        for eng in self.engines:
+            if eng.proc is not None:
+                _kill_group(eng.proc)
+                eng.proc = None
+        tmp, self._tmp = self._tmp, None
+        if tmp is not None:
+            tmp.cleanup()

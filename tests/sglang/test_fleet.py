@@ -1,0 +1,156 @@
+"""A fleet of two SGLang CPU engines behind sglang-router, against the in-process LocalEngine.
+
+One module fixture launches the fleet once (two ~40 s engine starts on 2 cores), colocated, so
+the same fleet shows:
+
+* after every broadcast sync, *each* engine (called directly, not through the router) gives the
+  in-process engine's greedy tokens and logprobs on the same weights (tolerances: test_engine.py);
+  rollouts through the router reach both engines; no weight file is written anywhere;
+* the colocated sequencing: release -> (sync and rollout refused) -> resume weights -> sync ->
+  resume KV cache -> rollout, recorded by the fleet in that order (on CPU the memory calls are
+  logged no-ops);
+* an engine SIGKILLed while a rollout's requests are in flight: the rollout completes on the other
+  engine with the right answers, the dead engine leaves the router, is relaunched on placeholder
+  weights, is re-synced by the next sync, rejoins the router and serves the new weights.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from megatron_rl_fp8.fp8.config import RolloutFP8Config
+from megatron_rl_fp8.rollout.base import RolloutConfig, SGLangConfig
+from megatron_rl_fp8.rollout.sglang import (
+    KillServerAt,
+    SGLangFleet,
+    SGLangServerError,
+    server_group_pids,
+)
+from megatron_rl_fp8.rollout.sglang.http import Http, generate_request, parse_completion
+from megatron_rl_fp8.sync.buckets import rollout_buckets
+from tests.sglang.test_engine import EOS, LOGPROB_TOL, PROMPTS, _hf_cfg, _local, _weights
+
+pytestmark = pytest.mark.sglang
+FP8 = RolloutFP8Config(weight_quant="blockwise")
+
+
+@pytest.fixture(scope="module")
+def fleet(sglang_py, tmp_path_factory):
+    work = tmp_path_factory.mktemp("fleet")
+    cfg = RolloutConfig(
+        engine="sglang",
+        placement="colocated",
+        fp8=FP8,
+        sglang=SGLangConfig(
+            python=sglang_py,
+            num_engines=2,
+            work_dir=str(work),
+            bucket_mb=0.25,
+            startup_timeout_s=240,
+            request_timeout_s=120,
+        ),
+    )
+    fl = SGLangFleet(cfg, _hf_cfg(), pad_token_id=0, eos_token_id=EOS)
+    yield fl
+    groups = [e.proc.pid for e in fl.engines if e.proc is not None] + [fl._router.pid]
+    fl.shutdown()
+    assert all(server_group_pids(g) == [] for g in groups)
+    assert not list(Path(work).rglob("*.safetensors"))  # no weight copy, ever
+
+
+def _sync(fleet, seed, version):
+    sd = _weights(seed)
+    fleet.update_weights(rollout_buckets(sd.items(), FP8, **fleet.export_options), version=version)
+    return sd
+
+
+def _greedy(url, version):
+    """Greedy completions of PROMPTS from one engine, called directly."""
+    req = generate_request(
+        PROMPTS,
+        max_new_tokens=8,
+        temperature=1.0,
+        top_p=1.0,
+        greedy=True,
+        seed=0,
+        eos_token_id=EOS,
+    )
+    answers = Http(url).call("/generate", req, timeout=120)
+    return [
+        parse_completion(p, a, eos_token_id=EOS, expected_version=str(version))
+        for p, a in zip(PROMPTS, answers)
+    ]
+
+
+def _assert_same(got, ref):
+    for a, b in zip(got, ref, strict=True):
+        assert a.response_ids == b.response_ids
+        assert max(abs(x - y) for x, y in zip(a.response_logprobs, b.response_logprobs)) < (
+            LOGPROB_TOL
+        )
+
+
+def _reference(sd, version):
+    return _local(sd, version).generate(
+        PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0
+    )
+
+
+def test_every_engine_serves_the_broadcast_weights_and_the_router_uses_both(fleet):
+    for version, seed in ((1, 11), (2, 12)):
+        sd = _sync(fleet, seed, version)
+        ref = _reference(sd, version)
+        for eng in fleet.engines:
+            _assert_same(_greedy(eng.url, version), ref)
+        before = fleet.request_counts()
+        _assert_same(
+            fleet.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0), ref
+        )
+        after = fleet.request_counts()
+        assert all(b > a for a, b in zip(before, after)), (before, after)
+    assert fleet.weight_version() == 2 and fleet.stats["restarts"] == 0
+
+
+def test_colocated_memory_calls_come_in_order_and_guard_sync_and_rollout(fleet):
+    fleet.memory_calls.clear()
+    fleet.release_memory()
+    with pytest.raises(SGLangServerError, match="released"):
+        _sync(fleet, 13, 3)
+    with pytest.raises(SGLangServerError, match="released"):
+        fleet.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
+    fleet.resume_memory(("weights",))
+    sd = _sync(fleet, 13, 3)
+    fleet.resume_memory(("kv_cache",))
+    fleet.resume_memory(("kv_cache",))  # nothing released: no call
+    _assert_same(
+        fleet.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0),
+        _reference(sd, 3),
+    )
+    assert fleet.memory_calls == [
+        ("release_memory_occupation", ("weights", "kv_cache")),
+        ("resume_memory_occupation", ("weights",)),
+        ("resume_memory_occupation", ("kv_cache",)),
+    ]
+
+
+def test_engine_killed_mid_rollout_is_replaced_and_resynced(fleet):
+    sd = _sync(fleet, 14, 4)
+    ref = _reference(sd, 4)
+    killed = fleet.engines[-1]
+    old_url = killed.url
+    fleet.fault_hook = KillServerAt(fleet, "generate")
+    try:
+        got = fleet.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
+    finally:
+        fleet.fault_hook = None
+    _assert_same(got, ref)  # the rollout finished, on the surviving engine
+    assert fleet.stats["restarts"] == 1 and fleet.metrics()["rollout/engine_restarts"] == 1
+    assert killed.url != old_url and not killed.in_router  # relaunched, not yet synced
+    assert old_url not in fleet._router_workers()
+    assert fleet.metrics()["rollout/engines_serving"] == 1
+    sd = _sync(fleet, 15, 5)  # waits for the relaunched engine, re-forms the group
+    ref = _reference(sd, 5)
+    for eng in fleet.engines:
+        _assert_same(_greedy(eng.url, 5), ref)
+    assert set(fleet._router_workers()) == {e.url for e in fleet.engines}
+    assert fleet.metrics()["rollout/engines_serving"] == 2
