@@ -3,17 +3,29 @@ bucket copy) against a plain memory copy of the same bytes, and SGLang's update 
 
     python tools/bench_sync.py                       # export rows for 10M / 100M / 1B params
     python tools/bench_sync.py --sglang               # + SGLang CPU server updates (needs .venv-sglang)
+    python tools/bench_sync.py --quantizers           # rollout.fp8.quantizer: builtin vs modelopt
 
 Weights are random BF16, Qwen3-shaped, given as the *full* Megatron state dict (what
 ``sync.gather.iter_full_params`` yields on the driver at TP=1, where it hands out the parameters
 themselves without copies; TP/PP gathers add network time that this one-box benchmark does not
 model). GB/s = BF16 input bytes / wall seconds for every row, so rows compare with the copy row.
+
+``--quantizers`` times only the quantization step of that path, ``quantize_for_rollout`` with
+``rollout.fp8.quantizer`` = builtin and = modelopt, on Qwen3-8B's linear weights (``--small``: the
+same shapes / 8, plus a ragged one) in bf16 (what the trainer holds) and float32, on ``--device``
+(cuda when available). GB/s = input bytes / seconds (median on CUDA, best on a CPU); "codes
+identical" compares the two quantizers' e4m3 codes bit for bit (and the scales, in the JSON):
+
+    python tools/bench_sync.py --quantizers --device cpu --threads 2 --small --json q.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,12 +33,25 @@ from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.hf_mapping import expected_hf_names
 from megatron_rl_fp8.sync.buckets import ExportStats, export_for_rollout
+from megatron_rl_fp8.sync.quantize import quantize_for_rollout
 
 # name -> (hidden, layers, ffn, heads, groups, vocab); the exact parameter count is printed per row.
 SHAPES = {
     "10M": (256, 6, 768, 4, 2, 8000),
     "100M": (768, 10, 2048, 12, 4, 32000),
     "1B": (2048, 16, 5632, 16, 8, 32000),
+}
+
+# Qwen3-8B linear weights [out, in]: hidden 4096, 32 query heads and 8 KV groups of 128, FFN 12288.
+QWEN3_8B_LINEARS = {
+    "q_proj / o_proj": (4096, 4096),
+    "k_proj / v_proj": (1024, 4096),
+    "gate_proj / up_proj": (12288, 4096),
+    "down_proj": (4096, 12288),
+}
+SMALL_LINEARS = {
+    **{name: (m // 8, n // 8) for name, (m, n) in QWEN3_8B_LINEARS.items()},
+    "ragged": (200, 300),
 }
 
 
@@ -162,7 +187,83 @@ def bench_sglang(state, mc: ModelConfig, bucket_mb: float, transports, python: s
     return rows
 
 
-def main() -> None:
+def _seconds(fns: dict, device: torch.device, reps: int) -> dict[str, float]:
+    """Wall seconds per call of each function: one untimed call each first (which also pays
+    modelopt's import and CUDA's first launches), then ``reps`` rounds that time the functions in
+    turn, so load from other processes hits them alike. The median on CUDA; the best round on a
+    CPU, where a shared box's stalls are one-sided noise (as the export rows above)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # timing needs the previous kernels finished
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[k].append(time.perf_counter() - t0)
+    pick = statistics.median if device.type == "cuda" else min
+    return {k: pick(v) for k, v in times.items()}
+
+
+def bench_quantizers(shapes: dict, device: torch.device, reps: int) -> list[dict]:
+    """builtin vs modelopt through ``quantize_for_rollout`` (the run path), per shape and dtype."""
+    name = "model.layers.0.mlp.up_proj.weight"  # any FP8-eligible HF name
+
+    def quantize(w: torch.Tensor, quantizer: str) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = RolloutFP8Config(weight_quant="blockwise", quantizer=quantizer)
+        (_, codes), (_, scale_inv) = quantize_for_rollout([(name, w)], cfg)
+        return codes, scale_inv
+
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for linear, shape in shapes.items():
+        w32 = 0.02 * torch.randn(shape, generator=gen, device=device)
+        for dtype in (torch.bfloat16, torch.float32):
+            w = w32.to(dtype)
+            seconds = _seconds(
+                {q: lambda q=q, w=w: quantize(w, q) for q in ("builtin", "modelopt")}, device, reps
+            )
+            (c_b, s_b), (c_m, s_m) = quantize(w, "builtin"), quantize(w, "modelopt")
+            differ = int((c_b.view(torch.uint8) != c_m.view(torch.uint8)).sum())  # host sync
+            nbytes = w.numel() * w.element_size()
+            rows.append(
+                {
+                    "linear": linear,
+                    "shape": list(shape),
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "builtin_s": seconds["builtin"],
+                    "modelopt_s": seconds["modelopt"],
+                    "builtin_gbps": nbytes / 1e9 / seconds["builtin"],
+                    "modelopt_gbps": nbytes / 1e9 / seconds["modelopt"],
+                    "ratio": seconds["modelopt"] / seconds["builtin"],
+                    "codes_differ": differ,
+                    "scales_identical": bool(torch.equal(s_b, s_m)),
+                }
+            )
+    return rows
+
+
+def print_quantizers(rows: list[dict]) -> None:
+    print(
+        "| weight | shape | input | builtin GB/s | modelopt GB/s | modelopt/builtin time "
+        "| codes identical (differing) |"
+    )
+    print("|---|---|---|---:|---:|---:|---|")
+    for r in rows:
+        m, n = r["shape"]
+        print(
+            f"| {r['linear']} | {m}x{n} | {r['dtype']} | {r['builtin_gbps']:.2f} | "
+            f"{r['modelopt_gbps']:.2f} | {r['ratio']:.2f} | "
+            f"{r['codes_differ'] == 0} ({r['codes_differ']}) |"
+        )
+    ratios = [r["ratio"] for r in rows]
+    print(f"modelopt/builtin time ratio: {min(ratios):.2f}-{max(ratios):.2f}")
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--bucket-mb", type=float, default=512)
@@ -171,8 +272,30 @@ def main() -> None:
     ap.add_argument("--sglang-bucket-mb", type=float, default=64)
     ap.add_argument("--sglang-python", default=".venv-sglang/bin/python")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    args = ap.parse_args()
+    ap.add_argument(
+        "--quantizers",
+        action="store_true",
+        help="instead of the export rows: rollout.fp8.quantizer builtin vs modelopt",
+    )
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--small", action="store_true", help="--quantizers: Qwen3-8B shapes / 8")
+    ap.add_argument("--reps", type=int, help="--quantizers: timed rounds (10 on cuda, 5 on cpu)")
+    ap.add_argument("--json", type=Path, help="--quantizers: also write the rows to this file")
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.quantizers:
+        device = torch.device(args.device)
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        print(f"{where}, threads={torch.get_num_threads()}, torch {torch.__version__}")
+        reps = args.reps or (10 if device.type == "cuda" else 5)
+        rows = bench_quantizers(SMALL_LINEARS if args.small else QWEN3_8B_LINEARS, device, reps)
+        print_quantizers(rows)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(
+                json.dumps({"device": where, "reps": reps, "rows": rows}, indent=1)
+            )
+        return
     print(f"threads={torch.get_num_threads()} bucket_mb={args.bucket_mb}")
     print("| model | params | step | seconds | GB/s (bf16 in) | vs copy | buckets |")
     print("|---|---:|---|---:|---:|---:|---:|")

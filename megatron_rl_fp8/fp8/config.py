@@ -21,6 +21,7 @@ Recipe = Literal[
 Format = Literal["e4m3", "hybrid"]
 AmaxComputeAlgo = Literal["max", "most_recent"]
 RolloutWeightQuant = Literal["bf16", "blockwise", "per_tensor"]
+RolloutQuantizer = Literal["modelopt", "builtin"]
 Accumulation = Literal["fp32", "hopper"]
 
 HOPPER_MMA_K = 32
@@ -228,6 +229,13 @@ class RolloutFP8Config:
     act_group: int = field(
         default=128,
         help="Activation group size along the hidden dim (1 x act_group scales).",
+    )
+    quantizer: RolloutQuantizer = field(
+        default="modelopt",
+        help="Who quantizes the synced weights, on the device they live on. 'modelopt': NVIDIA "
+        "Model Optimizer's FP8QTensor.quantize (needs nvidia-modelopt). 'builtin': this "
+        "project's quantize_blockwise / quantize_per_tensor, the reference modelopt is tested "
+        "against; equally exact (identical codes and scales), no extra dependency.",
     )
 
     def __post_init__(self) -> None:

@@ -185,7 +185,7 @@ def build_gpt_model(
             layer_specs=[spec] * get_num_layers_to_build(config),
             layer_norm=SequenceParallelRMSNorm,
         )
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=model.padded_vocab_size(config.tensor_model_parallel_size),
@@ -199,3 +199,12 @@ def build_gpt_model(
         rope_scaling=model.rope_scaling_factor is not None,
         rope_scaling_factor=model.rope_scaling_factor or 8.0,
     )
+    # The local spec's norms (torch.nn.RMSNorm, here and in Megatron's WrappedTorchNorm) are built
+    # in float32 whatever params_dtype says; Megatron's scripts cast them with Float16Module. They
+    # take the model's dtype here, as TE's norms do: Megatron's mixed-precision optimizer cannot
+    # checkpoint a float32 parameter of a bf16 model ("Param id .. does not match any model
+    # sharded param", seen on the H200).
+    for p in gpt.parameters():
+        if p.dtype != config.params_dtype:
+            p.data = p.data.to(config.params_dtype)
+    return gpt

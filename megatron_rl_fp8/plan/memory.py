@@ -22,7 +22,7 @@ activations    what the backward needs of each micro-batch (:func:`layer_activat
 logits         the log-prob path's copies of the [tokens, V/TP] logits (:class:`LogitsCost`).
 KL reference   the frozen reference's weights (``loss.kl_coef > 0``), sharded like the actor's.
 SGLang         ``rollout.sglang.mem_fraction_static`` x GPU memory, on a GPU a colocated
-               server shares with a trainer rank.
+               engine shares with a trainer rank (``rollout.placement=colocated``).
 allowance      ``RUNTIME_ALLOWANCE_GB`` (CUDA context, libraries, allocator fragmentation).
 =============  ===============================================================================
 
@@ -434,7 +434,9 @@ def _sglang_share(cfg: RunConfig, world: World) -> tuple[float, str | None]:
     r = cfg.rollout
     if r.engine != "sglang" or world.device == "cpu" or r.sglang.device == "cpu":
         return 0.0, None
-    gpus = f"{r.sglang.tp_size} of the {world.size} GPUs"
+    if r.placement == "dedicated":
+        return 0.0, None  # the engines' GPUs are not the trainer's
+    gpus = f"{r.sglang.num_engines * r.sglang.tp_size} of the {world.size} GPUs"
     if r.sglang.mem_fraction_static is None:
         return 0.0, (
             f"SGLang runs on {gpus} but rollout.sglang.mem_fraction_static is unset (SGLang sizes "
@@ -442,8 +444,9 @@ def _sglang_share(cfg: RunConfig, world: World) -> tuple[float, str | None]:
         )
     share = r.sglang.mem_fraction_static * world.gpu_memory_gb * GB
     return share, (
-        f"rollout.engine=sglang on a GPU run is taken as colocated: the server uses {gpus} "
-        f"(rollout.sglang.tp_size) next to a trainer rank; the table is for one of those"
+        f"rollout.placement=colocated: the engines use {gpus} (num_engines x tp_size) next to a "
+        "trainer rank; the table is for one of those, counting the engine's share although it "
+        "is released while the trainer trains"
     )
 
 

@@ -4,8 +4,8 @@
     -> old logprobs + clipped policy updates, calibrated under FP8 (update.py, calibrator.py)
     -> weight sync Megatron -> HF -> engine (sync/)  -> evaluation  -> metrics  -> checkpoint
 
-Roles: global rank 0 is the *driver*: it owns the rollout engine and the logs. The rollout batch
-is broadcast to every rank; each data-parallel rank trains on its slice of rows. Before the first
+Roles: global rank 0 is the *driver*: it owns the rollout engine and the logs. It builds the
+rollout batch and scatters each data-parallel rank its slice of rows, as tensors. Before the first
 step: resume from the run's own checkpoint, or the SFT warm start (warm_start.py). New phases
 (a stability guard, a reference model, asynchronous rollout) are a module each and one line here.
 """
@@ -38,7 +38,7 @@ from megatron_rl_fp8.trainer import checkpoint, run_dir
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.batch import build_rl_batch, order_for_updates
 from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
-from megatron_rl_fp8.trainer.collectives import broadcast_object
+from megatron_rl_fp8.trainer.collectives import broadcast_object, scatter_rows
 from megatron_rl_fp8.trainer.guard import GuardStop, StabilityGuard, event_metrics
 from megatron_rl_fp8.trainer.reference import Reference
 from megatron_rl_fp8.trainer.sampling import Sampler
@@ -432,18 +432,20 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         completions, rewards, rollout_stats = self.sampler.rollout(self.step)
-        if self.is_driver and cfg.rollout.placement == "colocated":
-            self.engine.release_memory()  # the trainer's phase: engines give their memory back
-        advantages = grpo_advantages(
-            rewards, cfg.rollout.n_samples_per_prompt, norm_std=cfg.loss.norm_adv_by_std
-        )
-        batch = order_for_updates(
-            build_rl_batch(completions, advantages, pad_id=self.tokenizer.pad_token_id),
-            self.groups.dp_size,
-            cfg.train.updates_per_step,
-        )
+        batch = None
+        if self.is_driver:
+            if cfg.rollout.placement == "colocated":
+                self.engine.release_memory()  # the trainer's phase: engines give memory back
+            advantages = grpo_advantages(
+                rewards, cfg.rollout.n_samples_per_prompt, norm_std=cfg.loss.norm_adv_by_std
+            )
+            batch = order_for_updates(
+                build_rl_batch(completions, advantages, pad_id=self.tokenizer.pad_token_id),
+                self.groups.dp_size,
+                cfg.train.updates_per_step,
+            )
         self.policy_update.bf16 = self.guard.bf16(self.step)
-        metrics = self.policy_update(batch, self.step)
+        metrics = self.policy_update(scatter_rows(batch, self.groups), self.step)
         if self.is_driver:
             metrics.update(rollout_stats)
         if self.guard_step(metrics) == "rollback":

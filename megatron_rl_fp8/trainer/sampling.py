@@ -1,8 +1,9 @@
 """The rollout phase: prompts -> completions -> rewards on the driver, shared with every rank.
 
 Global rank 0 (the *driver*) owns the rollout engine: it samples ``rollout.n_samples_per_prompt``
-completions per prompt, scores them with the task's verifiers (plus DAPO overlong shaping when
-configured) and broadcasts (completions, rewards, stats, dataset position) to every rank.
+completions per prompt and scores them with the task's verifiers (plus DAPO overlong shaping when
+configured); its dataset position goes to every rank (the trainer turns the completions into
+tensors and scatters each data-parallel rank its rows).
 
 DAPO dynamic sampling: groups whose rewards are all equal carry no advantage signal, so they are
 dropped and more prompts are sampled, up to ``loss.max_sampling_rounds`` rounds, until
@@ -159,12 +160,18 @@ class Sampler:
             )
         return completions, rewards, stats
 
-    def rollout(self, step: int) -> tuple[list[Completion], torch.Tensor, dict]:
-        """(completions, rewards, rollout stats) of RL step ``step`` on every rank (collective)."""
-        payload = None
+    def rollout(self, step: int) -> tuple[list[Completion] | None, torch.Tensor | None, dict]:
+        """(completions, rewards, rollout stats) of RL step ``step`` on the driver, ``(None, None,
+        {})`` elsewhere (collective: every rank's dataset takes the driver's position; the rows
+        themselves reach the ranks as tensors, ``collectives.scatter_rows``)."""
+        completions = rewards = None
+        stats: dict = {}
         if self.groups.is_driver:
-            payload = (*self._sample_on_driver(step), self.train_data.state_dict())
-        completions, rewards, stats, data_state = broadcast_object(payload, self.groups.driver_rank)
+            completions, rewards, stats = self._sample_on_driver(step)
+        data_state = broadcast_object(
+            self.train_data.state_dict() if self.groups.is_driver else None,
+            self.groups.driver_rank,
+        )
         if not self.groups.is_driver:
             self.train_data.load_state_dict(data_state)
         return completions, rewards, stats

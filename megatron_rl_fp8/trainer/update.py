@@ -1,7 +1,7 @@
 """The update phase: old logprobs, then ``train.updates_per_step`` clipped policy-gradient steps.
 
-Each data-parallel rank trains on its contiguous slice of the rollout batch (``rows_for_rank``),
-split into one mini-batch per optimizer step. Losses are normalised by the mini-batch's *global*
+Each data-parallel rank trains on its contiguous slice of the rollout batch (``rows_for_rank``,
+scattered to it by the driver), split into one mini-batch per optimizer step. Losses are normalised by the mini-batch's *global*
 denominator (response tokens for ``loss.agg=token-mean``, sequences for the seq-mean modes, summed
 over every DP rank), so the update does not depend on how rows are split across micro-batches and
 ranks: TP=2, PP=2 or DP=2 give the 1-rank loss.
@@ -23,6 +23,7 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl_fp8.config import RunConfig
 from megatron_rl_fp8.loss import aggregate_loss, kl_penalty, masked_mean, policy_loss
@@ -30,7 +31,6 @@ from megatron_rl_fp8.metrics.accumulator import MetricAccumulator
 from megatron_rl_fp8.metrics.ratios import log_ratio_histogram, ratio_stats
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.trainer.actor import Actor
-from megatron_rl_fp8.trainer.batch import rows_for_rank
 from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
 from megatron_rl_fp8.trainer.collectives import broadcast_object
 from megatron_rl_fp8.trainer.reference import Reference
@@ -43,18 +43,19 @@ _MIN_KEYS = ("ratio_min",)
 _CONDITIONAL = {"pg_clipfrac_neg_lower": "_nneg", "pg_clipfrac_pos_upper": "_npos"}
 
 
-def global_loss_count(batch: dict, update: int, *, agg: str, dp_size: int, updates: int) -> float:
-    """The loss denominator of mini-batch ``update`` over all DP ranks (known on every rank):
-    response tokens for ``agg=token-mean``, sequences with at least one response token for the
-    seq-mean modes (the local denominators of ``aggregate_loss``, made global)."""
-    total = 0.0
-    for dp_rank in range(dp_size):
-        mask = rows_for_rank(batch, dp_rank, dp_size)["loss_mask"].chunk(updates)[update]
-        if agg == "token-mean":
-            total += mask.sum().item()
-        else:
-            total += (mask.sum(dim=-1) > 0).sum().item()
-    return max(total, 1.0)
+def global_loss_counts(local: dict, *, agg: str, updates: int, groups) -> list[float]:
+    """The loss denominator of every mini-batch over all DP ranks, from this rank's rows: response
+    tokens for ``agg=token-mean``, sequences with at least one response token for the seq-mean
+    modes (the local denominators of ``aggregate_loss``, made global; one all-reduce)."""
+    masks = local["loss_mask"].chunk(updates)
+    if agg == "token-mean":
+        counts = [m.sum() for m in masks]
+    else:
+        counts = [(m.sum(dim=-1) > 0).sum() for m in masks]
+    total = torch.stack(counts).to(torch.float64)
+    if groups.dp_size > 1:
+        dist.all_reduce(total, group=groups.dp)
+    return [max(c, 1.0) for c in total.tolist()]
 
 
 def chunks(batch: dict, n: int) -> list[dict]:
@@ -226,18 +227,18 @@ class PolicyUpdate:
                 acc.add("pg_tokens" + count, o[count].item())
 
     def __call__(self, batch: dict, step: int) -> dict:
-        """Old logprobs and the optimizer steps on ``batch`` (the whole, ordered rollout batch);
-        returns this step's ``train/``, ``fp8/``, ``calib/`` and ``perf/`` metrics on the driver."""
+        """Old logprobs and the optimizer steps on ``batch`` (this rank's rows of the ordered
+        rollout batch, ``collectives.scatter_rows``); returns this step's ``train/``, ``fp8/``, ``calib/`` and ``perf/`` metrics on the driver."""
         g = self.groups
         t0 = time.perf_counter()
-        # This rank's rows, on its device (collectives on them must use the backend's device).
-        local = {k: v.to(g.device) for k, v in rows_for_rank(batch, g.dp_rank, g.dp_size).items()}
+        # On this rank's device (collectives on them must use the backend's device).
+        local = {k: v.to(g.device) for k, v in batch.items()}
         acc = MetricAccumulator()
         # A BF16 step (the guard's action) has no FP8 to calibrate and clips nominally.
         calibrating = self.calibrator.due(step) and not self.bf16
         precision = self.actor.full_precision() if self.bf16 else contextlib.nullcontext()
         with precision:
-            metrics = self._update(batch, local, acc, calibrating, t0)
+            metrics = self._update(local, acc, calibrating, t0)
         # The rollout sync, checkpoints and the norm read the weights next: gather them now
         # when the distributed optimizer left that to the next forward pass.
         self.actor.finish_param_gather()
@@ -247,7 +248,7 @@ class PolicyUpdate:
             metrics["train/bf16_step"] = float(self.bf16)
         return metrics
 
-    def _update(self, batch, local, acc, calibrating: bool, t0: float) -> dict:
+    def _update(self, local, acc, calibrating: bool, t0: float) -> dict:
         cfg, g = self.cfg, self.groups
         bounds = self.calibrator.nominal if self.bf16 else None
         shadow_time = self.old_logprobs(local, acc, calibrating)
@@ -258,8 +259,8 @@ class PolicyUpdate:
         n_up = cfg.train.updates_per_step
         grad_norms, skipped = [], 0
         calib_metrics: dict[str, float] = {}
-        for u, mini in enumerate(chunks(local, n_up)):
-            count = global_loss_count(batch, u, agg=cfg.loss.agg, dp_size=g.dp_size, updates=n_up)
+        loss_counts = global_loss_counts(local, agg=cfg.loss.agg, updates=n_up, groups=g)
+        for u, (mini, count) in enumerate(zip(chunks(local, n_up), loss_counts)):
             counts = (
                 {"global_token_count": count}
                 if cfg.loss.agg == "token-mean"

@@ -1,5 +1,7 @@
 """Actor checkpoint round trip: model + Adam state + lr schedule restore exactly, so the next step
-is bit-identical (with a warmup + cosine schedule: a schedule restarted at step 0 would differ)."""
+is bit-identical (with a warmup + cosine schedule: a schedule restarted at step 0 would differ).
+Also with bf16 parameters (Megatron's mixed-precision optimizer with fp32 main weights: every
+parameter must be bf16 for it to checkpoint, norms included; a float32 norm failed on the H200)."""
 
 import math
 
@@ -9,7 +11,7 @@ import torch
 from tests.dist_utils import run_distributed
 
 
-def _body(rank, world, ckpt_dir):
+def _body(rank, world, ckpt_dir, dtype="float32"):
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.trainer import checkpoint
@@ -28,7 +30,9 @@ def _body(rank, world, ckpt_dir):
             lr=lr, lr_warmup_steps=2, lr_decay_style="cosine", min_lr=1e-4, lr_decay_steps=8
         )
 
-    a = Actor(ModelConfig(vocab_size=53), optim(1e-3), g)
+    model = ModelConfig(vocab_size=53, params_dtype=dtype)
+    a = Actor(model, optim(1e-3), g)
+    dtypes = {p.dtype for p in a.module.parameters()}
     for _ in range(3):
         a.train_step(batch, 2, nll)
     checkpoint.save(
@@ -39,7 +43,7 @@ def _body(rank, world, ckpt_dir):
     )
 
     def restored(lr):
-        actor = Actor(ModelConfig(vocab_size=53), optim(lr), g)
+        actor = Actor(model, optim(lr), g)
         loaded, state = checkpoint.load(
             checkpoint.latest(ckpt_dir),
             actor.sharded_state_dict(with_optimizer=True, is_loading=True),
@@ -59,7 +63,7 @@ def _body(rank, world, ckpt_dir):
     lrs.append((a.lr, b.lr))
     same = all(torch.equal(x, y) for x, y in zip(a.module.parameters(), b.module.parameters()))
     parallel.destroy()
-    return same, state["step"], checkpoint.latest(ckpt_dir).name, lrs
+    return same, state["step"], checkpoint.latest(ckpt_dir).name, lrs, dtypes
 
 
 def _cosine(lr, n):
@@ -68,7 +72,7 @@ def _cosine(lr, n):
 
 
 def _check(out):
-    same, step, name, ((lr_a, lr_b, lr_c), (lr_a5, lr_b5)) = out
+    same, step, name, ((lr_a, lr_b, lr_c), (lr_a5, lr_b5)), _ = out
     assert (same, step, name) == (True, 3, "iter_0000003")
     assert lr_a == lr_b == pytest.approx(_cosine(1e-3, 3), rel=1e-12)
     assert lr_c == pytest.approx(_cosine(2e-3, 3), rel=1e-12)
@@ -83,3 +87,9 @@ def test_resume_is_bit_exact_tp1(tmp_path):
 def test_resume_is_bit_exact_tp2(tmp_path):
     for out in run_distributed(_body, world_size=2, args=(str(tmp_path),)):
         _check(out)
+
+
+def test_resume_is_bit_exact_with_bf16_parameters(tmp_path):
+    (out,) = run_distributed(_body, world_size=1, args=(str(tmp_path), "bfloat16"))
+    _check(out)
+    assert out[-1] == {torch.bfloat16}

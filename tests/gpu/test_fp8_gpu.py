@@ -6,6 +6,8 @@
   provably *not* float32-accumulated.
 * With Transformer Engine installed, the actor runs a real TE FP8 training step for each recipe TE
   has, and the BF16 shadow switch turns FP8 off.
+* The rollout weights' quantizers (``rollout.fp8.quantizer``, modelopt and builtin) quantize a
+  CUDA weight on the GPU, to bit-identical codes and scales.
 """
 
 import contextlib
@@ -16,6 +18,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_modelopt = pytest.mark.skipif(
+    importlib.util.find_spec("modelopt") is None, reason="needs nvidia-modelopt"
+)
 needs_te = pytest.mark.skipif(
     importlib.util.find_spec("transformer_engine") is None,
     reason="needs transformer-engine (pip install -e '.[gpu]')",
@@ -163,3 +168,31 @@ def test_te_fp8_training_step(recipe):
     gap, grad_norm, ok = run_distributed(_te_step, world_size=1, args=(recipe,))[0]
     assert ok and torch.isfinite(torch.tensor(grad_norm))
     assert 0 < gap < 0.5  # FP8 changes the logprobs, but only by quantization noise
+
+
+@needs_cuda
+@needs_modelopt
+@pytest.mark.parametrize("weight_quant", ["blockwise", "per_tensor"])
+def test_rollout_quantizers_agree_on_the_gpu(weight_quant):
+    from megatron_rl_fp8.fp8.config import RolloutFP8Config
+    from megatron_rl_fp8.sync.quantize import quantize_for_rollout
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = 0.02 * torch.randn(1000, 3000, generator=gen, device="cuda")  # ragged: 8 x 24 blocks
+    w[:128, :128] = 0.0  # an all-zero block
+    for dtype in (torch.bfloat16, torch.float32):
+        named = [("model.layers.0.mlp.down_proj.weight", w.to(dtype))]
+        out = {
+            q: list(
+                quantize_for_rollout(
+                    named, RolloutFP8Config(weight_quant=weight_quant, quantizer=q)
+                )
+            )
+            for q in ("modelopt", "builtin")
+        }
+        for (_, a), (_, b) in zip(out["modelopt"], out["builtin"]):
+            assert a.is_cuda and (a.dtype, a.shape) == (b.dtype, b.shape)
+            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        scale_inv = out["modelopt"][1][1]
+        assert scale_inv.dtype == torch.float32
+        assert scale_inv.shape == ((8, 24) if weight_quant == "blockwise" else ())

@@ -1,6 +1,6 @@
-"""The GPU check's pieces run on a CPU box: bench_gemm / bench_actor ``--cpu-smoke`` produce
-tables and JSON that parse, FP8 rows say why they are unavailable, and gpu_check.sh stops early
-with a clear message when there is no CUDA GPU. (On a GPU node the same scripts run for real:
+"""The GPU check's pieces run on a CPU box: bench_gemm / bench_actor ``--cpu-smoke`` and
+bench_sync ``--quantizers --small`` produce tables and JSON that parse, FP8 rows say why they are
+unavailable, and gpu_check.sh stops early with a clear message when there is no CUDA GPU. (On a GPU node the same scripts run for real:
 ``make gpu-check``; see docs/gpu.md.)"""
 
 from __future__ import annotations
@@ -95,6 +95,32 @@ def test_bench_actor_cpu_smoke(tmp_path):
     assert [r[0] for r in rows] == ["base", "budget"]
     assert rows[0][1] == "cpu x 1" and float(rows[0][6]) > 0 and rows[0][7] == "1.00x"
     assert "parameters on this rank" in out.stdout
+
+
+def test_bench_sync_quantizers_cpu_smoke(tmp_path, capsys):
+    """In process (modelopt's import is paid once per test session, not once more here); the
+    thread count passed is the current one, so the run leaves this process's setting alone."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_sync
+    finally:
+        sys.path.pop(0)
+    args = ["--quantizers", "--device", "cpu", "--small", "--reps", "1"]
+    threads = ["--threads", str(torch.get_num_threads()), "--json", str(tmp_path / "q.json")]
+    bench_sync.main(args + threads)
+    out = capsys.readouterr().out
+    rows = json.loads((tmp_path / "q.json").read_text())["rows"]
+    assert len(_table_rows(out)) == len(rows) == 2 * len(bench_sync.SMALL_LINEARS)
+    assert {r["dtype"] for r in rows} == {"bfloat16", "float32"}
+    for r in rows:
+        assert r["codes_differ"] == 0 and r["scales_identical"], r
+        assert r["builtin_gbps"] > 0 and r["modelopt_gbps"] > 0
+    assert all(row[-1] == "True (0)" for row in _table_rows(out))
+    ratios = [r["ratio"] for r in rows]
+    assert out.splitlines()[-1] == (
+        f"modelopt/builtin time ratio: {min(ratios):.2f}-{max(ratios):.2f}"
+    )
+    assert bench_sync.QWEN3_8B_LINEARS["gate_proj / up_proj"] == (12288, 4096)
 
 
 def test_actor_flops_match_qwen3_published_sizes():
