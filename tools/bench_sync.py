@@ -3,6 +3,7 @@ bucket copy) against a plain memory copy of the same bytes, and SGLang's update 
 
     python tools/bench_sync.py                       # export rows for 10M / 100M / 1B params
     python tools/bench_sync.py --sglang               # + SGLang CPU server updates (needs .venv-sglang)
+    python tools/bench_sync.py --fleet 1 2 4          # the fleet's broadcast sync into 1, 2, 4 engines
     python tools/bench_sync.py --quantizers           # rollout.fp8.quantizer: builtin vs modelopt
 
 Weights are random BF16, Qwen3-shaped, given as the *full* Megatron state dict (what
@@ -187,6 +188,63 @@ def bench_sglang(state, mc: ModelConfig, bucket_mb: float, transports, python: s
     return rows
 
 
+def bench_fleet(state, mc: ModelConfig, bucket_mb: float, counts, python: str) -> list[dict]:
+    """The production sync (``SGLangFleet.update_weights``: export -> one flattened broadcast per
+    bucket to every engine -> version checks) into fleets of ``counts`` CPU engines, without and
+    with FP8 (on CPU the FP8-rounded values travel in the serving dtype; best of 2 syncs each)."""
+    import tempfile
+
+    from megatron_rl_fp8.models.hf_mapping import hf_config
+    from megatron_rl_fp8.rollout.base import RolloutConfig, SGLangConfig
+    from megatron_rl_fp8.rollout.sglang import SGLangFleet
+
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    rows = []
+    for n in counts:
+        with tempfile.TemporaryDirectory() as work:
+            cfg = RolloutConfig(
+                engine="sglang",
+                sglang=SGLangConfig(
+                    python=python,
+                    num_engines=n,
+                    bucket_mb=bucket_mb,
+                    work_dir=work,
+                    dtype="bfloat16",
+                    startup_timeout_s=900,
+                ),
+            )
+            t0 = time.perf_counter()
+            fleet = SGLangFleet(cfg, hf_config(mc), pad_token_id=0, eos_token_id=2)
+            start = time.perf_counter() - t0
+            try:
+                version = 0
+                for label, fp8 in (
+                    ("bf16", RolloutFP8Config()),
+                    ("fp8 blockwise", RolloutFP8Config(weight_quant="blockwise")),
+                ):
+                    best = float("inf")
+                    for _ in range(2):
+                        t0 = time.perf_counter()
+                        fleet.update_weights(
+                            export_for_rollout(state.items(), mc, fp8, **fleet.export_options),
+                            version=version,
+                        )
+                        best = min(best, time.perf_counter() - t0)
+                        version += 1
+                    rows.append(
+                        {
+                            "engines": n,
+                            "weights": label,
+                            "s": best,
+                            "gbps": nbytes / 1e9 / best,
+                            "start_s": start,
+                        }
+                    )
+            finally:
+                fleet.shutdown()
+    return rows
+
+
 def _seconds(fns: dict, device: torch.device, reps: int) -> dict[str, float]:
     """Wall seconds per call of each function: one untimed call each first (which also pays
     modelopt's import and CUDA's first launches), then ``reps`` rounds that time the functions in
@@ -271,6 +329,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sglang-size", default="100M", choices=list(SHAPES))
     ap.add_argument("--sglang-bucket-mb", type=float, default=64)
     ap.add_argument("--sglang-python", default=".venv-sglang/bin/python")
+    ap.add_argument(
+        "--fleet",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="instead of the export rows: the fleet's broadcast sync into N CPU engines "
+        "(one fleet per N; model --sglang-size, buckets --sglang-bucket-mb)",
+    )
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument(
         "--quantizers",
@@ -294,6 +360,22 @@ def main(argv: list[str] | None = None) -> None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(
                 json.dumps({"device": where, "reps": reps, "rows": rows}, indent=1)
+            )
+        return
+    if args.fleet:
+        mc = model_config(*SHAPES[args.sglang_size])
+        state = random_mcore_state(mc)
+        n = sum(t.numel() for t in state.values())
+        print(
+            f"SGLang CPU engines behind sglang-router, {args.sglang_size} ({n / 1e6:.0f}M params, "
+            f"bf16), bucket_mb={args.sglang_bucket_mb}, threads={torch.get_num_threads()}"
+        )
+        print("| engines | weights | s / sync | GB/s (bf16 in) | fleet start s |")
+        print("|---:|---|---:|---:|---:|")
+        for r in bench_fleet(state, mc, args.sglang_bucket_mb, args.fleet, args.sglang_python):
+            print(
+                f"| {r['engines']} | {r['weights']} | {r['s']:.2f} | {r['gbps']:.3f} | "
+                f"{r['start_s']:.0f} |"
             )
         return
     print(f"threads={torch.get_num_threads()} bucket_mb={args.bucket_mb}")

@@ -9,11 +9,15 @@ the same fleet shows:
 * the colocated sequencing: release -> (sync and rollout refused) -> resume weights -> sync ->
   resume KV cache -> rollout, recorded by the fleet in that order (on CPU the memory calls are
   logged no-ops);
-* an engine SIGKILLed while a rollout's requests are in flight: the rollout completes on the other
-  engine with the right answers, the dead engine leaves the router, is relaunched on placeholder
-  weights, is re-synced by the next sync, rejoins the router and serves the new weights.
+* an engine that hangs (SIGSTOP) while a rollout's requests are in flight: its requests time out
+  and are retried, the rollout completes on the other engine with the right answers, the hung
+  engine fails /health, leaves the router, is relaunched on placeholder weights, is re-synced by
+  the next sync, rejoins the router and serves the new weights.
 """
 
+import dataclasses
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -21,7 +25,6 @@ import pytest
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.rollout.base import RolloutConfig, SGLangConfig
 from megatron_rl_fp8.rollout.sglang import (
-    KillServerAt,
     SGLangFleet,
     SGLangServerError,
     server_group_pids,
@@ -133,19 +136,30 @@ def test_colocated_memory_calls_come_in_order_and_guard_sync_and_rollout(fleet):
     ]
 
 
-def test_engine_killed_mid_rollout_is_replaced_and_resynced(fleet):
+def test_engine_hung_mid_rollout_is_replaced_and_resynced(fleet):
+    # SIGSTOP: the engine keeps its sockets but answers nothing (a hang; the trainer-level test
+    # in test_train_sglang.py SIGKILLs one instead). Its requests time out, /health does too.
     sd = _sync(fleet, 14, 4)
     ref = _reference(sd, 4)
-    killed = fleet.engines[-1]
-    old_url = killed.url
-    fleet.fault_hook = KillServerAt(fleet, "generate")
+    hung = fleet.engines[-1]
+    old_url = hung.url
+
+    def stop(point):
+        if point == "generate" and fleet.fault_hook is stop:
+            fleet.fault_hook = None
+            os.killpg(hung.proc.pid, signal.SIGSTOP)
+
+    cfg = fleet.cfg
+    fleet.cfg = dataclasses.replace(cfg, request_timeout_s=10)
+    fleet.fault_hook = stop
     try:
         got = fleet.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
     finally:
-        fleet.fault_hook = None
-    _assert_same(got, ref)  # the rollout finished, on the surviving engine
+        fleet.cfg, fleet.fault_hook = cfg, None
+    _assert_same(got, ref)  # the rollout finished, on the other engine
     assert fleet.stats["restarts"] == 1 and fleet.metrics()["rollout/engine_restarts"] == 1
-    assert killed.url != old_url and not killed.in_router  # relaunched, not yet synced
+    assert fleet.stats["retried_requests"] >= 1
+    assert hung.url != old_url and not hung.in_router  # relaunched, not yet synced
     assert old_url not in fleet._router_workers()
     assert fleet.metrics()["rollout/engines_serving"] == 1
     sd = _sync(fleet, 15, 5)  # waits for the relaunched engine, re-forms the group

@@ -336,3 +336,115 @@ def test_export_options_tell_the_export_path_how_to_send_weights(tmp_path):
     cfg = RolloutConfig(sglang=SGLangConfig(python="", work_dir=str(tmp_path), bucket_mb=64))
     eng = SGLangEngine(cfg, None, pad_token_id=0, eos_token_id=2)
     assert eng.export_options == {"bucket_mb": 64, "dequantize_to": torch.float32}
+
+
+# -- the fleet's pieces without a server -----------------------------------------------------------
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("rollout.sglang.num_engines=0", "num_engines"),
+        ("rollout.sglang.router_url=http://127.0.0.1:1", "engine_urls is empty"),
+        ("rollout.sglang.engine_urls=[localhost:3000]", "not an http://host:port URL"),
+        (
+            "rollout.sglang.engine_urls=[http://a:1,http://b:2]",
+            None,  # with num_engines=3 below
+        ),
+        ("rollout.placement=colocated", "colocated applies to SGLang"),
+        ("rollout.placement=everywhere", "rollout.placement"),
+        ("rollout.sglang.router_policy=nearest", "router_policy"),
+    ],
+)
+def test_fleet_config_rejects_bad_values_naming_the_field(override, match):
+    overrides = [override]
+    if match is None:
+        overrides.append("rollout.sglang.num_engines=3")
+        match = "num_engines=3 but 2 engine_urls"
+    elif "placement" not in override:
+        overrides.append("rollout.engine=sglang")
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_fleet_is_chosen_for_several_engines_attached_engines_or_colocation():
+    def sglang(**kw):
+        return load_config(None, ["rollout.engine=sglang", *kw.pop("extra", [])]).rollout
+
+    assert not sglang().sglang.fleet
+    assert sglang(extra=["rollout.sglang.num_engines=2"]).sglang.fleet
+    assert sglang(extra=["rollout.sglang.engine_urls=[http://h:30000]"]).sglang.fleet
+    assert sglang(extra=["rollout.placement=colocated"]).placement == "colocated"
+
+
+def test_placeholder_launch_and_router_commands():
+    from megatron_rl_fp8.rollout.sglang import router_command
+
+    cmd = server_command(
+        SGLangConfig(),
+        python="/py",
+        model_path="/m",
+        port=1,
+        device="cuda",
+        dtype="bfloat16",
+        fp8_checkpoint=True,
+        weight_version="-1",
+        placeholder_weights=True,
+        base_gpu_id=4,
+    )
+    flags = dict(zip(cmd[3::1], cmd[4::1]))
+    assert flags["--load-format"] == "dummy" and flags["--base-gpu-id"] == "4"
+    assert "--enable-metrics" in cmd and flags["--quantization"] == "fp8"
+    cpu = server_command(
+        SGLangConfig(),
+        python="/py",
+        model_path="/m",
+        port=1,
+        device="cpu",
+        dtype="float32",
+        fp8_checkpoint=False,
+        weight_version="0",
+        base_gpu_id=4,
+    )
+    assert "--base-gpu-id" not in cpu and "--load-format" not in cpu
+    r = router_command(
+        SGLangConfig(router_policy="cache_aware"),
+        python="/py",
+        port=7,
+        worker_urls=["http://a:1", "http://b:2"],
+    )
+    assert r[:3] == ["/py", "-m", "sglang_router.launch_router"]
+    assert r[r.index("--policy") + 1] == "cache_aware" and r[r.index("--port") + 1] == "7"
+    assert r[r.index("--worker-urls") + 1 :] == ["http://a:1", "http://b:2"]
+
+
+def test_row_requests_keep_the_batch_seeds():
+    from megatron_rl_fp8.rollout.sglang.http import generate_request, row_requests
+
+    kw = dict(max_new_tokens=4, temperature=0.7, top_p=1.0, greedy=False, seed=5, eos_token_id=2)
+    rows = [[1, 2], [1, 2], [3]]
+    batch = generate_request(rows, **kw)
+    single = row_requests(rows, **kw)
+    assert [r["input_ids"] for r in single] == rows
+    assert [r["sampling_params"] for r in single] == batch["sampling_params"]
+    assert len({p["sampling_seed"] for p in batch["sampling_params"]}) == 3
+    assert all(r["return_logprob"] for r in single)
+
+
+def test_broadcast_buffer_is_aligned_and_round_trips():
+    from megatron_rl_fp8.rollout.sglang.transports import flatten_for_broadcast
+
+    named = [
+        ("codes", torch.randint(0, 255, (3, 5), dtype=torch.uint8).view(torch.float8_e4m3fn)),
+        ("scale", torch.rand(1, 1)),
+        ("norm", torch.randn(7, dtype=torch.bfloat16)),
+        ("w", torch.randn(4, 3).t()),  # not contiguous
+    ]
+    ordered, flat = flatten_for_broadcast(named)
+    assert [n for n, _ in ordered] == ["scale", "w", "norm", "codes"]  # widest first, stable
+    offset = 0
+    for name, t in ordered:
+        size = t.numel() * t.element_size()
+        assert offset % t.element_size() == 0  # what SGLang's receiving bucket requires
+        back = flat[offset : offset + size].view(t.dtype).view(t.shape)
+        assert torch.equal(back.view(torch.uint8), t.contiguous().view(torch.uint8)), name
+        offset += size
+    assert offset == flat.numel() and flat.dtype == torch.uint8

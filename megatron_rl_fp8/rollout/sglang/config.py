@@ -53,7 +53,8 @@ class SGLangConfig:
         None,
         help="GPU of the first engine (SGLang --base-gpu-id; engine i uses base_gpu_id + "
         "i * tp_size onwards). None = after the trainer's GPUs on this node with "
-        "rollout.placement=dedicated, 0 with colocated.",
+        "rollout.placement=dedicated, the node's last GPUs with colocated. Never the driver's "
+        "GPU (the sync's NCCL broadcast cannot join two processes on one GPU).",
     )
     device: Literal["auto", "cpu", "cuda"] = field(
         "auto",

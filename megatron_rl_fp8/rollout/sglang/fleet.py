@@ -193,20 +193,35 @@ class SGLangFleet:
             return None
         base = self.cfg.base_gpu_id
         if base is None:
-            base = 0 if self.colocated else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            if self.colocated:  # the node's last GPUs, away from the driver's (GPU 0)
+                base = max(0, torch.cuda.device_count() - len(self.engines) * self.cfg.tp_size)
+            else:  # after the trainer's GPUs on this node
+                base = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         return base + eng.index * self.cfg.tp_size
 
     def _check_gpus(self) -> None:
+        """Every engine's GPUs exist, and none is the driver's: the sync broadcasts from the
+        driver over NCCL, which cannot join two processes on one GPU."""
         if self.device != "cuda":
             return
         have = torch.cuda.device_count()
-        last = self._base_gpu(self.engines[-1]) + self.cfg.tp_size
-        if last > have:
+        first, last = self._base_gpu(self.engines[0]), self._base_gpu(self.engines[-1])
+        last += self.cfg.tp_size - 1
+        layout = (
+            f"rollout.sglang: {len(self.engines)} engine(s) x tp_size={self.cfg.tp_size} on GPUs "
+            f"{first}-{last}"
+        )
+        if last >= have:
             raise SGLangServerError(
-                f"rollout.sglang: {len(self.engines)} engine(s) x tp_size={self.cfg.tp_size} from "
-                f"GPU {self._base_gpu(self.engines[0])} need GPUs up to {last - 1}, this node has "
-                f"{have}; lower num_engines or tp_size, set rollout.sglang.base_gpu_id, or use "
-                "rollout.placement=colocated"
+                f"{layout}, this node has {have}; lower num_engines or tp_size, or set "
+                "rollout.sglang.base_gpu_id"
+            )
+        mine = torch.cuda.current_device()
+        if first <= mine <= last:
+            raise SGLangServerError(
+                f"{layout} include this trainer rank's GPU {mine}, which sends the weights: NCCL "
+                "cannot broadcast between two processes on one GPU; set rollout.sglang.base_gpu_id "
+                "so the engines start after it"
             )
 
     def _launch(self, eng: _Engine) -> None:
@@ -562,8 +577,11 @@ class SGLangFleet:
                 break
             if attempt:
                 self.stats["retried_requests"] += len(pending)
-            done.update(self._send(pending, rows))
-            self._check_engines()
+            answered = self._send(pending, rows)
+            done.update(answered)
+            # After failed requests, also ask every live engine for /health: a hung one is
+            # replaced like a dead one.
+            self._check_engines(probe=len(answered) < len(pending))
         if len(done) < len(requests):
             raise SGLangServerError(
                 f"{len(requests) - len(done)} of {len(requests)} rollout requests failed on every "
@@ -616,12 +634,15 @@ class SGLangFleet:
             )
         return out
 
-    def _check_engines(self) -> None:
-        """Relaunch every engine that died (it rejoins at the next sync); fail when none serves."""
+    def _check_engines(self, *, probe: bool = False) -> None:
+        """Relaunch every engine that died, or with ``probe`` does not answer ``/health`` (it
+        rejoins at the next sync); fail when none serves."""
         self._check_router()
         for eng in self.engines:
             if eng.url and not eng.alive():
                 self._relaunch(eng, "its process exited")
+            elif probe and eng.url and eng.version == self._version and not self._healthy(eng):
+                self._relaunch(eng, "it did not answer /health (hung)")
         if not any(e.version == self._version and e.alive() for e in self.engines):
             raise SGLangServerError(
                 f"no SGLang engine serves weight version {self._version} any more; engine logs "
