@@ -35,7 +35,7 @@ def build_engine(
         # No sglang import here: the server runs in its own interpreter (rollout.sglang.python).
         from megatron_rl_fp8.rollout.sglang import SGLangEngine, SGLangFleet
 
-        kind = SGLangFleet if cfg.sglang.fleet or cfg.placement == "colocated" else SGLangEngine
+        kind = SGLangFleet if cfg.fleet else SGLangEngine
         return kind(
             cfg, hf_cfg, pad_token_id=pad_token_id, eos_token_id=eos_token_id, output_dir=output_dir
         )

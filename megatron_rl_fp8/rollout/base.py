@@ -65,6 +65,12 @@ class RolloutConfig:
                 "always runs inside the trainer (set rollout.engine=sglang or placement=dedicated)"
             )
 
+    @property
+    def fleet(self) -> bool:
+        """The rollout runs on an SGLang fleet (``rollout/sglang/fleet.py``): several engines,
+        attached ones, or colocated ones."""
+        return self.engine == "sglang" and (self.sglang.fleet or self.placement == "colocated")
+
 
 def eos_ids(eos_token_id: int | Iterable[int]) -> tuple[int, ...]:
     """``eos_token_id`` as transformers takes it (one id or several, e.g. Qwen's ``<|im_end|>``

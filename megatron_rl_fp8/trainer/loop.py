@@ -32,6 +32,7 @@ from megatron_rl_fp8.models.hf_mapping import hf_config
 from megatron_rl_fp8.models.pretrained import load_converted, load_hf_weights
 from megatron_rl_fp8.rollout import build_engine
 from megatron_rl_fp8.rollout.sglang.errors import SyncFailed
+from megatron_rl_fp8.rollout.sglang.fleet import BroadcastSender
 from megatron_rl_fp8.sync.buckets import export_for_rollout
 from megatron_rl_fp8.sync.gather import iter_full_params
 from megatron_rl_fp8.trainer import checkpoint, run_dir
@@ -106,6 +107,8 @@ class Trainer:
             cfg, self.actor, self.groups, self.calibrator, self.reference
         )
         self.engine = None
+        self.fleet = cfg.rollout.fleet
+        self.weight_sender = None  # a pipeline stage's sending rank's side of a fleet sync
         if self.is_driver:
             tok = self.tokenizer
             self.engine = build_engine(
@@ -122,6 +125,8 @@ class Trainer:
                 device=self.groups.device,
                 dtype=self.actor.config.params_dtype,
             )
+            if self.fleet:
+                self.weight_sender = self.engine.sender
         self.sampler = Sampler(
             cfg, self.groups, self.engine, self.tokenizer, self.train_data, self.val_data
         )
@@ -142,32 +147,17 @@ class Trainer:
         HF names, rollout FP8, buckets) -> engine. Collective over the DP-rank-0 replica (its
         CP-rank-0 ranks: the other CP ranks hold the same weights), and a barrier for the rest.
 
-        A sync that an engine fleet could not complete (``SyncFailed``: an engine died during it
-        and was relaunched) runs again: the engines' weights are unknown, the trainer's are not.
-        Colocated engines get their weights' memory back before it and their KV cache after."""
+        An engine fleet is fed by broadcast from each pipeline stage's sending rank
+        (:meth:`_push_to_fleet`); other engines get everything through the driver. A sync that a
+        fleet could not complete (``SyncFailed``: an engine died during it and was relaunched)
+        runs again: the engines' weights are unknown, the trainer's are not. Colocated engines get
+        their weights' memory back before it and their KV cache after."""
         t0 = time.perf_counter()
         colocated = self.is_driver and self.cfg.rollout.placement == "colocated"
         if colocated:
             self.engine.resume_memory(("weights",))
         for attempt in range(1, self.cfg.rollout.sglang.max_restarts + 2):
-            failure = None
-            if self.groups.dp_rank == 0 and self.groups.cp_rank == 0:
-                full = iter_full_params(
-                    self.actor.model,
-                    tp_group=self.groups.tp,
-                    pp_group=self.groups.pp,
-                    dst_global_rank=self.groups.driver_rank,
-                )
-                options = self.engine.export_options if self.is_driver else {}
-                buckets = export_for_rollout(full, self.cfg.model, self.cfg.rollout.fp8, **options)
-                if self.is_driver:
-                    try:
-                        self.engine.update_weights(buckets, version=version)
-                    except SyncFailed as e:
-                        failure = str(e)
-                else:
-                    # Drive the gather's collectives; non-driver ranks receive nothing.
-                    collections.deque(buckets, maxlen=0)
+            failure = self._push_to_fleet(version) if self.fleet else self._push_to_driver(version)
             failure = broadcast_object(failure, self.groups.driver_rank)  # also the barrier
             if failure is None:
                 break
@@ -177,6 +167,56 @@ class Trainer:
         if colocated:
             self.engine.resume_memory(("kv_cache",))
         return time.perf_counter() - t0
+
+    def _push_to_driver(self, version: int) -> None:
+        """Every stage's full tensors to the driver, which feeds its engine."""
+        if self.groups.dp_rank == 0 and self.groups.cp_rank == 0:
+            full = iter_full_params(
+                self.actor.model,
+                tp_group=self.groups.tp,
+                pp_group=self.groups.pp,
+                dst_global_rank=self.groups.driver_rank,
+            )
+            options = self.engine.export_options if self.is_driver else {}
+            buckets = export_for_rollout(full, self.cfg.model, self.cfg.rollout.fp8, **options)
+            if self.is_driver:
+                self.engine.update_weights(buckets, version=version)
+            else:
+                # Drive the gather's collectives; non-driver ranks receive nothing.
+                collections.deque(buckets, maxlen=0)
+
+    def _push_to_fleet(self, version: int) -> str | None:
+        """One fleet sync: the driver begins it; each pipeline stage's sending rank (its TP-rank-0
+        rank of the DP-rank-0 / CP-rank-0 replica) gathers its stage's TP shards and broadcasts
+        its own buckets to every engine, one stage after the other (NCCL groups sharing engines
+        must not interleave); the driver ends it. Returns the failure to retry on, or None."""
+        g = self.groups
+        plan = self.engine.begin_sync(version) if self.is_driver else None
+        plan = broadcast_object(plan, g.driver_rank)
+        error = None
+        replica = g.dp_rank == 0 and g.cp_rank == 0
+        sender = dist.get_process_group_ranks(g.tp)[0] if g.tp is not None else g.rank
+        for stage in range(g.pp_size):
+            if replica and stage == g.pp_rank:
+                full = iter_full_params(self.actor.model, tp_group=g.tp, dst_global_rank=sender)
+                buckets = export_for_rollout(
+                    full, self.cfg.model, self.cfg.rollout.fp8, **plan.export_options
+                )
+                if g.rank == sender:
+                    if self.weight_sender is None:
+                        self.weight_sender = BroadcastSender()
+                    error = self.weight_sender.push(plan, buckets)
+                else:
+                    collections.deque(buckets, maxlen=0)  # the TP gather's collectives
+            dist.barrier()
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        if self.is_driver:
+            try:
+                self.engine.end_sync(plan, errors)
+            except SyncFailed as e:
+                return str(e)
+        return None
 
     def fp8_weight_errors(self) -> dict:
         """Per-layer relative FP8 quantization error of the actor's weights (collective; the
@@ -474,7 +514,9 @@ class Trainer:
     def close(self) -> None:
         self.sampler.close()
         if self.engine is not None:
-            self.engine.shutdown()
+            self.engine.shutdown()  # its sender too
+        elif self.weight_sender is not None:
+            self.weight_sender.close()
         if self.lock is not None:
             self.lock.release()
         self.logger.close()

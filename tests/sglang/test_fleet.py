@@ -111,7 +111,7 @@ def test_every_engine_serves_the_broadcast_weights_and_the_router_uses_both(flee
         )
         after = fleet.request_counts()
         assert all(b > a for a, b in zip(before, after)), (before, after)
-    assert fleet.weight_version() == 2 and fleet.stats["restarts"] == 0
+    assert fleet.weight_version() == 2
 
 
 def test_colocated_memory_calls_come_in_order_and_guard_sync_and_rollout(fleet):
@@ -149,6 +149,7 @@ def test_engine_hung_mid_rollout_is_replaced_and_resynced(fleet):
             fleet.fault_hook = None
             os.killpg(hung.proc.pid, signal.SIGSTOP)
 
+    restarts = fleet.stats["restarts"]  # a CPU start can fail at random and be relaunched
     cfg = fleet.cfg
     fleet.cfg = dataclasses.replace(cfg, request_timeout_s=10)
     fleet.fault_hook = stop
@@ -157,7 +158,7 @@ def test_engine_hung_mid_rollout_is_replaced_and_resynced(fleet):
     finally:
         fleet.cfg, fleet.fault_hook = cfg, None
     _assert_same(got, ref)  # the rollout finished, on the other engine
-    assert fleet.stats["restarts"] == 1 and fleet.metrics()["rollout/engine_restarts"] == 1
+    assert fleet.stats["restarts"] == restarts + 1 == fleet.metrics()["rollout/engine_restarts"]
     assert fleet.stats["retried_requests"] >= 1
     assert hung.url != old_url and not hung.in_router  # relaunched, not yet synced
     assert old_url not in fleet._router_workers()

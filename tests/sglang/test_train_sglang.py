@@ -4,13 +4,15 @@
   saw runs die (after a rollout, as the next weight sync begins). The engine relaunches it from
   the complete disk copy of the new version, the run finishes every step, rollout logprobs still
   agree with the trainer's recomputation, and no server process outlives the run.
-* TP=2 (two gloo ranks, driver rank owns the server): sharded weights reach SGLang intact.
+* PP=2 with a colocated fleet of one engine: each stage's rank broadcasts its own layers.
+* DP=2 with two engines behind sglang-router, one SIGKILLed mid-rollout.
 
 ``token_mult_prob_error`` = mean exp(|logp_rollout - logp_train|): both sides are fp32 with
 the same weights, so it stays within 1e-3 of 1 (a wrong or stale weight gives >> 1.01).
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,18 +72,26 @@ def test_tiny_run_survives_a_killed_server(sglang_py, tmp_path):
     assert "eval/reward_mean" in metrics[-1]
 
 
-def test_tp2_trainer_syncs_into_sglang(sglang_py, tmp_path):
+def test_pp2_trainer_feeds_a_colocated_engine_from_each_stage(sglang_py, tmp_path):
+    # A fleet of one colocated engine (on CPU the memory calls are logged no-ops): each pipeline
+    # stage's rank broadcasts its own layers to the engine over a group of its own.
+    work = tmp_path / "sglang"
     overrides = [
         *SMALL,
         "train.steps=2",
-        "parallel.tensor_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_size=2",
         f"train.output_dir={tmp_path / 'run'}",
         f"train.cache_dir={tmp_path / 'cache'}",
-        *_sglang_args(sglang_py, tmp_path / "sglang"),
+        *_sglang_args(sglang_py, work),
+        "rollout.placement=colocated",
     ]
     metrics = run_distributed(trainer_body, world_size=2, args=(overrides,), timeout=900)[0]
     assert [m["step"] for m in metrics] == [0, 1, 2]
-    _assert_rollout_matches_trainer(metrics)
+    _assert_rollout_matches_trainer(metrics)  # both stages' weights arrived intact
+    log = (work / "engine0-1.log").read_text()
+    senders = set(re.findall(r"group_name=mrf8_sync_pid(\d+)_", log))
+    assert len(senders) == 2, senders  # one sending process per stage, the group formed once
+    assert not list(work.rglob("*.safetensors"))
 
 
 def test_dp2_trainer_with_two_engines_behind_a_router_survives_a_killed_engine(
@@ -103,10 +113,13 @@ def test_dp2_trainer_with_two_engines_behind_a_router_survives_a_killed_engine(
     assert [m["step"] for m in metrics] == [0, 1, 2, 3]
     _assert_rollout_matches_trainer(metrics)  # every rollout on the weights the trainer had
     one, two, three = metrics[1:]
-    assert one["rollout/engines_used"] == 2 and one["rollout/engine_restarts"] == 0
-    assert two["rollout/engine_restarts"] == 1  # the step finished on the other engine
+    # (A CPU engine's start can fail at random, when other processes move the host memory it
+    # sizes its KV pool from; it is relaunched then, and counted: hence the differences.)
+    assert one["rollout/engines_used"] == 2
+    restarts = two["rollout/engine_restarts"] - one["rollout/engine_restarts"]
+    assert restarts == 1  # the killed engine; the step finished on the other one
     assert three["rollout/engines_serving"] == 2 and three["rollout/engines_used"] == 2
-    assert (work / "engine1-2.log").exists()  # relaunched once
+    assert three["rollout/engine_restarts"] == two["rollout/engine_restarts"]
     assert not list(work.rglob("*.safetensors"))  # no weight copy per step
 
 

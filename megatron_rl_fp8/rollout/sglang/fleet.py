@@ -43,6 +43,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -114,6 +115,100 @@ class _Engine:
         return bool(self.url)  # attached: alive until a call to it fails
 
 
+@dataclasses.dataclass
+class SyncPlan:
+    """What every sending rank needs for one sync (picklable: the driver broadcasts it)."""
+
+    version: int
+    engines: list[tuple[str, int]]  # (url, tp_size) of every engine taking this sync, in order
+    device: str  # the engines' device: NCCL on cuda, gloo on cpu
+    timeout: float
+    export_options: dict  # the fleet's ``export_options`` (bucket size, serving dtype)
+    failed: list[str]  # engines that refused the begin of the sync: push nothing
+
+
+class BroadcastSender:
+    """One sending rank's side of a fleet sync: its private process group with every engine
+    (this rank is rank 0; formed again whenever the engines change, or after a failed push) and
+    its pushes. The driver's lives in its fleet; with pipeline parallelism every stage's
+    sending rank has one and broadcasts its own layers."""
+
+    def __init__(self):
+        self._group = None  # (process group, name)
+        self._key: tuple = ()  # the plan's engines the group was formed with
+
+    def push(
+        self,
+        plan: SyncPlan,
+        buckets: Iterable[Bucket],
+        *,
+        fault: Callable[[str], None] | None = None,
+    ) -> str | None:
+        """Broadcast every bucket to ``plan``'s engines; returns the first failure (then the
+        rest of the stream is only consumed: the export is a collective), or None."""
+        error = None
+        try:
+            group = None if plan.failed else self._ensure(plan)
+        except SGLangServerError as e:
+            error = f"the sync group did not form: {_first_line(e)}"
+        engines = [Http(url) for url, _ in plan.engines]
+        for bucket in buckets:
+            if error or plan.failed:
+                continue
+            try:
+                if fault is not None:
+                    fault("push")
+                push_distributed(engines, group, bucket, device=plan.device, timeout=plan.timeout)
+            except SGLangServerError as e:
+                error = _first_line(e)
+        if error:
+            self.close()  # a broken group is formed afresh next time
+        return error
+
+    def _ensure(self, plan: SyncPlan):
+        key = tuple(plan.engines)
+        if self._group is not None and key == self._key:
+            return self._group
+        self.close()
+        host = sender_address(plan.engines[0][0])
+        self._group = join_sender_group(
+            [(Http(url), tp) for url, tp in plan.engines],
+            host=host,
+            device=plan.device,
+            name=f"mrf8_sync_pid{os.getpid()}_{time.monotonic_ns()}_{socket.gethostname()}",
+            timeout=plan.timeout,
+        )
+        self._key = key
+        return self._group
+
+    def close(self) -> None:
+        """Leave the group: the engines that still answer drop it too (best effort)."""
+        group, self._group, key = self._group, None, self._key
+        self._key = ()
+        if group is None:
+            return
+        for url, _ in key:
+            try:
+                Http(url).ok("/destroy_weights_update_group", {"group_name": group[1]}, timeout=10)
+            except SGLangServerError:
+                pass  # a dead engine took its side of the group with it
+        destroy_sender_group(group)
+
+
+def sender_address(engine_url: str) -> str:
+    """The address of this host that ``engine_url``'s host reaches it at (where the sync group's
+    rendezvous listens): loopback for a local engine, else the interface that routes there (a UDP
+    socket's local address after connect; nothing is sent)."""
+    from urllib.parse import urlparse
+
+    host = urlparse(engine_url).hostname or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
 class SGLangFleet:
     """RolloutEngine over several SGLang servers (launched or attached) and one router."""
 
@@ -154,8 +249,9 @@ class SGLangFleet:
         self._router: subprocess.Popen | None = None
         self.router_url = self.cfg.router_url
         self._router_launches = 0
-        self._group = None  # (process group, name) of the sync broadcast
-        self._group_members: tuple = ()  # the (index, url) pairs the group was formed with
+        self.sender = BroadcastSender()  # this process's side of the sync broadcast
+        self._members: list[_Engine] = []  # the engines of the sync in progress
+        self._sync_started = 0.0
         self._version = -1  # the last version synced into every engine that is up
         self._released: set[str] = set()  # colocated: memory tags released, not yet resumed
         self.memory_calls: list[tuple[str, tuple[str, ...]]] = []
@@ -164,7 +260,6 @@ class SGLangFleet:
             "router_restarts": 0,
             "retried_requests": 0,
             "update_seconds": 0.0,
-            "buckets": 0,
         }
         self._engines_used = 0  # engines that answered requests in the last rollout
         self.fault_hook: Callable[[str], None] | None = fault_hook_from_env(self)
@@ -174,10 +269,10 @@ class SGLangFleet:
                     eng.url = url.rstrip("/")
             else:
                 self._check_gpus()
-                for eng in self.engines:
+                for eng in self.engines:  # all at once: a GPU engine takes minutes to start
                     self._launch(eng)
                 for eng in self.engines:
-                    self._wait(eng)
+                    self._wait_or_relaunch(eng)
             if not self.router_url and len(self.engines) > 1:
                 self._launch_router()
         except BaseException:
@@ -254,6 +349,16 @@ class SGLangFleet:
             port=int(eng.url.rsplit(":", 1)[1]),
             timeout_s=self.cfg.startup_timeout_s,
         )
+
+    def _wait_or_relaunch(self, eng: _Engine) -> None:
+        """Wait until ``eng`` is healthy; one that dies or hangs in startup is relaunched (within
+        ``max_restarts``). On CPU, SGLang sizes its KV pool from the host memory it sees free
+        before and after loading, which other processes change: a start can fail at random."""
+        while True:
+            try:
+                return self._wait(eng)
+            except SGLangServerError as e:
+                self._relaunch(eng, _first_line(e))
 
     def _relaunch(self, eng: _Engine, why: str) -> None:
         """Take ``eng`` out of the router, kill what is left of it, and start it again (it
@@ -370,39 +475,6 @@ class SGLangFleet:
     def _up(self) -> list[_Engine]:
         return [e for e in self.engines if e.alive()]
 
-    def _ensure_group(self, members: list[_Engine]):
-        key = tuple((e.index, e.url) for e in members)
-        if self._group is not None and key == self._group_members:
-            return self._group
-        self._destroy_group()
-        self._group = join_sender_group(
-            [(e.http, self.cfg.tp_size) for e in members],
-            host=self.cfg.host,
-            device=self.device,
-            name=f"mrf8_fleet_sync_{os.getpid()}_{time.monotonic_ns()}",
-            timeout=self.cfg.request_timeout_s,
-        )
-        self._group_members = key
-        return self._group
-
-    def _destroy_group(self) -> None:
-        group, self._group, members = self._group, None, self._group_members
-        self._group_members = ()
-        if group is None:
-            return
-        for index, url in members:
-            eng = self.engines[index]
-            if eng.url == url and eng.alive():
-                try:
-                    eng.http.ok(
-                        "/destroy_weights_update_group",
-                        {"group_name": group[1]},
-                        timeout=self.cfg.request_timeout_s,
-                    )
-                except SGLangServerError:
-                    pass  # an engine that cannot answer is replaced before it is used again
-        destroy_sender_group(group)
-
     def _each(self, engines: list[_Engine], call: Callable[[_Engine], None]) -> list[_Engine]:
         """Run ``call`` on every engine at once; returns the engines whose call failed."""
         if not engines:
@@ -421,68 +493,78 @@ class SGLangFleet:
 
     @torch.no_grad()
     def update_weights(self, buckets: Iterable[Bucket], *, version: int) -> None:
+        """A whole sync from this process, the only sender (the trainer at PP=1, tools, tests):
+        :meth:`begin_sync`, this fleet's sender pushes every bucket, :meth:`end_sync`."""
+        plan = self.begin_sync(version)
+        self.end_sync(plan, [self.sender.push(plan, buckets, fault=self._fault)])
+
+    def begin_sync(self, version: int) -> SyncPlan:
+        """Prepare sync ``version``: relaunched engines are waited for, every engine that is up
+        is marked ``"<v>-partial"``. Returns the plan every sending rank pushes by (its
+        ``failed`` is set when an engine refused already: senders then only consume their
+        stream, and :meth:`end_sync` asks for the sync again)."""
         if "weights" in self._released:
             raise SGLangServerError(
                 "weight sync while the engines' weights are released (colocated placement): "
                 "resume_memory(('weights',)) must come first"
             )
-        t0 = time.perf_counter()
+        self._sync_started = time.perf_counter()
         self._check_router()
         for eng in self._up():  # relaunched engines: wait until they can take the weights
             if eng.version < 0 and eng.proc is not None:
-                try:
-                    self._wait(eng)
-                except SGLangServerError as e:
-                    self._relaunch(eng, _first_line(e))
-                    self._wait(eng)
+                self._wait_or_relaunch(eng)
         members = self._up()
         if not members:
             raise SGLangServerError("no SGLang engine is up to take the weights")
         self._version = -1
+        for eng in members:
+            eng.version = -1
         timeout = self.cfg.request_timeout_s
-        failed: list[_Engine] = []
-        try:
-            group = self._ensure_group(members)
-            for eng in members:
-                eng.version = -1
-            self._fault("begin_update")
-            failed = self._each(members, lambda e: begin_update(e.http, version, timeout=timeout))
-        except SGLangServerError as e:
-            print(f"[sglang] the sync group did not form: {_first_line(e)}", file=sys.stderr)
-            failed = [e_ for e_ in members if not self._healthy(e_)] or list(members)
-        for bucket in buckets:  # consumed to its end whatever happens: the export is a collective
-            if failed:
-                continue
-            try:
-                self._fault("push")
-                push_distributed(
-                    [e.http for e in members], group, bucket, device=self.device, timeout=timeout
-                )
-                self.stats["buckets"] += 1
-            except SGLangServerError as e:
-                print(f"[sglang] weight broadcast failed: {_first_line(e)}", file=sys.stderr)
-                failed = [e_ for e_ in members if not self._healthy(e_)] or list(members)
-        if not failed:
+        self._fault("begin_update")
+        failed = self._each(members, lambda e: begin_update(e.http, version, timeout=timeout))
+        self._members = members
+        return SyncPlan(
+            version=version,
+            engines=[(e.url, self.cfg.tp_size) for e in members],
+            device=self.device,
+            timeout=timeout,
+            export_options=self.export_options,
+            failed=[e.url for e in failed],
+        )
+
+    def end_sync(self, plan: SyncPlan, errors: list[str | None]) -> None:
+        """Finish sync ``plan.version`` after every sender pushed (``errors``: each sender's
+        failure, or None): mark every engine ``"<v>"``, check the version it reports, put new
+        ones in the router. Raises :class:`SyncFailed` (after relaunching the engines that
+        failed) when anything failed: the trainer then runs the sync again."""
+        members, version = self._members, plan.version
+        failed = [e for e in members if e.url in plan.failed]
+        pushed = [e for e in errors if e]
+        if pushed:
+            print(f"[sglang] weight broadcast failed: {pushed[0]}", file=sys.stderr)
+            failed = [e for e in members if not self._healthy(e)]
+        if not failed and not pushed:
             self._fault("end_update")
+            timeout = plan.timeout
 
             def finish(e: _Engine) -> None:
                 end_update(e.http, version, timeout=timeout)
                 check_version(e.http, str(version), timeout=timeout)
 
             failed = self._each(members, finish)
-        if failed:
-            self._destroy_group()
+        if failed or pushed:
             for eng in failed:
                 self._relaunch(eng, f"failed during the sync to version {version}")
             raise SyncFailed(
-                f"the weight sync to version {version} failed on engine(s) "
-                f"{[e.index for e in failed]}; the sync is to be run again"
+                f"the weight sync to version {version} failed "
+                f"({'on engine(s) ' + str([e.index for e in failed]) if failed else pushed[0]}); "
+                "the sync is to be run again"
             )
         for eng in members:
             eng.version, eng.restarts = version, 0
             self._router_add(eng)
         self._version = version
-        self.stats["update_seconds"] = time.perf_counter() - t0
+        self.stats["update_seconds"] = time.perf_counter() - self._sync_started
 
     def _healthy(self, eng: _Engine) -> bool:
         if not eng.alive():
@@ -681,7 +763,7 @@ class SGLangFleet:
         return counts
 
     def shutdown(self) -> None:
-        self._destroy_group()
+        self.sender.close()
         if self._router is not None:
             _kill_group(self._router)
             self._router = None
