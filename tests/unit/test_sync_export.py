@@ -192,7 +192,9 @@ def _export_body(rank, world, tp, pp, model_kw):
             p.copy_(split_tp_shard(local, full, g.tp_rank, tp))
     out = {}
     for quant in ("bf16", "blockwise"):  # two syncs of the same weights
-        fp8 = RolloutFP8Config(weight_quant=quant)
+        # The builtin quantizer: bit-identical to modelopt's (test_rollout_quantizer.py), and no
+        # modelopt import (seconds) in every spawned rank; what is compared here is the gather.
+        fp8 = RolloutFP8Config(weight_quant=quant, quantizer="builtin")
         stream = iter_full_params(model, tp_group=g.tp, pp_group=g.pp, dst_global_rank=0)
         out[quant] = [
             (n, t.clone())
