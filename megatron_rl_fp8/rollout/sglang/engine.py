@@ -31,6 +31,7 @@ from megatron_rl_fp8.rollout.sglang.http import (
 )
 from megatron_rl_fp8.rollout.sglang.process import (
     _kill_group,
+    engine_export_options,
     launch_guarded_server,
     log_tail,
     resolve_device,
@@ -49,8 +50,6 @@ from megatron_rl_fp8.rollout.sglang.transports import (
     write_checkpoint_files,
 )
 from megatron_rl_fp8.sync.buckets import Bucket
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class SGLangEngine:
@@ -212,12 +211,9 @@ class SGLangEngine:
     # -- weights ---------------------------------------------------------------------------------
     @property
     def export_options(self) -> dict:
-        """Buckets of ``rollout.sglang.bucket_mb``; without FP8 GEMMs (CPU) the FP8-rounded
-        weights are sent in the serving dtype."""
-        return {
-            "bucket_mb": self.cfg.bucket_mb,
-            "dequantize_to": None if self.fp8_checkpoint else _DTYPES[self.serve_dtype],
-        }
+        return engine_export_options(
+            self.cfg, fp8_checkpoint=self.fp8_checkpoint, dtype=self.serve_dtype
+        )
 
     @torch.no_grad()
     def update_weights(self, buckets: Iterable[Bucket], *, version: int) -> None:

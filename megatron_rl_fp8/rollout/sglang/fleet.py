@@ -70,6 +70,7 @@ from megatron_rl_fp8.rollout.sglang.http import (
 )
 from megatron_rl_fp8.rollout.sglang.process import (
     _kill_group,
+    engine_export_options,
     launch_guarded_server,
     launch_logged,
     log_tail,
@@ -89,8 +90,6 @@ from megatron_rl_fp8.rollout.sglang.transports import (
     write_checkpoint_files,
 )
 from megatron_rl_fp8.sync.buckets import Bucket
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclasses.dataclass(eq=False)
@@ -467,10 +466,9 @@ class SGLangFleet:
     # -- weights ---------------------------------------------------------------------------------
     @property
     def export_options(self) -> dict:
-        return {
-            "bucket_mb": self.cfg.bucket_mb,
-            "dequantize_to": None if self.fp8_checkpoint else _DTYPES[self.serve_dtype],
-        }
+        return engine_export_options(
+            self.cfg, fp8_checkpoint=self.fp8_checkpoint, dtype=self.serve_dtype
+        )
 
     def _up(self) -> list[_Engine]:
         return [e for e in self.engines if e.alive()]

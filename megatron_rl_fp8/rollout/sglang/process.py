@@ -348,6 +348,15 @@ def serve_dtype(cfg: SGLangConfig, device: str) -> str:
     return "float32" if device == "cpu" else "bfloat16"
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def engine_export_options(cfg: SGLangConfig, *, fp8_checkpoint: bool, dtype: str) -> dict:
+    """The ``export_for_rollout`` options of SGLang engines: buckets of ``rollout.sglang.bucket_mb``;
+    without FP8 GEMMs (CPU) the FP8-rounded weights are sent in the serving ``dtype``."""
+    return {"bucket_mb": cfg.bucket_mb, "dequantize_to": None if fp8_checkpoint else _DTYPES[dtype]}
+
+
 def resolve_work_dir(
     cfg: SGLangConfig, output_dir
 ) -> tuple[Path, tempfile.TemporaryDirectory | None]:
