@@ -448,3 +448,33 @@ def test_broadcast_buffer_is_aligned_and_round_trips():
         assert torch.equal(back.view(torch.uint8), t.contiguous().view(torch.uint8)), name
         offset += size
     assert offset == flat.numel() and flat.dtype == torch.uint8
+
+
+def test_attached_fleet_launches_nothing_and_drops_an_engine_that_is_gone(tmp_path):
+    # Attach mode without any server: nothing is launched (no SGLang python needed), a rollout
+    # before the first sync is refused, a sync into a dead engine drops it (it cannot be
+    # relaunched) and asks for the sync again, and with no engine left the next one says so.
+    from megatron_rl_fp8.models.config import ModelConfig
+    from megatron_rl_fp8.models.hf_mapping import hf_config
+    from megatron_rl_fp8.rollout.sglang import SGLangFleet, SyncFailed
+    from megatron_rl_fp8.rollout.sglang.process import pick_port
+
+    url = f"http://127.0.0.1:{pick_port()}"  # free: nothing listens there
+    cfg = RolloutConfig(
+        engine="sglang",
+        sglang=SGLangConfig(
+            python=str(tmp_path / "none"), engine_urls=[url], work_dir=str(tmp_path)
+        ),
+    )
+    fleet = SGLangFleet(cfg, hf_config(ModelConfig(vocab_size=53)), pad_token_id=0, eos_token_id=2)
+    try:
+        assert fleet.router_url == "" and fleet.engines[0].proc is None
+        with pytest.raises(SGLangServerError, match="no synced weights"):
+            fleet.generate([[1]], n=1, max_new_tokens=2, temperature=1.0)
+        with pytest.raises(SyncFailed, match="run again"):
+            fleet.update_weights([], version=0)
+        assert fleet.engines[0].url == ""  # dropped
+        with pytest.raises(SGLangServerError, match="no SGLang engine is up"):
+            fleet.update_weights([], version=0)
+    finally:
+        fleet.shutdown()

@@ -226,9 +226,9 @@ class SGLangFleet:
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_ids(eos_token_id)
         self.attached = bool(self.cfg.engine_urls)
-        self.python = (
-            resolve_python(self.cfg) if not self.attached or not self.cfg.router_url else ""
-        )
+        # A python with SGLang is needed to launch engines, or a router in front of attached ones.
+        launches_router = not self.cfg.router_url and len(self.cfg.engine_urls) > 1
+        self.python = resolve_python(self.cfg) if not self.attached or launches_router else ""
         self.device = resolve_device(self.cfg)
         self.serve_dtype = serve_dtype(self.cfg, self.device)
         self.fp8_checkpoint = self.fp8.enabled and self.device == "cuda"
