@@ -34,10 +34,9 @@ from megatron_rl_fp8.rollout.sglang.process import (
     engine_export_options,
     launch_guarded_server,
     log_tail,
-    resolve_device,
     resolve_python,
     resolve_work_dir,
-    serve_dtype,
+    serving,
     wait_healthy,
 )
 from megatron_rl_fp8.rollout.sglang.transports import (
@@ -70,10 +69,7 @@ class SGLangEngine:
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_ids(eos_token_id)  # every id that ends a completion
         self.python = resolve_python(self.cfg)
-        self.device = resolve_device(self.cfg)
-        self.serve_dtype = serve_dtype(self.cfg, self.device)
-        # FP8 GEMMs only on GPU; on CPU the FP8-rounded weights are sent in serve_dtype.
-        self.fp8_checkpoint = self.fp8.enabled and self.device == "cuda"
+        self.device, self.serve_dtype, self.fp8_checkpoint = serving(self.cfg, self.fp8)
         if self.cfg.transport == "tensor":
             # Shared-memory tensors to another process: file-descriptor passing fails between
             # unrelated processes (the server crashes on an authentication error), file names work.

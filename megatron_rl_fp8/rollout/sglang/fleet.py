@@ -75,12 +75,11 @@ from megatron_rl_fp8.rollout.sglang.process import (
     launch_logged,
     log_tail,
     pick_port,
-    resolve_device,
     resolve_python,
     resolve_work_dir,
     router_command,
-    serve_dtype,
     server_env,
+    serving,
     wait_healthy,
 )
 from megatron_rl_fp8.rollout.sglang.transports import (
@@ -229,9 +228,7 @@ class SGLangFleet:
         # A python with SGLang is needed to launch engines, or a router in front of attached ones.
         launches_router = not self.cfg.router_url and len(self.cfg.engine_urls) > 1
         self.python = resolve_python(self.cfg) if not self.attached or launches_router else ""
-        self.device = resolve_device(self.cfg)
-        self.serve_dtype = serve_dtype(self.cfg, self.device)
-        self.fp8_checkpoint = self.fp8.enabled and self.device == "cuda"
+        self.device, self.serve_dtype, self.fp8_checkpoint = serving(self.cfg, self.fp8)
         self.work_dir, self._tmp = resolve_work_dir(self.cfg, output_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = self.work_dir / "model"  # config.json only: engines start on placeholders
@@ -417,7 +414,7 @@ class SGLangFleet:
                 if len(self._router_workers()) == len(serving):
                     break
             except SGLangServerError:
-                pass
+                pass  # not listening yet: poll again until the deadline
             if time.monotonic() > deadline:
                 raise SGLangServerError(
                     f"sglang-router not ready after rollout.sglang.startup_timeout_s="
@@ -756,7 +753,7 @@ class SGLangFleet:
                     if line.startswith("sglang:num_requests_total"):
                         total += float(line.rsplit(" ", 1)[1])
             except SGLangServerError:
-                pass
+                pass  # no /metrics (an attached engine without --enable-metrics): counted as 0
             counts.append(total)
         return counts
 

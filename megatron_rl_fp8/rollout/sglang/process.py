@@ -341,6 +341,13 @@ def wait_healthy(
     )
 
 
+def serving(cfg: SGLangConfig, fp8) -> tuple[str, str, bool]:
+    """(device, serving dtype, whether engines load FP8 checkpoints) of SGLang engines: FP8 GEMMs
+    only on GPU; on CPU the FP8-rounded weights are served in the serving dtype."""
+    device = resolve_device(cfg)
+    return device, serve_dtype(cfg, device), fp8.enabled and device == "cuda"
+
+
 def serve_dtype(cfg: SGLangConfig, device: str) -> str:
     """``rollout.sglang.dtype``; ``auto`` = float32 on the CPU engine, bfloat16 on GPUs."""
     if cfg.dtype != "auto":
