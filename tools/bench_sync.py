@@ -1,9 +1,9 @@
 """Weight-sync cost: the export path (HF rename/split -> FP8 quantize -> buckets -> shared-memory
-bucket copy) against a plain memory copy of the same bytes, and SGLang's update latency per bucket.
+bucket copy) against a plain memory copy of the same bytes, and the whole sync into SGLang engines.
 
     python tools/bench_sync.py                       # export rows for 10M / 100M / 1B params
-    python tools/bench_sync.py --sglang               # + SGLang CPU server updates (needs .venv-sglang)
-    python tools/bench_sync.py --fleet 1 2 4          # the fleet's broadcast sync into 1, 2, 4 engines
+    python tools/bench_sync.py --fleet 1 2 4          # the sync into 1, 2, 4 engines (.venv-sglang)
+    python tools/bench_sync.py --fleet 1 --transports distributed tensor   # both transports
     python tools/bench_sync.py --quantizers           # rollout.fp8.quantizer: builtin vs modelopt
 
 Weights are random BF16, Qwen3-shaped, given as the *full* Megatron state dict (what
@@ -23,6 +23,7 @@ identical" compares the two quantizers' e4m3 codes bit for bit (and the scales, 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -138,60 +139,13 @@ def bench_export(
     return rows
 
 
-def bench_sglang(state, mc: ModelConfig, bucket_mb: float, transports, python: str) -> list[dict]:
-    import tempfile
-
-    from megatron_rl_fp8.models.hf_mapping import hf_config
-    from megatron_rl_fp8.rollout.base import RolloutConfig, SGLangConfig
-    from megatron_rl_fp8.rollout.sglang import SGLangEngine
-
-    rows = []
-    with tempfile.TemporaryDirectory() as work:
-        cfg = RolloutConfig(
-            sglang=SGLangConfig(
-                python=python,
-                transport=transports[0],
-                bucket_mb=bucket_mb,
-                work_dir=work,
-                dtype="bfloat16",
-                startup_timeout_s=600,
-            )
-        )
-        eng = SGLangEngine(cfg, hf_config(mc), pad_token_id=0, eos_token_id=2)
-        try:
-            t0 = time.perf_counter()
-            eng.update_weights(
-                export_for_rollout(state.items(), mc, eng.fp8, **eng.export_options), version=0
-            )
-            rows.append({"transport": "first sync (write + launch)", "s": time.perf_counter() - t0})
-            for v, transport in enumerate(transports, start=1):
-                eng.cfg.transport = transport
-                eng.bucket_times.clear()
-                t0 = time.perf_counter()
-                eng.update_weights(
-                    export_for_rollout(state.items(), mc, eng.fp8, **eng.export_options), version=v
-                )
-                total = time.perf_counter() - t0
-                pushed = sum(b for b, _ in eng.bucket_times)
-                per = [s for _, s in eng.bucket_times]
-                rows.append(
-                    {
-                        "transport": transport,
-                        "s": total,
-                        "buckets": len(per),
-                        "bucket_s": sum(per) / len(per) if per else float("nan"),
-                        "push_gbps": pushed / 1e9 / sum(per) if per else float("nan"),
-                    }
-                )
-        finally:
-            eng.shutdown()
-    return rows
-
-
-def bench_fleet(state, mc: ModelConfig, bucket_mb: float, counts, python: str) -> list[dict]:
-    """The production sync (``SGLangFleet.update_weights``: export -> one flattened broadcast per
-    bucket to every engine -> version checks) into fleets of ``counts`` CPU engines, without and
-    with FP8 (on CPU the FP8-rounded values travel in the serving dtype; best of 2 syncs each)."""
+def bench_fleet(
+    state, mc: ModelConfig, bucket_mb: float, counts, python: str, transports=("distributed",)
+) -> list[dict]:
+    """The production sync (``SGLangFleet.update_weights``: export -> the transport's pushes of
+    every bucket to every engine -> version checks) into fleets of ``counts`` CPU engines, per
+    transport, without and with FP8 (on CPU the FP8-rounded values travel in the serving dtype;
+    best of 2 syncs each)."""
     import tempfile
 
     from megatron_rl_fp8.models.hf_mapping import hf_config
@@ -218,10 +172,14 @@ def bench_fleet(state, mc: ModelConfig, bucket_mb: float, counts, python: str) -
             start = time.perf_counter() - t0
             try:
                 version = 0
-                for label, fp8 in (
-                    ("bf16", RolloutFP8Config()),
-                    ("fp8 blockwise", RolloutFP8Config(weight_quant="blockwise")),
+                for transport, (label, fp8) in itertools.product(
+                    transports,
+                    (
+                        ("bf16", RolloutFP8Config()),
+                        ("fp8 blockwise", RolloutFP8Config(weight_quant="blockwise")),
+                    ),
                 ):
+                    fleet.cfg.transport = transport
                     best = float("inf")
                     for _ in range(2):
                         t0 = time.perf_counter()
@@ -234,6 +192,7 @@ def bench_fleet(state, mc: ModelConfig, bucket_mb: float, counts, python: str) -
                     rows.append(
                         {
                             "engines": n,
+                            "transport": transport,
                             "weights": label,
                             "s": best,
                             "gbps": nbytes / 1e9 / best,
@@ -325,7 +284,6 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--bucket-mb", type=float, default=512)
-    ap.add_argument("--sglang", action="store_true", help="also time SGLang CPU server updates")
     ap.add_argument("--sglang-size", default="100M", choices=list(SHAPES))
     ap.add_argument("--sglang-bucket-mb", type=float, default=64)
     ap.add_argument("--sglang-python", default=".venv-sglang/bin/python")
@@ -334,8 +292,15 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         nargs="+",
         metavar="N",
-        help="instead of the export rows: the fleet's broadcast sync into N CPU engines "
+        help="instead of the export rows: the production sync into N SGLang CPU engines "
         "(one fleet per N; model --sglang-size, buckets --sglang-bucket-mb)",
+    )
+    ap.add_argument(
+        "--transports",
+        nargs="+",
+        default=["distributed"],
+        choices=["distributed", "tensor"],
+        help="--fleet: rollout.sglang.transport values to time",
     )
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument(
@@ -370,12 +335,15 @@ def main(argv: list[str] | None = None) -> None:
             f"SGLang CPU engines behind sglang-router, {args.sglang_size} ({n / 1e6:.0f}M params, "
             f"bf16), bucket_mb={args.sglang_bucket_mb}, threads={torch.get_num_threads()}"
         )
-        print("| engines | weights | s / sync | GB/s (bf16 in) | fleet start s |")
-        print("|---:|---|---:|---:|---:|")
-        for r in bench_fleet(state, mc, args.sglang_bucket_mb, args.fleet, args.sglang_python):
+        print("| engines | transport | weights | s / sync | GB/s (bf16 in) | fleet start s |")
+        print("|---:|---|---|---:|---:|---:|")
+        rows = bench_fleet(
+            state, mc, args.sglang_bucket_mb, args.fleet, args.sglang_python, args.transports
+        )
+        for r in rows:
             print(
-                f"| {r['engines']} | {r['weights']} | {r['s']:.2f} | {r['gbps']:.3f} | "
-                f"{r['start_s']:.0f} |"
+                f"| {r['engines']} | {r['transport']} | {r['weights']} | {r['s']:.2f} | "
+                f"{r['gbps']:.3f} | {r['start_s']:.0f} |"
             )
         return
     print(f"threads={torch.get_num_threads()} bucket_mb={args.bucket_mb}")
@@ -391,23 +359,6 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['vs_copy']:.2f} | {r.get('buckets', '')} |"
             )
         del state
-    if args.sglang:
-        mc = model_config(*SHAPES[args.sglang_size])
-        state = random_mcore_state(mc)
-        n = sum(t.numel() for t in state.values())
-        print(
-            f"\nSGLang CPU server, {args.sglang_size} ({n / 1e6:.0f}M params, bf16), "
-            f"bucket_mb={args.sglang_bucket_mb}"
-        )
-        print("| transport | total s | buckets | s / bucket | push GB/s |")
-        print("|---|---:|---:|---:|---:|")
-        for r in bench_sglang(
-            state, mc, args.sglang_bucket_mb, ["tensor", "distributed", "disk"], args.sglang_python
-        ):
-            print(
-                f"| {r['transport']} | {r['s']:.2f} | {r.get('buckets', '')} | "
-                f"{r.get('bucket_s', float('nan')):.3f} | {r.get('push_gbps', float('nan')):.2f} |"
-            )
 
 
 if __name__ == "__main__":

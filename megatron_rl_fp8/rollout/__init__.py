@@ -20,8 +20,8 @@ def build_engine(
 ) -> RolloutEngine:
     """The engine named by ``cfg.engine``, ready for its first ``update_weights``.
 
-    ``output_dir`` (the run's ``train.output_dir``) is where a server engine keeps its logs and its
-    restart copy of the weights, unless ``rollout.sglang.work_dir`` says otherwise. ``device`` and
+    ``output_dir`` (the run's ``train.output_dir``) is where SGLang engines keep their logs,
+    unless ``rollout.sglang.work_dir`` says otherwise. ``device`` and
     ``dtype`` place the in-process engine (the trainer passes its own: the GPU and bf16 on GPU
     runs); a server engine chooses its own."""
     if cfg.engine == "local":
@@ -33,10 +33,9 @@ def build_engine(
         )
     if cfg.engine == "sglang":
         # No sglang import here: the server runs in its own interpreter (rollout.sglang.python).
-        from megatron_rl_fp8.rollout.sglang import SGLangEngine, SGLangFleet
+        from megatron_rl_fp8.rollout.sglang import SGLangFleet
 
-        kind = SGLangFleet if cfg.fleet else SGLangEngine
-        return kind(
+        return SGLangFleet(
             cfg, hf_cfg, pad_token_id=pad_token_id, eos_token_id=eos_token_id, output_dir=output_dir
         )
     raise ValueError(f"rollout.engine={cfg.engine!r} is not a known engine")

@@ -21,17 +21,24 @@ class RolloutConfig:
     engine: Literal["local", "sglang"] = field(
         "local",
         help="local = in-process transformers engine on the driver rank (CPU boxes); "
-        "sglang = an SGLang server launched and fed by the driver rank "
+        "sglang = SGLang engines (one or a fleet behind sglang-router) launched by the driver "
+        "rank or attached to, synced from the ranks holding the weights "
         "(rollout.sglang; install: tools/install_sglang_cpu.sh on CPU).",
     )
     sglang: SGLangConfig = field(
-        default_factory=SGLangConfig, help="The SGLang server (used when engine is sglang)."
+        default_factory=SGLangConfig, help="The SGLang engines (used when engine is sglang)."
     )
     placement: Literal["dedicated", "colocated"] = field(
         "dedicated",
         help="Where SGLang engines run: dedicated = GPUs of their own (other nodes, or GPUs of "
         "this node after the trainer's); colocated = on the trainer's GPUs, releasing their "
         "memory while the trainer trains and resuming it for the sync and the rollout.",
+    )
+    offload_trainer: bool = field(
+        True,
+        help="Colocated placement: the trainer's weights, gradients and optimizer state wait in "
+        "host memory while the engines generate (on CPU the same copies run, so the path is "
+        "exercised).",
     )
     n_samples_per_prompt: int = field(8, help="Group size: completions sampled per prompt (GRPO).")
     temperature: float = field(1.0, help="Sampling temperature (logprobs use the same).")
@@ -64,12 +71,6 @@ class RolloutConfig:
                 "rollout.placement=colocated applies to SGLang engines; the local engine "
                 "always runs inside the trainer (set rollout.engine=sglang or placement=dedicated)"
             )
-
-    @property
-    def fleet(self) -> bool:
-        """The rollout runs on an SGLang fleet (``rollout/sglang/fleet.py``): several engines,
-        attached ones, or colocated ones."""
-        return self.engine == "sglang" and (self.sglang.fleet or self.placement == "colocated")
 
 
 def eos_ids(eos_token_id: int | Iterable[int]) -> tuple[int, ...]:

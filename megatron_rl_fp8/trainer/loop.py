@@ -15,7 +15,9 @@ from __future__ import annotations
 import collections
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -31,8 +33,8 @@ from megatron_rl_fp8.models.fp8 import weight_quantization_errors
 from megatron_rl_fp8.models.hf_mapping import hf_config
 from megatron_rl_fp8.models.pretrained import load_converted, load_hf_weights
 from megatron_rl_fp8.rollout import build_engine
-from megatron_rl_fp8.rollout.sglang.errors import SyncFailed
-from megatron_rl_fp8.rollout.sglang.fleet import BroadcastSender
+from megatron_rl_fp8.rollout.sglang.errors import RolloutLost, SyncFailed
+from megatron_rl_fp8.rollout.sglang.sender import WeightSender
 from megatron_rl_fp8.sync.buckets import export_for_rollout
 from megatron_rl_fp8.sync.gather import iter_full_params
 from megatron_rl_fp8.trainer import checkpoint, run_dir
@@ -41,11 +43,15 @@ from megatron_rl_fp8.trainer.batch import build_rl_batch, order_for_updates
 from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
 from megatron_rl_fp8.trainer.collectives import broadcast_object, scatter_rows
 from megatron_rl_fp8.trainer.guard import GuardStop, StabilityGuard, event_metrics
+from megatron_rl_fp8.trainer.offload import TrainerOffload
+from megatron_rl_fp8.trainer.preemption import PreemptionSignal
 from megatron_rl_fp8.trainer.reference import Reference
 from megatron_rl_fp8.trainer.sampling import Sampler
 from megatron_rl_fp8.trainer.update import PolicyUpdate
 from megatron_rl_fp8.trainer.warm_start import warm_start
 from megatron_rl_fp8.utils.fs import atomic_write_text
+
+T = TypeVar("T")
 
 
 class Trainer:
@@ -107,8 +113,16 @@ class Trainer:
             cfg, self.actor, self.groups, self.calibrator, self.reference
         )
         self.engine = None
-        self.fleet = cfg.rollout.fleet
+        self.fleet = cfg.rollout.engine == "sglang"  # synced by each stage's sending rank
+        self.colocated = cfg.rollout.placement == "colocated"
+        # Colocated: the trainer's state waits in host memory while the engines generate.
+        self.offload = (
+            TrainerOffload(self.actor, self.reference, keep_grads=False)
+            if self.colocated and cfg.rollout.offload_trainer
+            else None
+        )
         self.weight_sender = None  # a pipeline stage's sending rank's side of a fleet sync
+        self.synced_version = -1
         if self.is_driver:
             tok = self.tokenizer
             self.engine = build_engine(
@@ -147,14 +161,13 @@ class Trainer:
         HF names, rollout FP8, buckets) -> engine. Collective over the DP-rank-0 replica (its
         CP-rank-0 ranks: the other CP ranks hold the same weights), and a barrier for the rest.
 
-        An engine fleet is fed by broadcast from each pipeline stage's sending rank
-        (:meth:`_push_to_fleet`); other engines get everything through the driver. A sync that a
-        fleet could not complete (``SyncFailed``: an engine died during it and was relaunched)
-        runs again: the engines' weights are unknown, the trainer's are not. Colocated engines get
-        their weights' memory back before it and their KV cache after."""
+        SGLang engines are fed by each pipeline stage's sending rank (:meth:`_push_to_fleet`);
+        the in-process engine gets everything through the driver. A sync that the engines could
+        not complete (``SyncFailed``: an engine died during it and was relaunched) runs again:
+        the engines' weights are unknown, the trainer's are not. Colocated engines get their
+        weights' memory back before it (their KV cache before they generate)."""
         t0 = time.perf_counter()
-        colocated = self.is_driver and self.cfg.rollout.placement == "colocated"
-        if colocated:
+        if self.colocated and self.is_driver:
             self.engine.resume_memory(("weights",))
         for attempt in range(1, self.cfg.rollout.sglang.max_restarts + 2):
             failure = self._push_to_fleet(version) if self.fleet else self._push_to_driver(version)
@@ -164,8 +177,7 @@ class Trainer:
             print_rank0(f"sync: {failure} (attempt {attempt})")
         else:
             raise SyncFailed(f"weight sync to version {version} failed on every attempt")
-        if colocated:
-            self.engine.resume_memory(("kv_cache",))
+        self.synced_version = version
         return time.perf_counter() - t0
 
     def _push_to_driver(self, version: int) -> None:
@@ -204,7 +216,7 @@ class Trainer:
                 )
                 if g.rank == sender:
                     if self.weight_sender is None:
-                        self.weight_sender = BroadcastSender()
+                        self.weight_sender = WeightSender()
                     error = self.weight_sender.push(plan, buckets)
                 else:
                     collections.deque(buckets, maxlen=0)  # the TP gather's collectives
@@ -235,9 +247,60 @@ class Trainer:
         return merged if self.is_driver else {}
 
     def evaluate(self) -> dict:
-        """Greedy decoding on held-out prompts (driver) and FP8 weight-error diagnostics."""
+        """Greedy decoding on held-out prompts (driver) and FP8 weight-error diagnostics.
+        Colocated engines keep their weights after it: the next rollout needs them, and no
+        update comes in between."""
         fp8_errors = self.fp8_weight_errors()
-        return {**self.sampler.evaluate(), **fp8_errors} if self.is_driver else {}
+        scores = self.generation(self.sampler.evaluate, release=("kv_cache",))
+        return {**scores, **fp8_errors} if self.is_driver else {}
+
+    def generation(self, phase: Callable[[], T], *, release: tuple[str, ...]) -> T:
+        """``phase()``, a phase that generates on the engines (the rollout, an evaluation).
+        Collective.
+
+        Colocated placement: before it the trainer's weights, gradients and optimizer state go
+        to host memory (``rollout.offload_trainer``) and the engines take back their KV cache;
+        after it the engines give back ``release`` (released weights need a sync before the
+        next generation) and the trainer's state returns. When the engines lost the synced weights during it
+        (``RolloutLost``, raised on every rank alike: engines died and were relaunched on
+        placeholders), the engines are synced again and ``phase`` runs again."""
+        for attempt in range(1, self.cfg.rollout.sglang.max_restarts + 2):
+            self._engines_turn()
+            try:
+                result = phase()
+            except RolloutLost as e:
+                self._trainers_turn(("weights", "kv_cache"))
+                print_rank0(f"rollout: {e} (attempt {attempt}); syncing the engines again")
+                self.sync_weights(version=self.synced_version)
+                continue
+            except BaseException:
+                if self.offload is not None:  # on this rank alone: an empty storage read crashes
+                    self.offload.reload()
+                raise
+            self._trainers_turn(release)
+            return result
+        raise RolloutLost(
+            f"the engines lost the synced weights in {attempt} attempts "
+            f"(rollout.sglang.max_restarts={self.cfg.rollout.sglang.max_restarts})"
+        )
+
+    def _engines_turn(self) -> None:
+        if not self.colocated:
+            return
+        if self.offload is not None:
+            self.offload.offload()
+            dist.barrier()  # every GPU's trainer memory is free before the engines take theirs
+        if self.is_driver:
+            self.engine.resume_memory(("kv_cache",))
+
+    def _trainers_turn(self, release: tuple[str, ...]) -> None:
+        if not self.colocated:
+            return
+        if self.is_driver:
+            self.engine.release_memory(release)
+        dist.barrier()  # every GPU's engine memory is free before any rank takes its state back
+        if self.offload is not None:
+            self.offload.reload()
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save(self) -> None:
@@ -406,7 +469,9 @@ class Trainer:
             )
 
     # -- the loop --------------------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self) -> bool:
+        """Resume or start, then train to ``train.steps``. Returns True when it stopped early on
+        a preemption signal, after writing a checkpoint (``trainer/preemption.py``)."""
         cfg = self.cfg
         if self.is_driver:
             saved = self.out_dir / "config.yaml"
@@ -437,6 +502,7 @@ class Trainer:
 
         progress = progress_bar(self.is_driver, cfg.train.steps, self.step)
         self.started = time.perf_counter()  # throughput counts RL steps, not the warm start
+        preemption = PreemptionSignal(self.groups.device)
         try:
             steps_this_run = 0
             while self.step < cfg.train.steps:
@@ -453,10 +519,19 @@ class Trainer:
                     progress.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}")
                     if self.step % cfg.train.log_interval == 0:
                         print_step(self.step, metrics, progress)
-                if (
+                saved = (
                     cfg.train.save_interval and self.step % cfg.train.save_interval == 0
-                ) or self.step == cfg.train.steps:
+                ) or self.step == cfg.train.steps
+                if saved:
                     self.save()
+                if self.step < cfg.train.steps and preemption.requested():
+                    if not saved:
+                        self.save()
+                    print_rank0(
+                        f"preemption: stopped after step {self.step} with its checkpoint; a run "
+                        "in the same train.output_dir resumes from it"
+                    )
+                    return True
                 if (
                     cfg.train.exit_after_steps is not None
                     and steps_this_run >= cfg.train.exit_after_steps
@@ -465,17 +540,19 @@ class Trainer:
         finally:
             # Before any error reaches the console: the bar would share its line.
             progress.close()
+            preemption.close()
+        return False
 
     def rl_step(self) -> dict | None:
         """RL step ``self.step``: rollout, advantages, update, guard, sync, evaluation. Returns
         its metrics (driver; ``{}`` elsewhere), or None when the guard rolled back."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        completions, rewards, rollout_stats = self.sampler.rollout(self.step)
+        completions, rewards, rollout_stats = self.generation(
+            lambda: self.sampler.rollout(self.step), release=("weights", "kv_cache")
+        )
         batch = None
         if self.is_driver:
-            if cfg.rollout.placement == "colocated":
-                self.engine.release_memory()  # the trainer's phase: engines give memory back
             advantages = grpo_advantages(
                 rewards, cfg.rollout.n_samples_per_prompt, norm_std=cfg.loss.norm_adv_by_std
             )
@@ -488,6 +565,8 @@ class Trainer:
         metrics = self.policy_update(scatter_rows(batch, self.groups), self.step)
         if self.is_driver:
             metrics.update(rollout_stats)
+            if self.offload is not None:
+                metrics.update(self.offload.metrics())
         if self.guard_step(metrics) == "rollback":
             return None
         sync_time = self.sync_weights(version=self.step)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -27,7 +29,10 @@ from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.reward import Rewarder
 from megatron_rl_fp8.reward.verifiers import FORMAT_CHECKS
 from megatron_rl_fp8.rollout.base import Completion
+from megatron_rl_fp8.rollout.sglang.errors import RolloutLost
 from megatron_rl_fp8.trainer.collectives import broadcast_object
+
+T = TypeVar("T")
 
 
 class Sampler:
@@ -160,14 +165,33 @@ class Sampler:
             )
         return completions, rewards, stats
 
+    def on_driver(self, phase: Callable[[], T]) -> T | None:
+        """``phase()`` on the driver, None elsewhere. Collective: when the engines lost the
+        synced weights in it (``RolloutLost``), every rank raises it, so all of them can sync
+        the engines again."""
+        result, lost = None, None
+        if self.groups.is_driver:
+            try:
+                result = phase()
+            except RolloutLost as e:
+                lost = str(e)
+        lost = broadcast_object(lost, self.groups.driver_rank)
+        if lost is not None:
+            raise RolloutLost(lost)
+        return result
+
     def rollout(self, step: int) -> tuple[list[Completion] | None, torch.Tensor | None, dict]:
         """(completions, rewards, rollout stats) of RL step ``step`` on the driver, ``(None, None,
         {})`` elsewhere (collective: every rank's dataset takes the driver's position; the rows
-        themselves reach the ranks as tensors, ``collectives.scatter_rows``)."""
-        completions = rewards = None
-        stats: dict = {}
-        if self.groups.is_driver:
-            completions, rewards, stats = self._sample_on_driver(step)
+        themselves reach the ranks as tensors, ``collectives.scatter_rows``). A rollout the
+        engines lost leaves the dataset where it was: its repeat samples the same prompts."""
+        position = self.train_data.state_dict()
+        try:
+            sampled = self.on_driver(lambda: self._sample_on_driver(step))
+        except RolloutLost:
+            self.train_data.load_state_dict(position)
+            raise
+        completions, rewards, stats = sampled if sampled is not None else (None, None, {})
         data_state = broadcast_object(
             self.train_data.state_dict() if self.groups.is_driver else None,
             self.groups.driver_rank,
@@ -177,7 +201,11 @@ class Sampler:
         return completions, rewards, stats
 
     def evaluate(self) -> dict:
-        """Greedy decoding of ``train.eval_prompts`` held-out prompts (driver only)."""
+        """Greedy decoding of ``train.eval_prompts`` held-out prompts: the scores on the driver,
+        ``{}`` elsewhere (collective)."""
+        return self.on_driver(self._evaluate_on_driver) or {}
+
+    def _evaluate_on_driver(self) -> dict:
         n = min(self.cfg.train.eval_prompts, len(self.val_data))
         records = [self.val_data[i] for i in range(n)]
         completions = self.engine.generate(

@@ -1,4 +1,5 @@
-"""SGLang server engine against the in-process LocalEngine, on the same synced weights.
+"""One SGLang engine (a fleet of one, no router) against the in-process LocalEngine, on the same
+synced weights.
 
 Tolerances. Both engines run fp32 on CPU with identical weights (the FP8-rounded values of a
 blockwise e4m3 export: SGLang's CPU engine gets them dequantized, LocalEngine dequantizes the same
@@ -9,11 +10,12 @@ and identical greedy tokens (a flip would need two logits within ~1e-6 of each o
 below have no such ties for these seeds). Sampled-token logprobs are checked against
 log softmax(logits / T) recomputed by a transformers forward pass on prompt + completion.
 
-Recovery. One server (module fixture) is killed deterministically (``KillServerAt``, the hook
-behind ``MRF8_SGLANG_FAULT``) at every point where the engine talks to it; each time the next
-rollout must come from a relaunched server serving exactly the new version, with the same
-logprobs as the in-process engine. Every relaunch costs a 30-50 s server start on 2 CPU cores, so
-each point costs one, and cheap failures (a relaunch killed in startup) ride along.
+Recovery. One engine (module fixture) is killed deterministically (``KillServerAt``, the hook
+behind ``MRF8_SGLANG_FAULT``) at each step of a sync and in a rollout; each time it is relaunched on
+placeholder weights, the trainer's repeat of the sync (``SyncFailed``, ``RolloutLost``) gives it
+exactly the new version, and it answers like the in-process engine. Every relaunch costs a 30-50 s
+start on 2 CPU cores, so each point costs one; cheap failures (killed in startup) ride along. No
+weight file is written at any point.
 """
 
 import os
@@ -33,8 +35,10 @@ from megatron_rl_fp8.rollout.base import RolloutConfig, SGLangConfig
 from megatron_rl_fp8.rollout.local import LocalEngine
 from megatron_rl_fp8.rollout.sglang import (
     KillServerAt,
-    SGLangEngine,
+    RolloutLost,
+    SGLangFleet,
     SGLangServerError,
+    SyncFailed,
     server_group_pids,
 )
 from megatron_rl_fp8.sync.buckets import rollout_buckets
@@ -78,8 +82,9 @@ def _buckets(eng, named):
     return rollout_buckets(named, eng.fp8, **eng.export_options)
 
 
-def _engine(py, tmp, transport, **kw) -> SGLangEngine:
+def _engine(py, tmp, transport, **kw) -> SGLangFleet:
     cfg = RolloutConfig(
+        engine="sglang",
         fp8=FP8,
         sglang=SGLangConfig(
             python=py,
@@ -91,7 +96,11 @@ def _engine(py, tmp, transport, **kw) -> SGLangEngine:
             **kw,
         ),
     )
-    return SGLangEngine(cfg, _hf_cfg(), pad_token_id=0, eos_token_id=EOS)
+    return SGLangFleet(cfg, _hf_cfg(), pad_token_id=0, eos_token_id=EOS)
+
+
+def _sync(eng, sd, version):
+    eng.update_weights(_buckets(eng, quantize_for_rollout(sd.items(), FP8)), version=version)
 
 
 def _local(sd, version):
@@ -112,32 +121,39 @@ def _assert_greedy_match(eng, sd, version):
 
 
 @pytest.fixture(scope="module")
-def tensor_engine(sglang_py, tmp_path_factory):
+def one(sglang_py, tmp_path_factory):
     eng = _engine(sglang_py, tmp_path_factory.mktemp("sgl"), "tensor")
     yield eng
-    pgid = eng.server_pid()
+    pgid = _pgid(eng)
     eng.shutdown()
-    assert pgid is None or server_group_pids(pgid) == []
+    assert server_group_pids(pgid) == []
+    assert not list(eng.work_dir.rglob("*.safetensors"))  # no weight copy, ever
 
 
-def test_tensor_transport_greedy_matches_local_engine_across_syncs(tensor_engine):
-    eng = tensor_engine
-    for version in (0, 1):  # 0 starts the server from disk, 1 goes through the transport
+def _pgid(eng) -> int:
+    """The engine's process group (its guard's pid, also ``<work_dir>/engine0.pid``)."""
+    return int((eng.work_dir / "engine0.pid").read_text())
+
+
+def test_both_transports_greedy_match_local_engine_across_syncs(one):
+    # The transport is read at every sync: the first and last go through shared memory, the
+    # middle one through the private gloo group.
+    for version, transport in enumerate(("tensor", "distributed", "tensor")):
+        one.cfg.transport = transport
         sd = _weights(seed=version)
-        eng.update_weights(_buckets(eng, quantize_for_rollout(sd.items(), FP8)), version=version)
-        assert eng.weight_version() == version and eng.health()
-        _assert_greedy_match(eng, sd, version)
-    assert eng.stats["buckets"] > 1  # the second sync really went through several buckets
-    assert eng.stats["restarts"] == 0
-    kept = sorted(p.name for p in eng.weights_root.iterdir())
-    assert kept == ["v1"]  # only the last complete version is kept (the restart source)
+        _sync(one, sd, version)
+        assert one.weight_version() == version and one.health()
+        _assert_greedy_match(one, sd, version)
+    one.cfg.transport = "tensor"
+    assert one.stats["restarts"] == 0
 
 
-def test_sampled_logprobs_are_log_softmax_at_temperature(tensor_engine):
+def test_sampled_logprobs_are_log_softmax_at_temperature(one):
     import transformers
 
-    eng, t = tensor_engine, 0.7
-    sd = dict(quantize_for_rollout(_weights(seed=1).items(), FP8))
+    eng, t = one, 0.7
+    version = eng.weight_version()
+    sd = dict(quantize_for_rollout(_weights(seed=version).items(), FP8))
     model = transformers.AutoModelForCausalLM.from_config(_hf_cfg(), dtype=torch.float32)
     from megatron_rl_fp8.sync.quantize import dequantize_stream
 
@@ -157,11 +173,11 @@ def test_sampled_logprobs_are_log_softmax_at_temperature(tensor_engine):
         )
 
 
-def test_generation_stops_on_every_end_id(tensor_engine):
+def test_generation_stops_on_every_end_id(one):
     """Weights that make one token the argmax at every position (blocks add nothing to the
     residual stream, every embedding is the ones vector, so logits are lm_head row sums): greedy
     decoding emits that token first, and the server stops there iff it is one of the end ids."""
-    eng = tensor_engine
+    eng = one
     for target in (*EOS, 7):
         sd = _weights(seed=0)
         for name, w in sd.items():
@@ -171,8 +187,7 @@ def test_generation_stops_on_every_end_id(tensor_engine):
         sd["model.norm.weight"].fill_(1.0)
         sd["lm_head.weight"].zero_()
         sd["lm_head.weight"][target] = 1.0
-        version = eng.weight_version() + 1
-        eng.update_weights(_buckets(eng, quantize_for_rollout(sd.items(), FP8)), version=version)
+        _sync(eng, sd, eng.weight_version() + 1)
         got = eng.generate(PROMPTS[:2], n=1, greedy=True, max_new_tokens=5, temperature=1.0)
         if target in EOS:
             assert all(c.response_ids == [target] and c.finished for c in got), got
@@ -192,136 +207,98 @@ class _Recorder(KillServerAt):
         super().__call__(point)
 
 
-def _sync_through_fault(eng, version, spec, restarts=1):
-    """Sync ``version`` with the server killed per ``spec``; check it recovered onto ``version``."""
-    sd = _weights(seed=version)
-    pgid, before = eng.server_pid(), eng.stats["restarts"]
-    eng.fault_hook = hook = _Recorder(eng, spec)
-    try:
-        eng.update_weights(_buckets(eng, quantize_for_rollout(sd.items(), FP8)), version=version)
-        _assert_greedy_match(eng, sd, version)
-    finally:
-        eng.fault_hook = None
-    assert hook.fired == [p if "@" in p else p + "@1" for p in spec.split(",")]
-    assert eng.stats["restarts"] == before + restarts and eng.weight_version() == version
-    assert eng.server_pid() != pgid and server_group_pids(pgid) == []  # nothing of it is left
-    assert sorted(p.name for p in eng.weights_root.iterdir()) == [f"v{version}"]
-    # While a sync is under way the engine vouches for no version at all.
-    for point in ("begin_update", "push", "end_update", "disk_update"):
-        assert set(hook.versions.get(point, [])) <= {-1}, (point, hook.versions)
-
-
 @pytest.mark.parametrize(
     "spec",
     [
-        "begin_update",  # seen in CI: died after a rollout, before the sync
+        # begin_update (seen in CI: died after a rollout, before the sync) is the trainer-level
+        # test's fault, test_train_sglang.py; each point costs a 50 s relaunch.
         "push@3",  # a few buckets in: the server holds a mix of two versions
-        "end_update",
-        "check_version",
+        "end_update",  # every bucket arrived; the version was not switched yet
     ],
 )
-def test_server_killed_during_a_sync_is_relaunched_on_the_new_version(tensor_engine, spec):
-    _sync_through_fault(tensor_engine, tensor_engine.weight_version() + 1, spec)
-
-
-def test_server_killed_in_a_rollout_and_again_in_its_relaunch_recovers_within_max_restarts(
-    tensor_engine,
-):
-    eng = tensor_engine
-    version = eng.weight_version()
-    sd, before = _weights(seed=version), eng.stats["restarts"]
-    eng.cfg.max_restarts = 2
-    eng.fault_hook = hook = KillServerAt(eng, "generate,startup")
+def test_engine_killed_during_a_sync_is_relaunched_and_the_sync_runs_again(one, spec):
+    # What the trainer does (trainer/loop.py sync_weights): a SyncFailed sync is run again.
+    version = one.weight_version() + 1
+    sd, pgid, before = _weights(seed=version), _pgid(one), one.stats["restarts"]
+    one.fault_hook = hook = _Recorder(one, spec)
     try:
-        _assert_greedy_match(eng, sd, version)
+        with pytest.raises(SyncFailed, match=f"sync to version {version} failed"):
+            _sync(one, sd, version)
+        assert one.weight_version() == -1  # nothing is vouched for after a failed sync
+        _sync(one, sd, version)
     finally:
-        eng.fault_hook = None
+        one.fault_hook = None
+    assert hook.fired == [spec if "@" in spec else spec + "@1"]
+    assert one.stats["restarts"] == before + 1 and one.weight_version() == version
+    assert _pgid(one) != pgid and server_group_pids(pgid) == []  # nothing of it is left
+    # While a sync is under way the engine vouches for no version at all.
+    for point in ("begin_update", "push", "end_update"):
+        assert set(hook.versions.get(point, [])) <= {-1}, (point, hook.versions)
+    _assert_greedy_match(one, sd, version)
+
+
+def test_engine_killed_in_a_rollout_and_again_in_its_relaunch_is_resynced(one):
+    # A fleet of one cannot finish a rollout whose engine died: RolloutLost asks the trainer to
+    # sync the relaunched engine (here killed once more while starting) and roll out again.
+    version = one.weight_version()
+    sd, before = _weights(seed=version), one.stats["restarts"]
+    one.fault_hook = hook = KillServerAt(one, "generate,startup")
+    try:
+        with pytest.raises(RolloutLost, match=f"weight version {version}"):
+            one.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
+        _sync(one, sd, version)
+    finally:
+        one.fault_hook = None
     assert hook.fired == ["generate@1", "startup@1"]
-    assert eng.stats["restarts"] == before + 2 and eng.weight_version() == version
+    assert one.stats["restarts"] == before + 2 and one.weight_version() == version
+    _assert_greedy_match(one, sd, version)
 
 
-def test_disk_and_distributed_transports_match_local_engine_and_recover(tensor_engine):
-    # The transport is read at every sync, so the module's server serves all three.
-    eng = tensor_engine
-    version = eng.weight_version()
-    buckets = eng.stats["buckets"]
+def test_restarts_are_bounded_and_a_failure_leaves_nothing_running(one):
+    # Last on the module's engine: it ends with the engine given up. max_restarts=1: the one
+    # relaunch after the rollout dies in startup, and the sync that would wait for it names the
+    # setting and the log; nothing of either process group is left.
+    one.cfg.max_restarts = 1
+    pgid = _pgid(one)
+    one.fault_hook = KillServerAt(one, "generate,startup")
     try:
-        for transport in ("distributed", "disk", "distributed"):
-            eng.cfg.transport = transport
-            version += 1
-            sd = _weights(seed=version)
-            eng.update_weights(
-                _buckets(eng, quantize_for_rollout(sd.items(), FP8)), version=version
-            )
-            _assert_greedy_match(eng, sd, version)
-            pushed, buckets = eng.stats["buckets"] - buckets, eng.stats["buckets"]
-            assert pushed > 1 if transport == "distributed" else pushed == 0
-        eng.cfg.transport = "disk"
-        _sync_through_fault(eng, version + 1, "disk_update")
-        # A distributed push fails on a group whose peer died (gloo notices at once).
-        eng.cfg.transport = "distributed"
-        eng.update_weights(
-            _buckets(eng, quantize_for_rollout(_weights(seed=version + 2).items(), FP8)),
-            version=version + 2,
-        )  # forms the group on the relaunched server
-        _sync_through_fault(eng, version + 3, "push@2")
-    finally:
-        eng.cfg.transport = "tensor"
-
-
-def test_restarts_are_bounded_and_a_failure_leaves_nothing_running(tensor_engine):
-    # Last on the module's server: it ends with the server given up. max_restarts=1, and the one
-    # relaunch dies in startup: a clear error naming the setting; no version is claimed; nothing
-    # of either server is left.
-    eng = tensor_engine
-    eng.cfg.max_restarts = 1
-    pgid = eng.server_pid()
-    eng.fault_hook = KillServerAt(eng, "generate,startup")
-    try:
+        with pytest.raises(RolloutLost):
+            one.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
         with pytest.raises(
             SGLangServerError,
-            match=r"rollout\.sglang\.max_restarts=1.*server log: .*server-\d+\.log",
+            match=r"rollout\.sglang\.max_restarts=1.*its log: .*engine0-\d+\.log",
         ):
-            eng.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
+            _sync(one, _weights(0), one.weight_version() + 1)
     finally:
-        eng.fault_hook = None
-    relaunched = int((eng.work_dir / "server.pid").read_text())
-    assert relaunched != pgid and eng.server_pid() is None and eng.weight_version() == -1
+        one.fault_hook = None
+    relaunched = _pgid(one)
+    assert relaunched != pgid and one.weight_version() == -1
     assert server_group_pids(pgid) == [] and server_group_pids(relaunched) == []
 
 
 def test_a_server_that_cannot_bind_its_port_fails_fast_with_a_clear_error(sglang_py, tmp_path):
-    # SGLang 0.5.23 logs the bind error and then hangs instead of exiting; the engine must not
+    # SGLang 0.5.23 logs the bind error and then hangs instead of exiting; the fleet must not
     # wait out startup_timeout_s (240 s here). max_restarts=0: the first launch is all it gets.
     import socket
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        eng = _engine(sglang_py, tmp_path, "tensor", port=port, max_restarts=0)
         t0 = time.monotonic()
-        try:
-            with pytest.raises(
-                SGLangServerError,
-                match=rf"max_restarts=0\); last error: .*"
-                rf"could not bind port {port}",
-            ):
-                eng.update_weights(
-                    _buckets(eng, quantize_for_rollout(_weights(0).items(), FP8)), version=0
-                )
-        finally:
-            eng.shutdown()
+        with pytest.raises(
+            SGLangServerError,
+            match=rf"could not bind port {port}.*max_restarts=0",
+        ):
+            _engine(sglang_py, tmp_path, "tensor", port=port, max_restarts=0)
     assert time.monotonic() - t0 < 120
-    assert eng.weight_version() == -1
-    assert server_group_pids(int((tmp_path / "server.pid").read_text())) == []
+    assert server_group_pids(int((tmp_path / "engine0.pid").read_text())) == []
 
 
-# A trainer in miniature: an SGLangEngine whose first sync launches the server.
+# A trainer in miniature: it launches one engine, syncs it and waits.
 _TRAINER = """
 import sys
-from megatron_rl_fp8.sync.quantize import quantize_for_rollout
-from tests.sglang.test_engine import FP8, _buckets, _engine, _weights
+from tests.sglang.test_engine import _engine, _sync, _weights
 eng = _engine(sys.argv[1], sys.argv[2], "tensor")
-eng.update_weights(_buckets(eng, quantize_for_rollout(_weights(0).items(), FP8)), version=0)
+_sync(eng, _weights(0), 0)
 print("serving", flush=True)
 sys.stdin.read()  # until killed
 """
@@ -354,8 +331,8 @@ def test_sigkilled_trainer_leaves_no_server_process_behind(sglang_py, tmp_path):
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and trainer.poll() is None:
-            if pgid is None and (tmp_path / "server.pid").exists():
-                pgid = int((tmp_path / "server.pid").read_text())
+            if pgid is None and (tmp_path / "engine0.pid").exists():
+                pgid = int((tmp_path / "engine0.pid").read_text())
             if pgid is not None and _sglang_workers(pgid) >= 2:
                 break
             time.sleep(0.1)

@@ -9,6 +9,8 @@ the same fleet shows:
 * the colocated sequencing: release -> (sync and rollout refused) -> resume weights -> sync ->
   resume KV cache -> rollout, recorded by the fleet in that order (on CPU the memory calls are
   logged no-ops);
+* a router that dies (SIGKILL) is relaunched in front of both engines and the rollout's failed
+  requests go through the new one;
 * an engine that hangs (SIGSTOP) while a rollout's requests are in flight: its requests time out
   and are retried, the rollout completes on the other engine with the right answers, the hung
   engine fails /health, leaves the router, is relaunched on placeholder weights, is re-synced by
@@ -134,6 +136,18 @@ def test_colocated_memory_calls_come_in_order_and_guard_sync_and_rollout(fleet):
         ("resume_memory_occupation", ("weights",)),
         ("resume_memory_occupation", ("kv_cache",)),
     ]
+
+
+def test_a_router_that_died_is_relaunched_in_front_of_the_engines(fleet):
+    sd = _sync(fleet, 16, 6)
+    old = fleet._router
+    os.killpg(old.pid, signal.SIGKILL)
+    old.wait()
+    got = fleet.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
+    _assert_same(got, _reference(sd, 6))  # the failed requests were retried through a new router
+    assert fleet.stats["router_restarts"] == 1 and fleet._router is not old
+    assert server_group_pids(old.pid) == []
+    assert set(fleet._router_workers()) == {e.url for e in fleet.engines}
 
 
 def test_engine_hung_mid_rollout_is_replaced_and_resynced(fleet):

@@ -1,6 +1,7 @@
-"""The SGLang engine's client side without a server: config validation, the launch command,
-request building, answer parsing (version checks), the shared-memory bucket layout, the fault
-injection hook, and the guard that keeps a server from outliving its trainer."""
+"""The SGLang engines' client side without a server: config validation, the launch command,
+request building, answer parsing (version checks), the transports' bucket layouts and their
+refusals, the fault injection hook, and the guard that keeps a server from outliving its
+trainer."""
 
 import sys
 import time
@@ -15,7 +16,7 @@ from megatron_rl_fp8.rollout.base import RolloutConfig, SGLangConfig
 from megatron_rl_fp8.rollout.sglang import (
     FAULT_ENV,
     KillServerAt,
-    SGLangEngine,
+    SGLangFleet,
     SGLangServerError,
     parse_completion,
     parse_fault_spec,
@@ -41,6 +42,7 @@ def test_config_defaults_and_overrides():
     s = cfg.rollout.sglang
     assert cfg.rollout.engine == "sglang"
     assert (s.transport, s.bucket_mb, s.tp_size, s.max_restarts) == ("distributed", 64.0, 2, 2)
+    assert SGLangConfig().transport == "distributed"
     assert load_config(None, []).rollout.engine == "local"
 
 
@@ -49,6 +51,7 @@ def test_config_defaults_and_overrides():
     [
         ("rollout.engine=vllm", "rollout.engine"),
         ("rollout.sglang.transport=nccl", "transport"),
+        ("rollout.sglang.transport=disk", "transport"),
         ("rollout.sglang.bucket_mb=0", "bucket_mb"),
         ("rollout.sglang.tp_size=0", "tp_size"),
         ("rollout.sglang.mem_fraction_static=1.5", "mem_fraction_static"),
@@ -196,43 +199,87 @@ def test_kill_server_at_counts_occurrences_per_point():
     assert hook.fired == ["generate@1", "push@2"] and eng.kills == 2
 
 
-def _engine_cfg(tmp_path, transport="disk", **kw):
-    # Not the tensor transport: building that engine switches this whole test process to torch's
-    # file_system sharing strategy.
+def _attached(tmp_path, **kw) -> SGLangFleet:
+    """A fleet attached to one engine URL where nothing listens: building it launches and calls
+    nothing (no SGLang python needed)."""
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.models.hf_mapping import hf_config
+    from megatron_rl_fp8.rollout.sglang.process import pick_port
 
     cfg = RolloutConfig(
         engine="sglang",
-        sglang=SGLangConfig(python="", work_dir=str(tmp_path), transport=transport, **kw),
+        sglang=SGLangConfig(
+            python=str(tmp_path / "none"),
+            engine_urls=[f"http://127.0.0.1:{pick_port()}"],
+            work_dir=str(tmp_path),
+            **kw,
+        ),
     )
-    return cfg, hf_config(ModelConfig(vocab_size=53))
+    return SGLangFleet(cfg, hf_config(ModelConfig(vocab_size=53)), pad_token_id=0, eos_token_id=2)
 
 
 def test_fault_env_installs_the_hook_once_and_unset_costs_nothing(tmp_path, monkeypatch):
-    cfg, hf = _engine_cfg(tmp_path)
     monkeypatch.delenv(FAULT_ENV, raising=False)
-    assert SGLangEngine(cfg, hf, pad_token_id=0, eos_token_id=2).fault_hook is None
+    assert _attached(tmp_path).fault_hook is None
     monkeypatch.setenv(FAULT_ENV, "begin_update@2")
-    hook = SGLangEngine(cfg, hf, pad_token_id=0, eos_token_id=2).fault_hook
+    hook = _attached(tmp_path).fault_hook
     assert isinstance(hook, KillServerAt) and hook.plan == {"begin_update": {2}}
     monkeypatch.setenv(FAULT_ENV, "nowhere")
     with pytest.raises(ValueError, match=FAULT_ENV):
-        SGLangEngine(cfg, hf, pad_token_id=0, eos_token_id=2)
+        _attached(tmp_path)
 
 
-def test_weight_group_fails_fast_when_the_server_is_gone(tmp_path):
-    # The private group's rendezvous waits up to request_timeout_s for the server to join; a dead
-    # server must be noticed from the refused HTTP call instead.
+def test_weight_group_fails_fast_when_the_engine_is_gone(tmp_path):
+    # The private group's rendezvous waits up to the timeout for the engines to join; a dead
+    # engine must be noticed from the refused HTTP call instead, and the sender says so.
     from megatron_rl_fp8.parallel import free_port
+    from megatron_rl_fp8.rollout.sglang import SyncPlan, WeightSender
+    from megatron_rl_fp8.sync.buckets import Bucket
 
-    cfg, hf = _engine_cfg(tmp_path, transport="distributed", request_timeout_s=60)
-    eng = SGLangEngine(cfg, hf, pad_token_id=0, eos_token_id=2)
-    eng._http = Http(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    plan = SyncPlan(
+        version=0,
+        engines=[(f"http://127.0.0.1:{free_port()}", 1)],  # nothing listens there
+        device="cpu",
+        timeout=60,
+        export_options={},
+        failed=[],
+    )
     t0 = time.monotonic()
-    with pytest.raises(_ServerGone, match="init_weights_update_group"):
-        eng._ensure_group()
+    bucket = Bucket(0, [("w", torch.zeros(2))])
+    error = WeightSender().push(plan, [bucket, bucket])
+    assert "could not start" in error and "init_weights_update_group" in error
     assert time.monotonic() - t0 < 10
+
+
+def test_tensor_transport_refuses_engines_on_another_host():
+    from megatron_rl_fp8.rollout.sglang import SyncPlan, WeightSender
+    from megatron_rl_fp8.rollout.sglang.sender import on_this_host
+    from megatron_rl_fp8.sync.buckets import Bucket
+
+    assert on_this_host("http://127.0.0.1:1") and on_this_host("http://localhost:1")
+    assert not on_this_host("http://192.0.2.1:30000")  # TEST-NET-1: never this host
+    plan = SyncPlan(
+        version=0,
+        engines=[("http://192.0.2.1:30000", 1)],
+        device="cpu",
+        timeout=5,
+        export_options={},
+        failed=[],
+        transport="tensor",
+    )
+    error = WeightSender().push(plan, [Bucket(0, [("w", torch.zeros(2))])])
+    assert "not on this host" in error and "transport=distributed" in error
+
+
+def test_per_tensor_fp8_scales_take_sglang_names():
+    from megatron_rl_fp8.rollout.sglang.sender import _per_tensor_scale_names
+
+    named = [("a.weight", 1), ("a.weight_scale_inv", 2), ("b.bias", 3)]
+    assert [n for n, _ in _per_tensor_scale_names(named)] == [
+        "a.weight",
+        "a.weight_scale",
+        "b.bias",
+    ]
 
 
 def test_a_hung_server_counts_as_gone():
@@ -333,9 +380,8 @@ def _kill_pg(pgid):
 
 def test_export_options_tell_the_export_path_how_to_send_weights(tmp_path):
     # No server needed: the options come from the config and the device.
-    cfg = RolloutConfig(sglang=SGLangConfig(python="", work_dir=str(tmp_path), bucket_mb=64))
-    eng = SGLangEngine(cfg, None, pad_token_id=0, eos_token_id=2)
-    assert eng.export_options == {"bucket_mb": 64, "dequantize_to": torch.float32}
+    fleet = _attached(tmp_path, bucket_mb=64)
+    assert fleet.export_options == {"bucket_mb": 64, "dequantize_to": torch.float32}
 
 
 # -- the fleet's pieces without a server -----------------------------------------------------------
@@ -363,16 +409,6 @@ def test_fleet_config_rejects_bad_values_naming_the_field(override, match):
         overrides.append("rollout.engine=sglang")
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
-
-
-def test_fleet_is_chosen_for_several_engines_attached_engines_or_colocation():
-    def sglang(**kw):
-        return load_config(None, ["rollout.engine=sglang", *kw.pop("extra", [])]).rollout
-
-    assert not sglang().sglang.fleet
-    assert sglang(extra=["rollout.sglang.num_engines=2"]).sglang.fleet
-    assert sglang(extra=["rollout.sglang.engine_urls=[http://h:30000]"]).sglang.fleet
-    assert sglang(extra=["rollout.placement=colocated"]).placement == "colocated"
 
 
 def test_placeholder_launch_and_router_commands():
@@ -410,9 +446,11 @@ def test_placeholder_launch_and_router_commands():
         python="/py",
         port=7,
         worker_urls=["http://a:1", "http://b:2"],
+        metrics_port=9,
     )
     assert r[:3] == ["/py", "-m", "sglang_router.launch_router"]
     assert r[r.index("--policy") + 1] == "cache_aware" and r[r.index("--port") + 1] == "7"
+    assert r[r.index("--prometheus-port") + 1] == "9"
     assert r[r.index("--worker-urls") + 1 :] == ["http://a:1", "http://b:2"]
 
 
@@ -454,19 +492,9 @@ def test_attached_fleet_launches_nothing_and_drops_an_engine_that_is_gone(tmp_pa
     # Attach mode without any server: nothing is launched (no SGLang python needed), a rollout
     # before the first sync is refused, a sync into a dead engine drops it (it cannot be
     # relaunched) and asks for the sync again, and with no engine left the next one says so.
-    from megatron_rl_fp8.models.config import ModelConfig
-    from megatron_rl_fp8.models.hf_mapping import hf_config
-    from megatron_rl_fp8.rollout.sglang import SGLangFleet, SyncFailed
-    from megatron_rl_fp8.rollout.sglang.process import pick_port
+    from megatron_rl_fp8.rollout.sglang import SyncFailed
 
-    url = f"http://127.0.0.1:{pick_port()}"  # free: nothing listens there
-    cfg = RolloutConfig(
-        engine="sglang",
-        sglang=SGLangConfig(
-            python=str(tmp_path / "none"), engine_urls=[url], work_dir=str(tmp_path)
-        ),
-    )
-    fleet = SGLangFleet(cfg, hf_config(ModelConfig(vocab_size=53)), pad_token_id=0, eos_token_id=2)
+    fleet = _attached(tmp_path)
     try:
         assert fleet.router_url == "" and fleet.engines[0].proc is None
         with pytest.raises(SGLangServerError, match="no synced weights"):

@@ -1,4 +1,4 @@
-"""``rollout.sglang.*``: how the SGLang server engine launches, syncs and recovers."""
+"""``rollout.sglang.*``: how the SGLang engines launch, sync and recover."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from megatron_rl_fp8.config_utils import check_literals, field
 
 @dataclasses.dataclass(kw_only=True)
 class SGLangConfig:
-    """The SGLang rollout server this run launches and owns (``rollout.engine: sglang``)."""
+    """The SGLang engines this run launches and owns, or attaches to (``rollout.engine: sglang``)."""
 
     python: str = field(
         ".venv-sglang/bin/python",
@@ -18,20 +18,21 @@ class SGLangConfig:
         "The default is the venv made by tools/install_sglang_cpu.sh; empty = the trainer's "
         "own interpreter (SGLang installed next to the trainer, e.g. on GPU clusters).",
     )
-    transport: Literal["tensor", "distributed", "disk"] = field(
-        "tensor",
-        help="How synced weights reach the server: tensor = shared memory, same node "
-        "(update_weights_from_tensor); distributed = a private NCCL/gloo group with the "
-        "server's TP ranks (update_weights_from_distributed); disk = safetensors files "
-        "(update_weights_from_disk).",
+    transport: Literal["distributed", "tensor"] = field(
+        "distributed",
+        help="How synced weights reach the engines: distributed = each bucket broadcast once "
+        "over a private NCCL/gloo group joining each pipeline stage's sending rank and every "
+        "engine's TP ranks (update_weights_from_distributed; engines anywhere, on GPUs other "
+        "than the senders'); tensor = shared memory on CPU, CUDA IPC on GPU, handles over HTTP "
+        "(update_weights_from_tensor; engines on the senders' node, may share their GPUs).",
     )
     bucket_mb: float = field(512.0, help="Largest weight message to the server, in MiB.")
     tp_size: int = field(1, help="Tensor-parallel size of each SGLang server (GPUs per engine).")
     num_engines: int = field(
         1,
-        help="SGLang servers this run launches. More than one: a fleet behind one sglang-router, "
-        "started with placeholder weights and synced by one broadcast per bucket to every "
-        "engine (transport distributed); no weight copy is written to disk.",
+        help="SGLang servers this run launches, each on placeholder weights that the first sync "
+        "replaces; more than one run behind one sglang-router. No weight copy is written to "
+        "disk: a relaunched engine is re-synced from the trainer.",
     )
     engine_urls: list[str] = field(
         default_factory=list,
@@ -53,8 +54,8 @@ class SGLangConfig:
         None,
         help="GPU of the first engine (SGLang --base-gpu-id; engine i uses base_gpu_id + "
         "i * tp_size onwards). None = after the trainer's GPUs on this node with "
-        "rollout.placement=dedicated, the node's last GPUs with colocated. Never the driver's "
-        "GPU (the sync's NCCL broadcast cannot join two processes on one GPU).",
+        "rollout.placement=dedicated, the node's last GPUs with colocated. With transport "
+        "distributed never the driver's GPU (NCCL cannot join two processes on one GPU).",
     )
     device: Literal["auto", "cpu", "cuda"] = field(
         "auto",
@@ -76,21 +77,20 @@ class SGLangConfig:
     port: int = field(0, help="Server port; 0 = pick a free one at every launch.")
     work_dir: str = field(
         "",
-        help="Where the server's model directory (last synced weights, the restart source) "
-        "and logs go; empty = <train.output_dir>/sglang when the trainer passes it, else "
-        "a temporary directory.",
+        help="Where the engines' logs, pid files and config-only model directory go; empty = "
+        "<train.output_dir>/sglang when the trainer passes it, else a temporary directory.",
     )
     startup_timeout_s: float = field(300.0, help="Seconds to wait for /health after a launch.")
     request_timeout_s: float = field(
         600.0,
         help="Seconds one HTTP call (a whole rollout batch, one weight bucket) may take "
-        "before the server is declared hung and restarted.",
+        "before the engine is declared hung and relaunched.",
     )
     max_restarts: int = field(
         2,
-        help="Server relaunches (each from the last complete synced weights) allowed per "
-        "engine call -- one rollout or one weight sync, and counting relaunches that die "
-        "in startup -- before the run fails with the server log.",
+        help="Relaunches of one engine since its last good sync (counting ones that die in "
+        "startup) before the run fails with its log; also how often the trainer runs a failed "
+        "sync again, or re-syncs engines that lost their weights in a rollout.",
     )
     random_seed: int = field(0, help="SGLang --random-seed.")
     env: dict[str, str] = field(
@@ -162,12 +162,6 @@ class SGLangConfig:
                 f"rollout.sglang.extra_args sets {clash}, which the engine sets "
                 "itself; use the matching rollout.sglang fields instead"
             )
-
-    @property
-    def fleet(self) -> bool:
-        """True when the run talks to a fleet (several engines, or engines it attaches to) rather
-        than the single server it launches and restarts from a disk copy."""
-        return self.num_engines > 1 or bool(self.engine_urls)
 
 
 def _is_http_url(url: str) -> bool:

@@ -1,4 +1,4 @@
-"""The SGLang engine's errors: one to report, one to recover from, one that asks the trainer
+"""The SGLang engines' errors: one to report, one to recover from, two that ask the trainer
 to sync again."""
 
 from __future__ import annotations
@@ -11,6 +11,11 @@ class SGLangServerError(RuntimeError):
 class SyncFailed(SGLangServerError):
     """A sync did not reach every engine of a fleet; their weights are unknown until the trainer
     runs the sync again (the engines that failed have been relaunched)."""
+
+
+class RolloutLost(SGLangServerError):
+    """No engine serves the synced weights any more (the ones that died in a rollout have been
+    relaunched on placeholder weights): the trainer syncs them and runs the rollout again."""
 
 
 class _ServerGone(SGLangServerError):

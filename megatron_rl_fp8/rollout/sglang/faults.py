@@ -1,7 +1,7 @@
-"""Fault injection for the SGLang engine (testing only): kill the server at named points.
+"""Fault injection for the SGLang engines (testing only): kill an engine at named points.
 
 Tests, and CLI runs with ``MRF8_SGLANG_FAULT=<point>[@<n>][,...]``, use it to drive every recovery
-path of the engine deterministically instead of killing on a timer.
+path of the fleet deterministically instead of killing on a timer.
 """
 
 from __future__ import annotations
@@ -11,20 +11,14 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron_rl_fp8.rollout.sglang.engine import SGLangEngine
+    from megatron_rl_fp8.rollout.sglang.fleet import SGLangFleet
 
 FAULT_ENV = "MRF8_SGLANG_FAULT"
-# Where the engine calls its fault hook, in the order a run meets them. ``startup``: right after a
-# (re)launch, before the server is healthy; the rest: just before the server call(s) they name.
-FAULT_POINTS = (
-    "startup",
-    "generate",
-    "begin_update",
-    "push",
-    "end_update",
-    "disk_update",
-    "check_version",
-)
+# Where the fleet calls its fault hook, in the order a run meets them. ``startup``: right after a
+# (re)launch, before the engine is healthy; ``generate``: while a rollout's requests are in
+# flight; the rest: just before the sync's calls they name (``end_update`` includes the version
+# check).
+FAULT_POINTS = ("startup", "generate", "begin_update", "push", "end_update")
 
 
 def parse_fault_spec(spec: str) -> dict[str, set[int]]:
@@ -42,17 +36,17 @@ def parse_fault_spec(spec: str) -> dict[str, set[int]]:
 
 
 class KillServerAt:
-    """TESTING ONLY: a ``fault_hook`` that SIGKILLs the engine's server at chosen points.
+    """TESTING ONLY: a ``fault_hook`` that SIGKILLs the fleet's last engine at chosen points.
 
     ``KillServerAt(engine, "begin_update")`` kills at the first ``begin_update`` the engine meets
     after this object is installed, ``"push@3"`` at the third push, ``"generate,startup@1"`` at the
     first rollout and then during the first relaunch. Occurrences count per point, from
     installation. The kill takes the whole process group and waits until it is gone, so the very
-    next server call fails the way a crash makes it fail. Production runs never install one; the
-    engine installs one only when ``MRF8_SGLANG_FAULT`` is set (read once, at construction).
+    next call to that engine fails the way a crash makes it fail. Production runs never install
+    one; the fleet installs one only when ``MRF8_SGLANG_FAULT`` is set (read once, at construction).
     """
 
-    def __init__(self, engine: SGLangEngine, spec: str):
+    def __init__(self, engine: SGLangFleet, spec: str):
         self.engine = engine
         self.plan = parse_fault_spec(spec)
         self.seen: dict[str, int] = {}
@@ -65,14 +59,14 @@ class KillServerAt:
             self.engine.kill_server()
 
 
-def fault_hook_from_env(engine: SGLangEngine) -> KillServerAt | None:
-    """The hook ``MRF8_SGLANG_FAULT`` asks for (read once, when the engine is built), or None."""
+def fault_hook_from_env(engine: SGLangFleet) -> KillServerAt | None:
+    """The hook ``MRF8_SGLANG_FAULT`` asks for (read once, when the fleet is built), or None."""
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
         return None
     hook = KillServerAt(engine, spec)
     print(
-        f"[sglang] {FAULT_ENV}={spec!r}: the server will be SIGKILLed at these points "
+        f"[sglang] {FAULT_ENV}={spec!r}: an engine will be SIGKILLed at these points "
         "(fault injection, for tests only)",
         file=sys.stderr,
         flush=True,

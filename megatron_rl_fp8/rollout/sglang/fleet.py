@@ -1,41 +1,45 @@
-"""A fleet of SGLang engines behind one sglang-router, synced by one broadcast per bucket.
+"""SGLang rollout engines: one, or a fleet behind one sglang-router, synced from the trainer.
 
 What it is for: at 8B-32B one server is not a deployment. ``rollout.sglang.num_engines`` engines
-(each ``tp_size`` GPUs) run behind a router (``sglang_router.launch_router``, or one that already
-runs: ``router_url``); every rollout request goes through the router, one request per prompt with
-all of its samples, so the router spreads prompts over the engines. Or the run attaches to
-engines something else started (``engine_urls``, e.g. the Slurm launcher's rollout nodes).
+(each ``tp_size`` GPUs) are launched; with more than one, a router runs in front of them
+(``sglang_router.launch_router``, or one that already runs: ``router_url``) and every rollout
+request goes through it, one request per completion, so the router spreads the batch over the
+engines. Or the run attaches to engines something else started (``engine_urls``, e.g. the Slurm
+launcher's rollout nodes). A single engine is a fleet of one, called directly.
 
 Life of an engine:
 
 * Launched engines start on SGLang's placeholder weights (``--load-format dummy``) from a
   directory that holds only ``config.json``; the first sync gives them the real weights. Nothing
   of the weights is ever written to disk: the trainer always holds the current weights, so an
-  engine that is lost is relaunched on placeholders and re-synced by the next sync.
-* A sync (:meth:`SGLangFleet.update_weights`): every engine that is up is marked
-  ``"<v>-partial"``, each bucket is broadcast once, as one flat buffer, to all of them over one
-  private process group (this process is rank 0, the engines' TP ranks follow; NCCL on GPU, gloo
-  on CPU; re-formed whenever the set of engines changes), then every engine is marked ``"<v>"``,
-  its cache flushed and the version it reports read back. Engines that were not in the router
-  (new or relaunched) join it now, once they serve the current version.
+  engine that is lost is relaunched on placeholders and re-synced by the trainer.
+* A sync: the driver's :meth:`SGLangFleet.begin_sync` marks every engine that is up
+  ``"<v>-partial"`` and returns a :class:`~.sender.SyncPlan`; every sending rank pushes its
+  buckets with a :class:`~.sender.WeightSender` (``rollout.sglang.transport``: one broadcast per
+  bucket to all engines, or CUDA-IPC / shared-memory handles); :meth:`SGLangFleet.end_sync`
+  marks every engine ``"<v>"``, flushes its cache and reads back the version it reports.
+  Engines that were not in the router (new or relaunched) join it then. :meth:`update_weights`
+  is the whole sync from one process (the trainer at PP=1, tools, tests).
 * A rollout: requests go to the router (or to the only engine). An answer from another weight
-  version, or a request that failed, is retried; after each rollout every engine's process is
-  checked, and one that died is taken out of the router and relaunched (in the background: it
-  rejoins at the next sync). Relaunches per engine are bounded by ``max_restarts`` since its last
-  good sync; past that the run stops with the engine's log tail. A launched router that dies is
-  relaunched in front of the engines that serve. Attached engines cannot be relaunched: one that
-  dies is dropped, and the run stops when none serves.
+  version, or a request that failed, is retried; after failed requests every engine's process is
+  checked, and one that died or hangs (no ``/health``) is taken out of the router and relaunched
+  (it rejoins at the next sync). When no engine serves the synced weights any more,
+  :class:`RolloutLost` tells the trainer to sync again and repeat the rollout. Relaunches per
+  engine are bounded by ``max_restarts`` since its last good sync; past that the run stops with
+  the engine's log tail. A launched router that dies is relaunched in front of the engines that
+  serve. Attached engines cannot be relaunched: one that dies is dropped, and the run stops when
+  none serves.
 * A sync that fails (an engine died during it, the group broke) leaves every engine's weights
   unknown: the failed engines are relaunched, and :class:`SyncFailed` tells the trainer to run
   the whole sync again (its export is a collective; see ``trainer/loop.py``).
 
 Colocated placement (``rollout.placement=colocated``): the engines share the trainer's GPUs.
-The trainer calls :meth:`release_memory` once the rollout is done and :meth:`resume_memory` with
-``("weights",)`` before the sync and ``("kv_cache",)`` after it (SGLang's
+The trainer calls :meth:`release_memory` once the rollout is done, :meth:`resume_memory` with
+``("weights",)`` before the sync and ``("kv_cache",)`` before generating (SGLang's
 ``/release_memory_occupation`` and ``/resume_memory_occupation``, with ``--enable-memory-saver``).
 On CPU there is no GPU memory to give back: the calls are logged and recorded
 (``memory_calls``), not sent, so the sequencing is tested there. A sync while the weights are
-released is refused.
+released, or a rollout while anything is, is refused.
 """
 
 from __future__ import annotations
@@ -43,7 +47,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -54,6 +57,7 @@ import torch
 
 from megatron_rl_fp8.rollout.base import Completion, RolloutConfig, eos_ids
 from megatron_rl_fp8.rollout.sglang.errors import (
+    RolloutLost,
     SGLangServerError,
     SyncFailed,
     _first_line,
@@ -82,12 +86,8 @@ from megatron_rl_fp8.rollout.sglang.process import (
     serving,
     wait_healthy,
 )
-from megatron_rl_fp8.rollout.sglang.transports import (
-    destroy_sender_group,
-    join_sender_group,
-    push_distributed,
-    write_checkpoint_files,
-)
+from megatron_rl_fp8.rollout.sglang.sender import SyncPlan, WeightSender
+from megatron_rl_fp8.rollout.sglang.transports import write_model_config
 from megatron_rl_fp8.sync.buckets import Bucket
 
 
@@ -111,100 +111,6 @@ class _Engine:
         if self.proc is not None:
             return self.proc.poll() is None
         return bool(self.url)  # attached: alive until a call to it fails
-
-
-@dataclasses.dataclass
-class SyncPlan:
-    """What every sending rank needs for one sync (picklable: the driver broadcasts it)."""
-
-    version: int
-    engines: list[tuple[str, int]]  # (url, tp_size) of every engine taking this sync, in order
-    device: str  # the engines' device: NCCL on cuda, gloo on cpu
-    timeout: float
-    export_options: dict  # the fleet's ``export_options`` (bucket size, serving dtype)
-    failed: list[str]  # engines that refused the begin of the sync: push nothing
-
-
-class BroadcastSender:
-    """One sending rank's side of a fleet sync: its private process group with every engine
-    (this rank is rank 0; formed again whenever the engines change, or after a failed push) and
-    its pushes. The driver's lives in its fleet; with pipeline parallelism every stage's
-    sending rank has one and broadcasts its own layers."""
-
-    def __init__(self):
-        self._group = None  # (process group, name)
-        self._key: tuple = ()  # the plan's engines the group was formed with
-
-    def push(
-        self,
-        plan: SyncPlan,
-        buckets: Iterable[Bucket],
-        *,
-        fault: Callable[[str], None] | None = None,
-    ) -> str | None:
-        """Broadcast every bucket to ``plan``'s engines; returns the first failure (then the
-        rest of the stream is only consumed: the export is a collective), or None."""
-        error = None
-        try:
-            group = None if plan.failed else self._ensure(plan)
-        except SGLangServerError as e:
-            error = f"the sync group did not form: {_first_line(e)}"
-        engines = [Http(url) for url, _ in plan.engines]
-        for bucket in buckets:
-            if error or plan.failed:
-                continue
-            try:
-                if fault is not None:
-                    fault("push")
-                push_distributed(engines, group, bucket, device=plan.device, timeout=plan.timeout)
-            except SGLangServerError as e:
-                error = _first_line(e)
-        if error:
-            self.close()  # a broken group is formed afresh next time
-        return error
-
-    def _ensure(self, plan: SyncPlan):
-        key = tuple(plan.engines)
-        if self._group is not None and key == self._key:
-            return self._group
-        self.close()
-        host = sender_address(plan.engines[0][0])
-        self._group = join_sender_group(
-            [(Http(url), tp) for url, tp in plan.engines],
-            host=host,
-            device=plan.device,
-            name=f"mrf8_sync_pid{os.getpid()}_{time.monotonic_ns()}_{socket.gethostname()}",
-            timeout=plan.timeout,
-        )
-        self._key = key
-        return self._group
-
-    def close(self) -> None:
-        """Leave the group: the engines that still answer drop it too (best effort)."""
-        group, self._group, key = self._group, None, self._key
-        self._key = ()
-        if group is None:
-            return
-        for url, _ in key:
-            try:
-                Http(url).ok("/destroy_weights_update_group", {"group_name": group[1]}, timeout=10)
-            except SGLangServerError:
-                pass  # a dead engine took its side of the group with it
-        destroy_sender_group(group)
-
-
-def sender_address(engine_url: str) -> str:
-    """The address of this host that ``engine_url``'s host reaches it at (where the sync group's
-    rendezvous listens): loopback for a local engine, else the interface that routes there (a UDP
-    socket's local address after connect; nothing is sent)."""
-    from urllib.parse import urlparse
-
-    host = urlparse(engine_url).hostname or "127.0.0.1"
-    if host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
-        return s.getsockname()[0]
 
 
 class SGLangFleet:
@@ -233,9 +139,8 @@ class SGLangFleet:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.model_dir = self.work_dir / "model"  # config.json only: engines start on placeholders
         self.model_dir.mkdir(exist_ok=True)
-        write_checkpoint_files(
+        write_model_config(
             self.model_dir,
-            {},
             hf_config,
             serve_dtype=self.serve_dtype,
             fp8=self.fp8 if self.fp8_checkpoint else None,
@@ -245,7 +150,7 @@ class SGLangFleet:
         self._router: subprocess.Popen | None = None
         self.router_url = self.cfg.router_url
         self._router_launches = 0
-        self.sender = BroadcastSender()  # this process's side of the sync broadcast
+        self.sender = WeightSender()  # this process's side of a sync
         self._members: list[_Engine] = []  # the engines of the sync in progress
         self._sync_started = 0.0
         self._version = -1  # the last version synced into every engine that is up
@@ -291,8 +196,9 @@ class SGLangFleet:
         return base + eng.index * self.cfg.tp_size
 
     def _check_gpus(self) -> None:
-        """Every engine's GPUs exist, and none is the driver's: the sync broadcasts from the
-        driver over NCCL, which cannot join two processes on one GPU."""
+        """Every engine's GPUs exist, and with the distributed transport none is the driver's:
+        the sync broadcasts from the driver over NCCL, which cannot join two processes on one
+        GPU (the tensor transport can: CUDA IPC)."""
         if self.device != "cuda":
             return
         have = torch.cuda.device_count()
@@ -308,11 +214,11 @@ class SGLangFleet:
                 "rollout.sglang.base_gpu_id"
             )
         mine = torch.cuda.current_device()
-        if first <= mine <= last:
+        if self.cfg.transport == "distributed" and first <= mine <= last:
             raise SGLangServerError(
                 f"{layout} include this trainer rank's GPU {mine}, which sends the weights: NCCL "
                 "cannot broadcast between two processes on one GPU; set rollout.sglang.base_gpu_id "
-                "so the engines start after it"
+                "so the engines start after it, or rollout.sglang.transport=tensor (CUDA IPC)"
             )
 
     def _launch(self, eng: _Engine) -> None:
@@ -336,6 +242,8 @@ class SGLangFleet:
         )
         eng.proc, eng.url = proc, f"http://{self.cfg.host}:{port}"
         eng.version, eng.in_router = -1, False
+        if eng is self.engines[-1]:
+            self._fault("startup")  # the engine the fault hook kills
 
     def _wait(self, eng: _Engine) -> None:
         wait_healthy(
@@ -401,7 +309,9 @@ class SGLangFleet:
         port = pick_port()
         serving = [e.url for e in self.engines if e.alive()]
         log = self.work_dir / f"router-{self._router_launches}.log"
-        cmd = router_command(self.cfg, python=self.python, port=port, worker_urls=serving)
+        cmd = router_command(
+            self.cfg, python=self.python, port=port, worker_urls=serving, metrics_port=pick_port()
+        )
         self._router = launch_logged(
             cmd, python=self.python, env=server_env(self.cfg, "cpu"), log_path=log
         )
@@ -505,8 +415,12 @@ class SGLangFleet:
             )
         self._sync_started = time.perf_counter()
         self._check_router()
-        for eng in self._up():  # relaunched engines: wait until they can take the weights
-            if eng.version < 0 and eng.proc is not None:
+        for eng in self.engines:
+            if eng.proc is None:
+                continue  # attached: one that died was dropped
+            if not eng.alive():
+                self._relaunch(eng, "its process exited")
+            if eng.version < 0:  # relaunched (or unknown): wait until it can take the weights
                 self._wait_or_relaunch(eng)
         members = self._up()
         if not members:
@@ -525,6 +439,8 @@ class SGLangFleet:
             timeout=timeout,
             export_options=self.export_options,
             failed=[e.url for e in failed],
+            transport=self.cfg.transport,
+            rename_scales=self.fp8_checkpoint and self.fp8.weight_quant == "per_tensor",
         )
 
     def end_sync(self, plan: SyncPlan, errors: list[str | None]) -> None:
@@ -577,16 +493,21 @@ class SGLangFleet:
         return any(self._healthy(e) for e in self.engines)
 
     # -- colocated memory ------------------------------------------------------------------------
-    def release_memory(self) -> None:
-        """Colocated: the engines give their weights and KV cache memory back to the trainer."""
-        tags = tuple(t for t in ("weights", "kv_cache") if t not in self._released)
+    def release_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Colocated: the engines give the memory of ``tags`` back to the trainer. Released
+        weights are gone (SGLang keeps no copy): generating needs a sync first."""
+        tags = tuple(t for t in tags if t not in self._released)
         if tags:
             self._memory("release_memory_occupation", tags)
             self._released |= set(tags)
+        if self.colocated and "weights" in tags:
+            self._version = -1
+            for eng in self.engines:
+                eng.version = -1
 
     def resume_memory(self, tags: tuple[str, ...]) -> None:
         """Colocated: the engines take back the memory of ``tags`` (weights before a sync, the
-        KV cache after it); tags not released are skipped."""
+        KV cache before generating); tags not released are skipped."""
         tags = tuple(t for t in tags if t in self._released)
         if tags:
             self._memory("resume_memory_occupation", tags)
@@ -721,10 +642,11 @@ class SGLangFleet:
             elif probe and eng.url and eng.version == self._version and not self._healthy(eng):
                 self._relaunch(eng, "it did not answer /health (hung)")
         if not any(e.version == self._version and e.alive() for e in self.engines):
-            raise SGLangServerError(
-                f"no SGLang engine serves weight version {self._version} any more; engine logs "
-                f"in {self.work_dir}"
-            )
+            lost = f"no SGLang engine serves weight version {self._version} any more"
+            if not any(e.proc is not None or e.url for e in self.engines):
+                # Attached engines, all dropped: nothing is left to sync.
+                raise SGLangServerError(f"{lost}; engine logs in {self.work_dir}")
+            raise RolloutLost(f"{lost}; the relaunched engines are to be synced again")
 
     # -- reporting, shutdown ---------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:

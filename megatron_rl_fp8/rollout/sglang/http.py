@@ -176,20 +176,6 @@ def end_update(http: Http, version: int, *, timeout: float) -> None:
         raise SGLangServerError(f"/flush_cache failed after the weight update: {out}")
 
 
-def update_from_disk(http: Http, path, version: int, *, timeout: float) -> None:
-    """The ``disk`` transport: the server reloads the shards of ``path`` as version ``version``."""
-    http.ok(
-        "/update_weights_from_disk",
-        {
-            "model_path": str(path),
-            "weight_version": str(version),
-            "abort_all_requests": True,
-            "flush_cache": True,
-        },
-        timeout=timeout,
-    )
-
-
 def check_version(http: Http, expected: str, *, timeout: float) -> None:
     """The server must report weight version ``expected`` (``/model_info``)."""
     info = http.call("/model_info", timeout=timeout)

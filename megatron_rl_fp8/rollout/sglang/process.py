@@ -111,8 +111,8 @@ def server_group_pids(pgid: int) -> list[int]:
 def _kill_group(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """SIGKILL ``proc``'s process group, reap ``proc``, and wait (bounded) for the rest to go.
 
-    SIGKILL, not a graceful SIGTERM: the server holds nothing worth saving (its weights are on disk)
-    and SGLang answers SIGTERM on its children with a crash report that sleeps 5 s."""
+    SIGKILL, not a graceful SIGTERM: the server holds nothing worth saving (the trainer has its
+    weights) and SGLang answers SIGTERM on its children with a crash report that sleeps 5 s."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -228,9 +228,17 @@ def server_command(
 
 
 def router_command(
-    cfg: SGLangConfig, *, python: str, port: int, worker_urls: list[str]
+    cfg: SGLangConfig,
+    *,
+    python: str,
+    port: int,
+    worker_urls: list[str],
+    metrics_port: int | None = None,
 ) -> list[str]:
-    """The ``sglang_router.launch_router`` command line in front of ``worker_urls``."""
+    """The ``sglang_router.launch_router`` command line in front of ``worker_urls``.
+    ``metrics_port``: its Prometheus exporter's port (the router's default, 29000, is taken by
+    any other router on the host, and the router then panics at start)."""
+    metrics = ["--prometheus-port", str(metrics_port)] if metrics_port else []
     return [
         python,
         "-m",
@@ -241,6 +249,7 @@ def router_command(
         str(port),
         "--policy",
         cfg.router_policy,
+        *metrics,
         "--worker-urls",
         *worker_urls,
     ]
@@ -292,7 +301,7 @@ def launch_guarded_server(
     ``command``: further :func:`server_command` arguments.
 
     The command line heads the log. ``<work_dir>/<pid_file>`` names the live process group, for
-    operators and tests: ``kill -9 -- -$(cat server.pid)`` stops all of it."""
+    operators and tests: ``kill -9 -- -$(cat engine0.pid)`` stops all of it."""
     port = port or cfg.port or pick_port()
     cmd = server_command(
         cfg,
@@ -367,7 +376,7 @@ def engine_export_options(cfg: SGLangConfig, *, fp8_checkpoint: bool, dtype: str
 def resolve_work_dir(
     cfg: SGLangConfig, output_dir
 ) -> tuple[Path, tempfile.TemporaryDirectory | None]:
-    """The engine's directory (logs, ``server.pid``, the synced weights): ``cfg.work_dir``, else
+    """The engines' directory (logs, pid files, the config-only model): ``cfg.work_dir``, else
     ``<output_dir>/sglang``, else a temporary directory (returned too, to be cleaned up)."""
     work = cfg.work_dir or (Path(output_dir) / "sglang" if output_dir else None)
     tmp = None

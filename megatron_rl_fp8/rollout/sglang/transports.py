@@ -1,5 +1,5 @@
-"""How weights reach the SGLang server: the ``tensor`` and ``distributed`` pushes, and the disk
-copy every sync writes (the restart source, and the ``disk`` transport's input).
+"""How weights reach the SGLang engines: the ``tensor`` and ``distributed`` pushes (used by
+``sender.WeightSender``), and the config-only model directory the engines start from.
 """
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError, _ServerGone
 from megatron_rl_fp8.rollout.sglang.http import Http
 from megatron_rl_fp8.rollout.sglang.process import pick_port
 from megatron_rl_fp8.sync.buckets import Bucket
-from megatron_rl_fp8.sync.quantize import SCALE_SUFFIX
 
 
 def push_tensor(http: Http, bucket: Bucket, *, tp_size: int, timeout: float) -> None:
-    """``tensor`` transport: one shared-memory buffer per dtype, handles over HTTP."""
+    """``tensor`` transport: one buffer per dtype (shared memory on CPU, CUDA IPC on GPU), the
+    handles over HTTP, the same for each of the engine's ``tp_size`` ranks."""
     import base64
     import io
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
 
-    # One flat shared-memory buffer per dtype per bucket (one file, not one per tensor), and
-    # never the trainer's own storages (sharing would move them into shared memory).
+    # One flat buffer per dtype per bucket (one shared-memory file, not one per tensor), and never
+    # the trainer's own storages (sharing would move them into shared memory).
     flat = _flatten(bucket.tensors)
     buf = io.BytesIO()
     ForkingPickler(buf).dump(flat)
@@ -188,13 +188,13 @@ def new_sender_group(
 
 
 def _flatten(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """Copies of ``named`` as views into one fresh contiguous buffer per dtype."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
+    """Copies of ``named`` as views into one fresh contiguous buffer per (device, dtype)."""
+    by_dtype: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (_, t) in enumerate(named):
-        by_dtype.setdefault(t.dtype, []).append(i)
+        by_dtype.setdefault((t.device, t.dtype), []).append(i)
     out: list[tuple[str, torch.Tensor] | None] = [None] * len(named)
-    for dtype, idx in by_dtype.items():
-        flat = torch.empty(sum(named[i][1].numel() for i in idx), dtype=dtype)
+    for (device, dtype), idx in by_dtype.items():
+        flat = torch.empty(sum(named[i][1].numel() for i in idx), dtype=dtype, device=device)
         offset = 0
         for i in idx:
             name, t = named[i]
@@ -205,38 +205,11 @@ def _flatten(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Ten
     return out  # type: ignore[return-value]
 
 
-def _save_shard(bucket: Bucket, path: Path) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {}
-    for name, t in bucket.tensors:
-        t = t.detach().contiguous()
-        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone()  # safetensors refuses views that share a storage
-        tensors[name] = t
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp))
-    tmp.rename(path)
-
-
-def _per_tensor_scale_names(named):
-    # SGLang's per-tensor FP8 checkpoints name the dequantisation scale ``weight_scale``.
-    for name, t in named:
-        if name.endswith("weight" + SCALE_SUFFIX):
-            name = name[: -len(SCALE_SUFFIX)] + "_scale"
-        yield name, t
-
-
-def write_checkpoint_files(
-    path: Path,
-    weight_map: dict[str, str],
-    hf_config,
-    *,
-    serve_dtype: str,
-    fp8: RolloutFP8Config | None,
+def write_model_config(
+    path: Path, hf_config, *, serve_dtype: str, fp8: RolloutFP8Config | None
 ) -> None:
-    """``config.json`` and the safetensors index that make the shards in ``path`` a checkpoint
-    the server can start from (``fp8``: an FP8 checkpoint with ``quantization_config``)."""
+    """``config.json`` of the model directory engines start from on placeholder weights
+    (``fp8``: an FP8 checkpoint's ``quantization_config``, so the engine builds FP8 linears)."""
     config = hf_config.to_dict()
     config["torch_dtype"] = config["dtype"] = serve_dtype
     if fp8 is not None:
@@ -245,5 +218,3 @@ def write_checkpoint_files(
             qc["weight_block_size"] = list(fp8.weight_block)
         config["quantization_config"] = qc
     (path / "config.json").write_text(json.dumps(config, indent=1, default=str))
-    index = {"metadata": {}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
