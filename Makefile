@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= examples/tiny_cpu.yaml
 
-.PHONY: install install-sglang run lint test test-portable test-sglang test-all clean
+.PHONY: install install-sglang run lint test test-portable test-sglang test-slurm test-all clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ install-sglang:
 
 test-sglang: $(STAMP) install-sglang
 	MRF8_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -q -m sglang tests/sglang
+
+# A real two-node Slurm on this machine (tools/slurm_local.sh: root; apt-get installs slurm-wlm
+# and munge if absent), started and stopped by the tests; submits slurm/train.sbatch. ~2 min.
+test-slurm: $(STAMP)
+	$(PY) -m pytest -q -m slurm tests/slurm
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ""

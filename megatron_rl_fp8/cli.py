@@ -11,6 +11,9 @@ Markdown summary overlaying several runs (see docs/report.md).
 
 ``megatron-rl-fp8 plan CONFIG.yaml [--gpus-per-node 8] [--nodes N] [section.key=value ...]``: per-GPU
 memory of the run, whether its layout fits, and the layouts that would (see docs/plan.md).
+
+``megatron-rl-fp8 launch CONFIG.yaml [section.key=value ...] --dry-run [--nodes N ...]``: check a
+Slurm layout and print every node role's command (see slurm/README.md).
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ def _train(args) -> int:
     trainer = None
     try:
         trainer = Trainer(cfg)
-        trainer.run()
+        if trainer.run():
+            from megatron_rl_fp8.launch import REQUEUE_EXIT_CODE
+
+            return REQUEUE_EXIT_CODE  # checkpointed on a preemption signal: requeue me
     except GuardStop as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"guard: {e}", file=sys.stderr)
@@ -133,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         help="Per-GPU memory of a run, whether its layout fits, and the layouts that would "
         "(`megatron-rl-fp8 plan -h`).",
     )
+    sub.add_parser(
+        "launch",
+        help="Slurm: check a multi-node layout and print every node role's command "
+        "(`megatron-rl-fp8 launch -h`).",
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["convert"]:  # its own parser owns every argument after the word
         from megatron_rl_fp8.convert.cli import main as convert_main
@@ -142,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_rl_fp8.plan.cli import main as plan_main
 
         return plan_main(argv[1:], prog="megatron-rl-fp8 plan")
+    if argv[:1] == ["launch"]:  # its own parser, as plan's
+        from megatron_rl_fp8.launch.cli import main as launch_main
+
+        return launch_main(argv[1:], prog="megatron-rl-fp8 launch")
     args = parser.parse_args(argv)
     from megatron_rl_fp8.config_utils import ConfigError
 

@@ -527,6 +527,9 @@ class Trainer:
                 if self.step < cfg.train.steps and preemption.requested():
                     if not saved:
                         self.save()
+                    # No rank may exit before every rank's part is on disk: the launcher kills
+                    # the others as soon as one exits.
+                    dist.barrier()
                     print_rank0(
                         f"preemption: stopped after step {self.step} with its checkpoint; a run "
                         "in the same train.output_dir resumes from it"

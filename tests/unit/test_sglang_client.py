@@ -490,17 +490,20 @@ def test_broadcast_buffer_is_aligned_and_round_trips():
 
 def test_attached_fleet_launches_nothing_and_drops_an_engine_that_is_gone(tmp_path):
     # Attach mode without any server: nothing is launched (no SGLang python needed), a rollout
-    # before the first sync is refused, a sync into a dead engine drops it (it cannot be
-    # relaunched) and asks for the sync again, and with no engine left the next one says so.
+    # before the first sync is refused, the first sync waits startup_timeout_s for the engine to
+    # come up, a sync into a dead engine drops it (it cannot be relaunched) and asks for the sync
+    # again, and with no engine left the next one says so.
     from megatron_rl_fp8.rollout.sglang import SyncFailed
 
-    fleet = _attached(tmp_path)
+    fleet = _attached(tmp_path, startup_timeout_s=1.5)
     try:
         assert fleet.router_url == "" and fleet.engines[0].proc is None
         with pytest.raises(SGLangServerError, match="no synced weights"):
             fleet.generate([[1]], n=1, max_new_tokens=2, temperature=1.0)
+        t0 = time.monotonic()
         with pytest.raises(SyncFailed, match="run again"):
             fleet.update_weights([], version=0)
+        assert time.monotonic() - t0 >= 1.5  # waited for it to come up
         assert fleet.engines[0].url == ""  # dropped
         with pytest.raises(SGLangServerError, match="no SGLang engine is up"):
             fleet.update_weights([], version=0)

@@ -163,6 +163,7 @@ class SGLangFleet:
             "update_seconds": 0.0,
         }
         self._engines_used = 0  # engines that answered requests in the last rollout
+        self._attached_seen = False  # attached engines waited for (first sync)
         self.fault_hook: Callable[[str], None] | None = fault_hook_from_env(self)
         try:
             if self.attached:
@@ -263,6 +264,26 @@ class SGLangFleet:
                 return self._wait(eng)
             except SGLangServerError as e:
                 self._relaunch(eng, _first_line(e))
+
+    def _wait_attached(self) -> None:
+        """Before the first sync: wait (``startup_timeout_s``) until every attached engine answers
+        ``/health``. They are started by someone else (the Slurm launcher's rollout nodes), often
+        at the same time as the trainer, and a CPU or large GPU engine takes minutes; one that
+        never answers is dropped by the sync that follows."""
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        waiting = [e for e in self.engines if e.url]
+        while waiting and time.monotonic() < deadline:
+            waiting = [e for e in waiting if not self._healthy(e)]
+            if waiting:
+                time.sleep(1.0)
+        if waiting:
+            print(
+                f"[sglang] attached engine(s) {[e.url for e in waiting]} did not answer /health "
+                f"within rollout.sglang.startup_timeout_s={self.cfg.startup_timeout_s}s",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._attached_seen = True
 
     def _relaunch(self, eng: _Engine, why: str) -> None:
         """Take ``eng`` out of the router, kill what is left of it, and start it again (it
@@ -415,6 +436,8 @@ class SGLangFleet:
             )
         self._sync_started = time.perf_counter()
         self._check_router()
+        if self.attached and not self._attached_seen:
+            self._wait_attached()
         for eng in self.engines:
             if eng.proc is None:
                 continue  # attached: one that died was dropped

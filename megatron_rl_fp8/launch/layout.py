@@ -1,0 +1,376 @@
+"""Which node runs what, on which ports, and whether the run can start there at all.
+
+Roles (``rollout.placement``):
+
+* ``dedicated``: the first ``TRAIN_NODES`` nodes run the trainer (one torchrun per node, one rank
+  per GPU); the others run the SGLang engines, and the first of them also the sglang-router
+  (when there is more than one engine). Unset, ``TRAIN_NODES`` is every node the engines do not
+  need.
+* ``colocated``: every node runs the trainer and engines on its last GPUs (SGLang releases their
+  memory while the trainer trains); the router runs on the first node.
+* ``rollout.engine=local`` samples inside the trainer: every node trains, nothing else runs.
+
+Engines are dealt round-robin over their nodes (engine e on rollout node e % R), so a colocated
+run spreads their memory evenly. Ports come from the job id (:class:`Ports`): every process of
+the job computes the same ones without talking to the others, and two jobs that share a node
+(rare: most clusters give jobs whole nodes) collide only when their ids agree modulo 100.
+
+:func:`check_run` is everything that can refuse a run before a process starts, each refusal one
+line naming the setting and the fix: the trainer's GPUs against the parallel layout (the config's
+own :meth:`RunConfig.validate`), the files it reads, and the memory planner's verdict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.launch.slurm import SlurmEnv
+
+if TYPE_CHECKING:
+    from megatron_rl_fp8.config import RunConfig
+    from megatron_rl_fp8.plan.memory import Estimate
+    from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
+
+Placement = Literal["dedicated", "colocated", "local"]
+
+PORT_FIRST = 10000
+PORT_BLOCK = 200
+PORT_BLOCKS = 100
+"""A job's ports are one block of PORT_BLOCK in [PORT_FIRST, PORT_FIRST + PORT_BLOCK *
+PORT_BLOCKS) = [10000, 30000): below Linux's ephemeral range (32768-60999), where the kernel
+picks the source ports of outgoing connections and could be holding ours."""
+ENGINE_PORT_OFFSET = 10
+ENGINE_PORT_STRIDE = 10
+"""Engines listen 10 ports apart: room for the helper ports some SGLang versions open next to
+``--port``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ports:
+    """The job's ports: rendezvous and router at the start of its block, then the engines."""
+
+    base: int
+
+    @classmethod
+    def for_job(cls, job_id: int) -> Ports:
+        return cls(PORT_FIRST + (job_id % PORT_BLOCKS) * PORT_BLOCK)
+
+    @property
+    def rdzv(self) -> int:
+        return self.base
+
+    @property
+    def router(self) -> int:
+        return self.base + 1
+
+    def engine(self, slot: int) -> int:
+        """Port of the ``slot``-th engine of a node."""
+        return self.base + ENGINE_PORT_OFFSET + slot * ENGINE_PORT_STRIDE
+
+
+MAX_ENGINES_PER_NODE = (PORT_BLOCK - ENGINE_PORT_OFFSET) // ENGINE_PORT_STRIDE
+
+
+def url_host(addr: str) -> str:
+    """An address as the host part of a URL or endpoint (IPv6 in brackets)."""
+    return f"[{addr}]" if ":" in addr else addr
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Engine:
+    """One SGLang engine: where it runs and where the trainer reaches it."""
+
+    index: int
+    node: str
+    node_index: int
+    addr: str
+    gpus: tuple[int, ...]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{url_host(self.addr)}:{self.port}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Every node's role in one job, with the addresses and ports the roles find each other by."""
+
+    env: SlurmEnv
+    placement: Placement
+    addrs: Mapping[str, str]
+    train_nodes: tuple[str, ...]
+    rollout_nodes: tuple[str, ...]
+    engines: tuple[Engine, ...]
+    ports: Ports
+    train_nodes_derived: bool = False
+
+    @property
+    def trainer_gpus(self) -> int:
+        return len(self.train_nodes) * self.env.gpus_per_node
+
+    @property
+    def rdzv_endpoint(self) -> str:
+        """torchrun's c10d rendezvous: the first trainer node's address."""
+        return f"{url_host(self.addrs[self.train_nodes[0]])}:{self.ports.rdzv}"
+
+    @property
+    def router_node(self) -> str | None:
+        """The router's node; None with one engine (the trainer calls it directly) or none."""
+        return self.rollout_nodes[0] if len(self.engines) > 1 else None
+
+    @property
+    def router_url(self) -> str | None:
+        node = self.router_node
+        return None if node is None else f"http://{url_host(self.addrs[node])}:{self.ports.router}"
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    def node_index(self, node: str) -> int:
+        return self.env.nodes.index(node)
+
+
+def plan_layout(
+    cfg: RunConfig,
+    env: SlurmEnv,
+    *,
+    addrs: Mapping[str, str] | None = None,
+    train_nodes: int | None = None,
+) -> Layout:
+    """The roles of ``env``'s nodes for the run ``cfg``. ``train_nodes``: TRAIN_NODES (None =
+    derived). ``addrs``: each node's address (None = the names). Raises ConfigError, one line,
+    for a split that cannot work (no trainer node, engines that do not fit)."""
+    placement = _placement(cfg)
+    n_train = _train_node_count(placement, cfg, env, train_nodes)
+    if placement == "local":
+        rollout: tuple[str, ...] = ()
+    elif placement == "colocated":
+        rollout = env.nodes
+    else:
+        rollout = env.nodes[n_train:]
+    addrs = dict(addrs) if addrs is not None else {n: n for n in env.nodes}
+    ports = Ports.for_job(env.job_id)
+    engines = (
+        _place_engines(cfg.rollout.sglang, env, rollout, addrs, ports, placement) if rollout else ()
+    )
+    return Layout(
+        env=env,
+        placement=placement,
+        addrs=addrs,
+        train_nodes=env.nodes[:n_train],
+        rollout_nodes=rollout,
+        engines=engines,
+        ports=ports,
+        train_nodes_derived=train_nodes is None and placement == "dedicated",
+    )
+
+
+def _placement(cfg: RunConfig) -> Placement:
+    r = cfg.rollout
+    if r.engine == "local":
+        return "local"
+    if r.sglang.engine_urls or r.sglang.router_url:
+        raise ConfigError(
+            "rollout.sglang.engine_urls / router_url are set, but the launcher starts the "
+            "engines and the router itself and passes their URLs to the trainer; remove them"
+        )
+    if r.placement == "dedicated" and r.sglang.transport != "distributed":
+        raise ConfigError(
+            f"rollout.sglang.transport={r.sglang.transport} reaches engines on the senders' node "
+            "only, and dedicated rollout nodes are other nodes: set "
+            "rollout.sglang.transport=distributed"
+        )
+    return r.placement
+
+
+def _train_node_count(
+    placement: Placement, cfg: RunConfig, env: SlurmEnv, train_nodes: int | None
+) -> int:
+    n = len(env.nodes)
+    if train_nodes is not None and train_nodes < 1:
+        raise ConfigError(f"TRAIN_NODES={train_nodes}: the trainer needs at least one node")
+    if placement != "dedicated":
+        why = {
+            "local": "rollout.engine=local samples inside the trainer",
+            "colocated": "rollout.placement=colocated runs trainer and engines on every node",
+        }[placement]
+        if train_nodes not in (None, n):
+            raise ConfigError(
+                f"TRAIN_NODES={train_nodes} but {why}, so all {n} nodes train; unset TRAIN_NODES "
+                "or use rollout.engine=sglang with rollout.placement=dedicated"
+            )
+        return n
+    if train_nodes is None:
+        sg = cfg.rollout.sglang
+        need = math.ceil(sg.num_engines / _engines_per_node(sg, env.gpus_per_node, 0))
+        if need >= n:
+            raise ConfigError(
+                f"the {sg.num_engines} engine(s) of rollout.sglang.num_engines x tp_size "
+                f"{sg.tp_size} need {need} of the {n} node(s), leaving none for the trainer: add "
+                "nodes, lower rollout.sglang.num_engines, or use rollout.placement=colocated"
+            )
+        return n - need
+    if train_nodes >= n:
+        raise ConfigError(
+            f"TRAIN_NODES={train_nodes} leaves none of the {n} node(s) for the SGLang engines "
+            "(rollout.placement=dedicated): set TRAIN_NODES below the node count, or use "
+            "rollout.placement=colocated"
+        )
+    return train_nodes
+
+
+def _engines_per_node(sg: SGLangConfig, gpus_per_node: int, default_base: int) -> int:
+    """Whole engines one node holds: its GPUs from the first engine GPU on, / tp_size."""
+    if sg.tp_size > gpus_per_node:
+        raise ConfigError(
+            f"rollout.sglang.tp_size={sg.tp_size} exceeds the {gpus_per_node} GPUs of a node, and "
+            "an engine runs on one node: lower rollout.sglang.tp_size"
+        )
+    base = default_base if sg.base_gpu_id is None else sg.base_gpu_id
+    fit = max(gpus_per_node - base, 0) // sg.tp_size
+    if fit < 1:
+        raise ConfigError(
+            f"rollout.sglang.base_gpu_id={base} leaves no room for a TP {sg.tp_size} engine on a "
+            f"node of {gpus_per_node} GPUs; set rollout.sglang.base_gpu_id=null"
+        )
+    return min(fit, MAX_ENGINES_PER_NODE)
+
+
+def _place_engines(
+    sg: SGLangConfig,
+    env: SlurmEnv,
+    nodes: tuple[str, ...],
+    addrs: Mapping[str, str],
+    ports: Ports,
+    placement: Placement,
+) -> tuple[Engine, ...]:
+    """Deal ``sg.num_engines`` engines round-robin over ``nodes``; refuse if they do not fit."""
+    g, tp = env.gpus_per_node, sg.tp_size
+    per_node = _engines_per_node(sg, g, 0)
+    if sg.num_engines > per_node * len(nodes):
+        base = (
+            "" if sg.base_gpu_id is None else f" from rollout.sglang.base_gpu_id={sg.base_gpu_id}"
+        )
+        raise ConfigError(
+            f"rollout.sglang.num_engines={sg.num_engines} x rollout.sglang.tp_size={tp} = "
+            f"{sg.num_engines * tp} GPUs do not fit on the {len(nodes)} rollout node(s) "
+            f"({per_node} engine(s) of {g} GPUs{base} each): lower num_engines or give the "
+            "rollout more nodes (a smaller TRAIN_NODES, or more nodes)"
+        )
+    counts = [len(range(i, sg.num_engines, len(nodes))) for i in range(len(nodes))]
+    engines = []
+    for e in range(sg.num_engines):
+        i, slot = e % len(nodes), e // len(nodes)
+        first = _first_gpu(sg, g, counts[i], placement) + slot * tp
+        engines.append(
+            Engine(
+                index=e,
+                node=nodes[i],
+                node_index=env.nodes.index(nodes[i]),
+                addr=addrs[nodes[i]],
+                gpus=tuple(range(first, first + tp)),
+                port=ports.engine(slot),
+            )
+        )
+    _check_driver_gpu(engines, sg, placement)
+    return tuple(engines)
+
+
+def _first_gpu(sg: SGLangConfig, gpus_per_node: int, engines_here: int, placement: str) -> int:
+    """The first engine GPU of a node: base_gpu_id when set; otherwise GPU 0 of a rollout node,
+    or, colocated, the node's last GPUs (away from local rank 0, the trainer's driver)."""
+    if sg.base_gpu_id is not None:
+        return sg.base_gpu_id
+    return gpus_per_node - engines_here * sg.tp_size if placement == "colocated" else 0
+
+
+def _check_driver_gpu(engines: list[Engine], sg: SGLangConfig, placement: str) -> None:
+    """Colocated, the broadcast sync joins the driver (node 0, GPU 0) and every engine's ranks in
+    one NCCL group, which cannot hold two processes on one GPU."""
+    if placement != "colocated" or sg.transport != "distributed":
+        return
+    clash = next((e for e in engines if e.node_index == 0 and 0 in e.gpus), None)
+    if clash is not None:
+        raise ConfigError(
+            f"engine {clash.index} would use GPU 0 of {clash.node}, the trainer driver's, and the "
+            "weight sync's NCCL broadcast (rollout.sglang.transport=distributed) cannot join two "
+            "processes on one GPU: lower rollout.sglang.num_engines or move "
+            "rollout.sglang.base_gpu_id off 0"
+        )
+
+
+def check_run(
+    cfg: RunConfig,
+    layout: Layout,
+    *,
+    config_name: str,
+    gpu_memory_gb: float = 80.0,
+    spec: Literal["te", "local"] = "te",
+) -> Estimate:
+    """Refuse, with one line, a run that cannot start on ``layout``; otherwise return the memory
+    planner's estimate for a trainer GPU. ``cfg`` is the config the trainer will load (with the
+    engine URLs the launcher gives it)."""
+    _check_trainer_ranks(cfg, layout)
+    check_paths(cfg, needs_sglang=bool(layout.engines))
+    return _check_memory(cfg, layout, config_name, gpu_memory_gb, spec)
+
+
+def _check_trainer_ranks(cfg: RunConfig, layout: Layout) -> None:
+    """The config's own cross-section rules at the trainer's world size (TP x PP x CP x DP, the
+    batch split over DP, the layer split over PP), prefixed with where that size comes from."""
+    try:
+        cfg.validate(layout.trainer_gpus, this_machine=False)
+    except ConfigError as e:
+        raise ConfigError(
+            f"{len(layout.train_nodes)} trainer node(s) x {layout.env.gpus_per_node} GPUs = "
+            f"{layout.trainer_gpus} ranks: {e}"
+        ) from None
+
+
+def check_paths(cfg: RunConfig, *, needs_sglang: bool) -> None:
+    """The files the run reads that the config's own checks leave to later: the prompt files
+    (read when the trainer builds its datasets, minutes into a large job) and the SGLang
+    interpreter of the rollout nodes. ``load_config`` has checked model.hf_checkpoint and
+    model.load already, ``RunConfig.validate`` model.ref_checkpoint (when the KL term uses it)."""
+    for name, path in (
+        ("task.train_path", cfg.task.train_path),
+        ("task.val_path", cfg.task.val_path),
+        ("tokenizer.path", cfg.tokenizer.path),
+    ):
+        if path is not None and not Path(path).expanduser().exists():
+            raise ConfigError(
+                f"{name}={path!r} does not exist here; give a path every node can read (a shared "
+                "filesystem), relative to the directory you submit from"
+            )
+    if needs_sglang:
+        from megatron_rl_fp8.rollout.sglang.process import resolve_python
+
+        try:
+            resolve_python(cfg.rollout.sglang)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _check_memory(
+    cfg: RunConfig, layout: Layout, config_name: str, gpu_memory_gb: float, spec: str
+) -> Estimate:
+    from megatron_rl_fp8.plan.memory import World, estimate
+
+    nodes, g = len(layout.train_nodes), layout.env.gpus_per_node
+    world = World(gpus_per_node=g, nodes=nodes, gpu_memory_gb=gpu_memory_gb)
+    est = estimate(cfg, world, spec=spec)
+    if not est.fits:
+        raise ConfigError(
+            f"memory: the planner puts a trainer GPU's peak at {est.peak / 1e9:.1f} GB, "
+            f"{-est.margin_gb:.1f} GB over its {gpu_memory_gb:g} GB (--gpu-memory-gb); "
+            f"`megatron-rl-fp8 plan {config_name} --nodes {nodes} --gpus-per-node {g} "
+            f"--gpu-memory-gb {gpu_memory_gb:g}` lists layouts that fit"
+        )
+    return est

@@ -1,0 +1,349 @@
+"""The rollout role of a Slurm job: one node's SGLang engines (and the router), in the foreground.
+
+``megatron-rl-fp8 launch CONFIG [overrides] --role rollout --node-index K`` runs on rollout node K
+(one ``srun`` task, rendered by :mod:`~megatron_rl_fp8.launch.render`). It derives the job's
+:class:`~megatron_rl_fp8.launch.layout.Layout` from the same flags as the dry-run, so it starts
+exactly the engines whose URLs the trainer was given, on the ports and GPUs the layout assigns,
+and the sglang-router on the node the layout puts it on. The trainer attaches to them by URL
+(``rollout.sglang.engine_urls`` / ``router_url``) and syncs their weights by broadcast.
+
+How it differs from the trainer's own fleet (``rollout/sglang/fleet.py``), which launches engines
+on its node and relaunches them:
+
+* **Addresses.** The engines are reached from other nodes, so they cannot listen on
+  ``rollout.sglang.host``'s default 127.0.0.1 (:func:`listen_host`).
+* **No relaunch.** An engine started here that exits ends the role (exit 1, with its log tail);
+  the trainer drops the engine from its fleet and goes on with the others. The role never
+  restarts one: it would come back on placeholder weights, which only the trainer can replace,
+  and the trainer does not re-add attached engines it dropped.
+* **Engines on other nodes** come up at their own pace. sglang-router 0.3.2 listens at once with
+  its ``--worker-urls`` still unregistered and keeps probing each one (backoff up to 5 s, for
+  ``--worker-startup-timeout-secs``, 1800 s by default), so the router's node need not wait for
+  them; the trainer also adds every engine to the router after each sync (a worker it already
+  has is accepted again, not duplicated).
+
+Everything runs under the guard of ``rollout/sglang/process.py`` (each in its own process group,
+killed when this process dies however it dies). SIGTERM / SIGINT (the sbatch script stopping the
+step) kill the groups and exit 0. The command lines are built by pure functions
+(:func:`node_role`, :func:`role_commands`) that the unit tests check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.launch.layout import Engine, Layout, url_host
+
+if TYPE_CHECKING:
+    import subprocess
+
+    from megatron_rl_fp8.config import RunConfig
+    from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeRole:
+    """What rollout node ``node_index`` of a layout runs."""
+
+    node_index: int
+    node: str
+    addr: str
+    """The node's address in the layout: the host part of its engines' URLs."""
+    engines: tuple[Engine, ...]
+    router_port: int | None
+    """The router's port when this node runs it, else None."""
+    worker_urls: tuple[str, ...]
+    """Every engine of the job: the router's workers."""
+
+    @property
+    def router_url(self) -> str | None:
+        if self.router_port is None:
+            return None
+        return f"http://{url_host(self.addr)}:{self.router_port}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Launch:
+    """One process the role starts: its command line, and where it answers /health."""
+
+    name: str
+    """``engine<i>`` (i: the engine's index in the job) or ``router``."""
+    argv: tuple[str, ...]
+    url: str
+
+
+def node_role(layout: Layout, k: int) -> NodeRole:
+    """Node ``k``'s engines and whether it runs the router; ConfigError when it runs neither."""
+    nodes = layout.env.nodes
+    if not 0 <= k < len(nodes):
+        raise ConfigError(
+            f"--node-index {k}: the job has {len(nodes)} node(s), indices 0..{len(nodes) - 1}"
+        )
+    node = nodes[k]
+    engines = tuple(e for e in layout.engines if e.node == node)
+    router = layout.router_node == node
+    if not engines and not router:
+        serving = sorted({e.node_index for e in layout.engines}) or ["none"]
+        raise ConfigError(
+            f"node {k} ({node}) runs no rollout role in this layout (placement "
+            f"{layout.placement}; rollout nodes: {', '.join(map(str, serving))}); check "
+            "--node-index and --train-nodes"
+        )
+    return NodeRole(
+        node_index=k,
+        node=node,
+        addr=layout.addrs[node],
+        engines=engines,
+        router_port=layout.ports.router if router else None,
+        worker_urls=tuple(layout.engine_urls),
+    )
+
+
+def listen_host(configured: str, addr: str) -> str:
+    """The address the engines and the router bind: ``rollout.sglang.host`` when it is set to
+    something other than loopback (e.g. ``0.0.0.0`` or one interface); otherwise the node's
+    address when it is an IP (scontrol's NodeAddr), else ``0.0.0.0``: a node *name* can resolve
+    to a loopback address on its own host (Debian's ``127.0.1.1 <hostname>`` line), and an engine
+    bound there is unreachable from the trainer's nodes."""
+    if configured not in _LOOPBACK:
+        return configured
+    try:
+        ipaddress.ip_address(addr)
+        return addr
+    except ValueError:
+        return "0.0.0.0"
+
+
+def role_commands(
+    role: NodeRole,
+    sg: SGLangConfig,
+    *,
+    python: str,
+    model_dir: Path,
+    device: str,
+    dtype: str,
+    fp8_checkpoint: bool,
+    colocated: bool = False,
+) -> list[Launch]:
+    """The command lines node ``role`` starts: its engines on placeholder weights (config-only
+    ``model_dir``, ``--load-format dummy``, ``--enable-metrics``; the layout's port and first
+    GPU), then the router in front of every engine of the job when the node runs it. ``sg`` is
+    ``rollout.sglang``; the arguments after it are :func:`~...process.serving`'s (pure)."""
+    from megatron_rl_fp8.rollout.sglang.process import router_command, server_command
+
+    sg = listening(sg, role)
+    if colocated and device == "cuda":  # the trainer releases their memory while it trains
+        sg = dataclasses.replace(sg, extra_args=[*sg.extra_args, "--enable-memory-saver"])
+    out = [
+        Launch(
+            name=f"engine{e.index}",
+            argv=tuple(
+                server_command(
+                    sg,
+                    python=python,
+                    model_path=model_dir,
+                    port=e.port,
+                    device=device,
+                    dtype=dtype,
+                    fp8_checkpoint=fp8_checkpoint,
+                    weight_version="-1",  # placeholders until the trainer's first sync
+                    placeholder_weights=True,
+                    base_gpu_id=e.gpus[0],
+                )
+            ),
+            url=e.url,
+        )
+        for e in role.engines
+    ]
+    if role.router_port is not None:
+        argv = router_command(
+            sg, python=python, port=role.router_port, worker_urls=list(role.worker_urls)
+        )
+        out.append(Launch(name="router", argv=tuple(argv), url=role.router_url or ""))
+    return out
+
+
+def listening(sg: SGLangConfig, role: NodeRole) -> SGLangConfig:
+    """``rollout.sglang`` with the host the node's processes bind (:func:`listen_host`)."""
+    return dataclasses.replace(sg, host=listen_host(sg.host, role.addr))
+
+
+def node_dir(cfg: RunConfig, k: int) -> Path:
+    """The role's directory (logs, pid files, the config-only model): ``<rollout.sglang.work_dir
+    or train.output_dir/sglang>/node<K>``, next to the trainer's own ``sglang/``."""
+    base = cfg.rollout.sglang.work_dir or Path(cfg.train.output_dir) / "sglang"
+    return Path(base).expanduser().resolve() / f"node{k}"
+
+
+# -- running it ------------------------------------------------------------------------------------
+
+
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT arrived: stop everything and exit 0."""
+
+
+def _on_stop(signum, _frame):
+    # Once: a second signal must not interrupt the cleanup.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Stopped(signal.Signals(signum).name)
+
+
+def serve_node(cfg: RunConfig, layout: Layout, k: int, *, log_dir: Path | None = None) -> int:
+    """Start node ``k``'s engines and router, wait for /health, then stay until a signal (exit 0)
+    or until one of them exits (exit 1). A start that fails is one line on stderr and exit 2;
+    a config that cannot start raises ConfigError (the CLI prints it)."""
+    from megatron_rl_fp8.rollout.sglang.process import (
+        _kill_group,
+        launch_logged,
+        resolve_python,
+        server_env,
+        serving,
+    )
+
+    role = node_role(layout, k)
+    sg = cfg.rollout.sglang
+    _check_local(role)
+    try:
+        python = resolve_python(sg)
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    device, dtype, fp8_checkpoint = serving(sg, cfg.rollout.fp8)
+    work = (log_dir or node_dir(cfg, k)).expanduser().resolve()
+    model_dir = work / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    _write_model(cfg, model_dir, dtype=dtype, fp8_checkpoint=fp8_checkpoint)
+    launches = role_commands(
+        role,
+        sg,
+        python=python,
+        model_dir=model_dir,
+        device=device,
+        dtype=dtype,
+        fp8_checkpoint=fp8_checkpoint,
+        colocated=layout.placement == "colocated",
+    )
+    suffix = f"-restart{layout.env.restart_count}" if layout.env.restart_count else ""
+    logs = {p.name: work / f"{p.name}{suffix}.log" for p in launches}
+    env = server_env(listening(sg, role), device)
+    procs: dict[str, subprocess.Popen] = {}
+    old = {s: signal.signal(s, _on_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for p in launches:  # all at once: a GPU engine takes minutes to start
+            procs[p.name] = launch_logged(
+                list(p.argv), python=python, env=env, log_path=logs[p.name]
+            )
+            (work / f"{p.name}.pid").write_text(f"{procs[p.name].pid}\n")
+        failed = _wait_ready(launches, procs, logs, sg.startup_timeout_s)
+        if failed:
+            print(f"launch error: rollout node {k}: {failed}", file=sys.stderr, flush=True)
+            return 2
+        print(_ready_line(role, work), flush=True)
+        return _watch(k, launches, procs, logs)
+    except _Stopped as why:
+        print(f"rollout node {k}: {why}: stopping its engines", flush=True)
+        return 0
+    finally:
+        for sig in old:
+            signal.signal(sig, signal.SIG_IGN)
+        for proc in procs.values():  # every group at once, then wait for each to be gone
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        for proc in procs.values():
+            _kill_group(proc)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _check_local(role: NodeRole) -> None:
+    """An IP the layout gives this node must be one of this host's, or the engines could not
+    bind it (a wrong --node-index or --node-addrs)."""
+    try:
+        ipaddress.ip_address(role.addr)
+    except ValueError:
+        return  # a name: bound as 0.0.0.0 (listen_host)
+    family = socket.AF_INET6 if ":" in role.addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((role.addr, 0))
+        except OSError:
+            raise ConfigError(
+                f"node {role.node_index} ({role.node}) has address {role.addr} in the layout, "
+                f"which is not an address of this host ({socket.gethostname()}): check "
+                "--node-index and --node-addrs"
+            ) from None
+
+
+def _write_model(cfg: RunConfig, model_dir: Path, *, dtype: str, fp8_checkpoint: bool) -> None:
+    """``config.json`` of the run's model, with the tokenizer's ids, as the trainer writes it."""
+    from megatron_rl_fp8.data import load_prompt_encoder
+    from megatron_rl_fp8.models.hf_mapping import hf_config
+    from megatron_rl_fp8.rollout.sglang.transports import write_model_config
+
+    tok = load_prompt_encoder(cfg.tokenizer, hf_checkpoint=cfg.model.hf_checkpoint)
+    config = hf_config(
+        cfg.model,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=list(tok.eos_token_ids),
+        pad_token_id=tok.pad_token_id,
+    )
+    fp8 = cfg.rollout.fp8 if fp8_checkpoint else None
+    write_model_config(model_dir, config, serve_dtype=dtype, fp8=fp8)
+
+
+def _wait_ready(launches, procs, logs, timeout_s: float) -> str | None:
+    """Wait (one deadline for all) until every engine and the router answer /health; None, or
+    the first failure in one line."""
+    from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError, _first_line
+    from megatron_rl_fp8.rollout.sglang.http import Http
+    from megatron_rl_fp8.rollout.sglang.process import wait_healthy
+
+    deadline = time.monotonic() + timeout_s
+    for p in launches:
+        port = int(p.url.rsplit(":", 1)[1])
+        left = max(deadline - time.monotonic(), 0.5)
+        try:
+            wait_healthy(procs[p.name], Http(p.url), logs[p.name], port=port, timeout_s=left)
+        except SGLangServerError as e:
+            if procs[p.name].poll() is None and "not healthy after" in str(e):
+                return (
+                    f"{p.name} ({p.url}) not healthy after rollout.sglang.startup_timeout_s="
+                    f"{timeout_s:g}s; see {logs[p.name]}"
+                )
+            return _first_line(e).replace("SGLang server", f"{p.name} ({p.url})")
+    return None
+
+
+def _ready_line(role: NodeRole, work: Path) -> str:
+    engines = ", ".join(f"{e.index} {e.url}" for e in role.engines) or "none"
+    router = f"; router {role.router_url}" if role.router_url else ""
+    return f"rollout node {role.node_index}: engines {engines} ready{router} (logs: {work})"
+
+
+def _watch(k: int, launches, procs, logs) -> int:
+    """Stay until a signal (raises _Stopped) or until one process exits (exit 1 with its log)."""
+    from megatron_rl_fp8.rollout.sglang.process import log_tail
+
+    while True:
+        for p in launches:
+            if procs[p.name].poll() is not None:
+                print(
+                    f"rollout node {k}: {p.name} ({p.url}) exited; stopping this node's "
+                    f"processes. The end of {logs[p.name]}:\n{log_tail(logs[p.name])}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
+        time.sleep(1.0)
