@@ -33,6 +33,7 @@ def _train(args) -> int:
     cfg.validate(world_from_env()[1])
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.config_utils import ConfigError
+    from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError
     from megatron_rl_fp8.trainer.guard import GuardStop
     from megatron_rl_fp8.trainer.loop import Trainer
 
@@ -49,6 +50,14 @@ def _train(args) -> int:
         return 3
     except ConfigError:
         raise  # the one-line form, in main()
+    except SGLangServerError as e:
+        # The engines' side failed (an engine that will not start, none left serving): the
+        # message names the setting and the engine log; the traceback adds nothing but goes to
+        # the run directory all the same.
+        log = _keep_traceback(cfg.train.output_dir)
+        where = f" (traceback: {log})" if log else ""
+        print(f"sglang error: {e}{where}", file=sys.stderr)
+        return 1
     except Exception:
         # Not a user error: a bug or the environment. The traceback is the evidence; keep a copy
         # in the run directory, where it survives the terminal.
