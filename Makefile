@@ -29,7 +29,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The end-to-end tests again with AVX2 kernels forced in ATen, MKL and oneDNN: on an AVX-512 box
 # this computes what an AVX2-only CPU (many AMD and older Intel parts) computes, so a test that
@@ -45,12 +45,13 @@ install-sglang:
 	tools/install_sglang_cpu.sh $(SGLANG_VENV)
 
 test-sglang: $(STAMP) install-sglang
-	MRF8_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -q -m sglang tests/sglang
+	MRF8_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -q -m sglang tests/sglang --durations=10
 
 # A real two-node Slurm on this machine (tools/slurm_local.sh: root; apt-get installs slurm-wlm
-# and munge if absent), started and stopped by the tests; submits slurm/train.sbatch. ~2 min.
-test-slurm: $(STAMP)
-	$(PY) -m pytest -q -m slurm tests/slurm
+# and munge if absent), started and stopped by the tests; submits slurm/train.sbatch. ~2 min,
+# plus the dedicated SGLang rollout node's job (engines + router on n2; needs .venv-sglang).
+test-slurm: $(STAMP) install-sglang
+	MRF8_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -q -m slurm tests/slurm
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ""

@@ -83,15 +83,22 @@ def slurm_cluster(tmp_path_factory) -> Cluster:
 
 
 def submit_train(
-    cluster: Cluster, out: Path, overrides: list[str], *, config: str = "examples/tiny_cpu.yaml"
+    cluster: Cluster,
+    out: Path,
+    overrides: list[str],
+    *,
+    config: str = "examples/tiny_cpu.yaml",
+    train_nodes: int = 2,
+    gpus_per_node: int = 1,
 ) -> tuple[int, Path]:
-    """``sbatch slurm/train.sbatch CONFIG OVERRIDES`` on both nodes, one trainer rank each (a
-    CPU cluster: no GPU GRES, GPUS_PER_NODE=1); its record under ``out/logs``. Returns the job
-    id and the job's output file."""
+    """``sbatch slurm/train.sbatch CONFIG OVERRIDES`` on both nodes; by default both train, one
+    rank each (a CPU cluster: no GPU GRES, GPUS_PER_NODE=1). ``train_nodes=1``: n1 trains, n2
+    runs the rollout role; ``gpus_per_node`` is then also the engines a node has room for. Its
+    record under ``out/logs``. Returns the job id and the job's output file."""
     env = {
         **cluster.env,
-        "GPUS_PER_NODE": "1",
-        "TRAIN_NODES": "2",
+        "GPUS_PER_NODE": str(gpus_per_node),
+        "TRAIN_NODES": str(train_nodes),
         "LOG_ROOT": str(out / "logs"),
         "PYTHON": sys.executable,
         # Two ranks on the machine's cores: one thread each.

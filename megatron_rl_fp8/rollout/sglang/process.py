@@ -268,6 +268,7 @@ def server_env(cfg: SGLangConfig, device: str) -> dict[str, str]:
         "MASTER_ADDR",
         "MASTER_PORT",
         "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_USE_AGENT_STORE",
     ):
         env.pop(key, None)
     env.update(cfg.env)

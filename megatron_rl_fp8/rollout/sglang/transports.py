@@ -167,10 +167,13 @@ def new_sender_group(
     from torch.distributed import distributed_c10d as c10d
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world = next(
-        c10d.rendezvous(f"tcp://{host}:{port}", 0, world_size, timeout=timeout)
+    # This process hosts the store (not c10d.rendezvous: under torchrun, with
+    # TORCHELASTIC_USE_AGENT_STORE set, rank 0 of a tcp:// rendezvous only connects to a store it
+    # expects torchrun's agent to host, and the trainer and every engine wait as clients).
+    store = torch.distributed.TCPStore(
+        host, port, world_size, True, timeout=timeout, wait_for_workers=False
     )
-    store.set_timeout(timeout)
+    rank, world = 0, world_size
     store = c10d.PrefixStore(group_name, store)
     params = inspect.signature(c10d._new_process_group_helper).parameters
     options = {"backend_options" if "backend_options" in params else "pg_options": None}
