@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.sglang.conftest import sglang_py  # noqa: F401 - the SGLang fixture, shared
+
 ROOT = Path(__file__).resolve().parents[2]
 SLURM_LOCAL = ROOT / "tools" / "slurm_local.sh"
 SBATCH = ROOT / "slurm" / "train.sbatch"

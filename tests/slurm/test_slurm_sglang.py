@@ -17,21 +17,12 @@ import pytest
 
 from megatron_rl_fp8.metrics.logger import read_metrics
 from megatron_rl_fp8.rollout.sglang import server_group_pids
-from tests.sglang.conftest import sglang_python
 
 pytestmark = [pytest.mark.slurm, pytest.mark.sglang]
 
 STEPS = 2
 ENGINES = 2
 JOB_TIMEOUT_S = 480  # engines ready and SFT done ~80 s after sbatch here; 2 steps after that
-
-
-@pytest.fixture(scope="module")
-def sglang_py():
-    path = sglang_python()
-    if path is None:
-        pytest.skip("no SGLang python: run tools/install_sglang_cpu.sh or set MRF8_SGLANG_PYTHON")
-    return path
 
 
 def _log(path) -> str:
