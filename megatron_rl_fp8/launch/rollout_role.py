@@ -289,16 +289,11 @@ def _check_local(role: NodeRole) -> None:
 def _write_model(cfg: RunConfig, model_dir: Path, *, dtype: str, fp8_checkpoint: bool) -> None:
     """``config.json`` of the run's model, with the tokenizer's ids, as the trainer writes it."""
     from megatron_rl_fp8.data import load_prompt_encoder
-    from megatron_rl_fp8.models.hf_mapping import hf_config
+    from megatron_rl_fp8.models.hf_mapping import hf_config_with_tokens
     from megatron_rl_fp8.rollout.sglang.transports import write_model_config
 
     tok = load_prompt_encoder(cfg.tokenizer, hf_checkpoint=cfg.model.hf_checkpoint)
-    config = hf_config(
-        cfg.model,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=list(tok.eos_token_ids),
-        pad_token_id=tok.pad_token_id,
-    )
+    config = hf_config_with_tokens(cfg.model, tok)
     fp8 = cfg.rollout.fp8 if fp8_checkpoint else None
     write_model_config(model_dir, config, serve_dtype=dtype, fp8=fp8)
 

@@ -107,6 +107,17 @@ _LLAMA3_ROPE = {
 }
 
 
+def hf_config_with_tokens(model: ModelConfig, tokenizer):
+    """:func:`hf_config` with the special-token ids of the run's tokenizer (a ``PromptEncoder``):
+    the config the rollout engines are built from."""
+    return hf_config(
+        model,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=list(tokenizer.eos_token_ids),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 def _split_qkv(qkv: torch.Tensor, model: ModelConfig):
     groups = model.num_query_groups
     q_per_group = model.num_attention_heads // groups

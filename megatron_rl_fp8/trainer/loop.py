@@ -30,7 +30,7 @@ from megatron_rl_fp8.loss import grpo_advantages
 from megatron_rl_fp8.metrics.console import print_step, progress_bar
 from megatron_rl_fp8.metrics.logger import MetricsLogger, print_rank0
 from megatron_rl_fp8.models.fp8 import weight_quantization_errors
-from megatron_rl_fp8.models.hf_mapping import hf_config
+from megatron_rl_fp8.models.hf_mapping import hf_config_with_tokens
 from megatron_rl_fp8.models.pretrained import load_converted, load_hf_weights
 from megatron_rl_fp8.rollout import build_engine
 from megatron_rl_fp8.rollout.sglang.errors import RolloutLost, SyncFailed
@@ -127,12 +127,7 @@ class Trainer:
             tok = self.tokenizer
             self.engine = build_engine(
                 cfg.rollout,
-                hf_config(
-                    cfg.model,
-                    bos_token_id=tok.bos_token_id,
-                    eos_token_id=list(tok.eos_token_ids),
-                    pad_token_id=tok.pad_token_id,
-                ),
+                hf_config_with_tokens(cfg.model, tok),
                 pad_token_id=tok.pad_token_id,
                 eos_token_id=tok.eos_token_ids,
                 output_dir=str(self.out_dir),

@@ -190,6 +190,6 @@ def on_this_host(engine_url: str) -> bool:
         return True
     try:
         addr = socket.gethostbyname(host)
-    except OSError:
+        return addr.startswith("127.") or sender_address(engine_url) == addr
+    except OSError:  # unresolvable, or no route to it (a box without a default route)
         return False
-    return addr.startswith("127.") or sender_address(engine_url) == addr
