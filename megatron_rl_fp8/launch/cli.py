@@ -80,6 +80,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="Also write DIR/<role>.sh (one srun each), DIR/commands.txt, and send each step's "
         "output to DIR/<role>-<node>.log.",
     )
+    out.add_argument(
+        "--write-record",
+        action="store_true",
+        help="As --write-scripts, into the run's own directory: <train.output_dir>/slurm/<job "
+        "id>/restart-<n>. Either prints 'record: DIR' last.",
+    )
     return p
 
 
@@ -113,14 +119,28 @@ def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     est = check_run(
         trainer_cfg, layout, config_name=name, gpu_memory_gb=args.gpu_memory_gb, spec=args.spec
     )
-    commands = _selected(args, layout, _render_options(args))
+    if args.write_record and args.write_scripts:
+        raise ConfigError(
+            "--write-record and --write-scripts both name the record's place; pick one"
+        )
+    record = record_dir(trainer_cfg, layout) if args.write_record else args.write_scripts
+    commands = _selected(args, layout, _render_options(args, record))
     text = "\n".join(
         [*summary(layout, trainer_cfg, est, args.gpu_memory_gb), "", *_listing(commands)]
     )
     print(text)
-    if args.write_scripts:
-        _write_scripts(Path(args.write_scripts), commands, text)
+    if record:
+        _write_scripts(Path(record), commands, text, node_addrs=args.node_addrs)
+        print(f"record: {record}")
     return 0
+
+
+def record_dir(cfg, layout) -> str:
+    """Where a job's record goes inside the run's directory, one folder per (re)start of the job:
+    ``<train.output_dir>/slurm/<job id>/restart-<n>`` (absolute: every step reads it)."""
+    env = layout.env
+    out = Path(cfg.train.output_dir).expanduser().absolute()
+    return str(out / "slurm" / str(env.job_id) / f"restart-{env.restart_count}")
 
 
 def run_rollout(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -158,7 +178,7 @@ def _train_nodes(args: argparse.Namespace, environ: Mapping[str, str]) -> int | 
     return int(raw)
 
 
-def _render_options(args: argparse.Namespace):
+def _render_options(args: argparse.Namespace, log_dir: str | None):
     from megatron_rl_fp8.launch.render import RenderOptions
 
     python = args.python or ("python" if args.container_image else sys.executable)
@@ -169,7 +189,7 @@ def _render_options(args: argparse.Namespace):
         overrides=tuple(args.overrides),
         python=python,
         torchrun=torchrun,
-        log_dir=args.write_scripts,
+        log_dir=log_dir,
         container_image=args.container_image,
         container_mounts=args.container_mounts,
         workdir=os.getcwd() if args.container_image else None,
@@ -237,11 +257,14 @@ def _listing(commands) -> list[str]:
     return lines
 
 
-def _write_scripts(out: Path, commands, text: str) -> None:
+def _write_scripts(out: Path, commands, text: str, *, node_addrs: str = "") -> None:
     """One executable ``<name>.sh`` per step (``exec srun ...``: the sbatch's signals reach srun),
-    and the whole dry-run in commands.txt: the run's record of what was started."""
+    the whole dry-run in commands.txt, and a ``@FILE`` of node addresses as nodes.txt: the run's
+    record of what was started."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "commands.txt").write_text(text + "\n")
+    if node_addrs.startswith("@"):
+        (out / "nodes.txt").write_text(Path(node_addrs[1:]).read_text())
     for c in commands:
         path = out / f"{c.name}.sh"
         path.write_text(f"#!/bin/bash\n# {c.name} on {','.join(c.nodes)}\nexec {c.shell()}\n")

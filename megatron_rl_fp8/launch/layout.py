@@ -285,24 +285,26 @@ def _place_engines(
 
 def _first_gpu(sg: SGLangConfig, gpus_per_node: int, engines_here: int, placement: str) -> int:
     """The first engine GPU of a node: base_gpu_id when set; otherwise GPU 0 of a rollout node,
-    or, colocated, the node's last GPUs (away from local rank 0, the trainer's driver)."""
+    or, colocated, the node's last GPUs (away from local rank 0, where the driver may run)."""
     if sg.base_gpu_id is not None:
         return sg.base_gpu_id
     return gpus_per_node - engines_here * sg.tp_size if placement == "colocated" else 0
 
 
 def _check_driver_gpu(engines: list[Engine], sg: SGLangConfig, placement: str) -> None:
-    """Colocated, the broadcast sync joins the driver (node 0, GPU 0) and every engine's ranks in
-    one NCCL group, which cannot hold two processes on one GPU."""
+    """Colocated, the broadcast sync joins the driver (global rank 0, on GPU 0 of its node) and
+    every engine's ranks in one NCCL group, which cannot hold two processes on one GPU. torchrun's
+    c10d rendezvous ranks the trainer nodes by hostname, not by Slurm's order, so the driver may
+    sit on any trainer node: no engine may take GPU 0 of any node."""
     if placement != "colocated" or sg.transport != "distributed":
         return
-    clash = next((e for e in engines if e.node_index == 0 and 0 in e.gpus), None)
+    clash = next((e for e in engines if 0 in e.gpus), None)
     if clash is not None:
         raise ConfigError(
-            f"engine {clash.index} would use GPU 0 of {clash.node}, the trainer driver's, and the "
-            "weight sync's NCCL broadcast (rollout.sglang.transport=distributed) cannot join two "
-            "processes on one GPU: lower rollout.sglang.num_engines or move "
-            "rollout.sglang.base_gpu_id off 0"
+            f"engine {clash.index} would use GPU 0 of {clash.node}, where the trainer's driver "
+            "rank may run (torchrun picks its node), and the weight sync's NCCL broadcast "
+            "(rollout.sglang.transport=distributed) cannot join two processes on one GPU: lower "
+            "rollout.sglang.num_engines or move rollout.sglang.base_gpu_id off 0"
         )
 
 

@@ -95,13 +95,13 @@ def submit_train(
 ) -> tuple[int, Path]:
     """``sbatch slurm/train.sbatch CONFIG OVERRIDES`` on both nodes; by default both train, one
     rank each (a CPU cluster: no GPU GRES, GPUS_PER_NODE=1). ``train_nodes=1``: n1 trains, n2
-    runs the rollout role; ``gpus_per_node`` is then also the engines a node has room for. Its
-    record under ``out/logs``. Returns the job id and the job's output file."""
+    runs the rollout role; ``gpus_per_node`` is then also the engines a node has room for. The
+    job's record goes into the run's directory, ``<train.output_dir>/slurm/<job id>/restart-<n>``.
+    Returns the job id and the job's output file."""
     env = {
         **cluster.env,
         "GPUS_PER_NODE": str(gpus_per_node),
         "TRAIN_NODES": str(train_nodes),
-        "LOG_ROOT": str(out / "logs"),
         "PYTHON": sys.executable,
         # Two ranks on the machine's cores: one thread each.
         "OMP_NUM_THREADS": "1",

@@ -10,8 +10,11 @@ another machine (tests/integration/test_tiny_run.py says why).
 """
 
 import math
+import os
 import re
+import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -78,7 +81,7 @@ def test_two_node_local_rollout_run(uninterrupted):
 
     # The run's record: the dry-run (layout + commands), the node addresses, one script per
     # step, and one log per trainer node.
-    run_dir = tmp_path / "logs" / str(job_id) / "restart-0"
+    run_dir = tmp_path / "run" / "slurm" / str(job_id) / "restart-0"
     commands = _log(run_dir / "commands.txt")
     assert "placement: local" in commands
     assert "trainer: 2 node(s) (n1,n2): 2 ranks = TP 1 x PP 1 x CP 1 x DP 2" in commands
@@ -87,6 +90,7 @@ def test_two_node_local_rollout_run(uninterrupted):
     nodes = _log(run_dir / "nodes.txt")
     assert "NodeName=n1" in nodes and "NodeName=n2" in nodes
     assert "exec srun --nodes=2" in _log(run_dir / "trainer.sh")
+    assert (run_dir / "job.out").resolve() == output.resolve()  # the job's own output, linked
     logs = sorted(run_dir.glob("trainer-*.log"))
     assert [p.name.split("-")[1] for p in logs] == ["0", "1"], [p.name for p in logs]
 
@@ -148,14 +152,74 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, uninterrupted, tmp
     # The step in flight when USR1 came (3) was finished and checkpointed, so the requeued job
     # resumes after it. (Without the handler the ranks die in step 3: it resumes at 2.) torchrun
     # does not pass the ranks' REQUEUE_EXIT_CODE on: the script requeues on "failed after USR1".
-    resumed = "".join(
-        _log(p) for p in (pre_dir / "logs" / str(job_id) / "restart-1").glob("trainer-*.log")
-    )
+    restart = pre_dir / "run" / "slurm" / str(job_id) / "restart-1"
+    resumed = "".join(_log(p) for p in restart.glob("trainer-*.log"))
     at = re.search(r"resumed from \S+ at step (\d+)", resumed)
     assert at and int(at.group(1)) >= 3, resumed[-3000:]
 
     metrics = read_metrics(pre_dir / "run")
     assert [m["step"] for m in metrics] == list(range(steps + 1))  # none lost, none twice
     # Same machine, same layout: the preempted run is the uninterrupted run, bit for bit.
+    for m in metrics:
+        assert _values(m) == expected[m["step"]], m["step"]
+
+
+def _job_pids(job_id: int, node: str) -> list[int]:
+    """Every process of job ``job_id`` on Slurm node ``node`` (by the environment Slurm gives
+    its tasks; slurmd and slurmstepd themselves carry none of it)."""
+    pids = []
+    want = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURMD_NODENAME={node}".encode()}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = set((proc / "environ").read_bytes().split(b"\0"))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if want <= env:
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_trainer_node_death_fails_the_job_and_the_next_submission_resumes(
+    slurm_cluster, uninterrupted, tmp_path, cache
+):
+    """A trainer node dies mid-run (every process of the job on n2 SIGKILLed, as a crash leaves
+    it; slurmd stays up): the job fails with the script's one line pointing at the trainer's
+    logs, and the same sbatch line submitted again resumes from the latest checkpoint and
+    finishes equal to the uninterrupted run."""
+    ref_dir, out = uninterrupted[3], tmp_path / "node-death"
+    out.mkdir()
+    expected = {m["step"]: _values(m) for m in read_metrics(ref_dir / "run")}
+    overrides = _overrides(out, cache, STEPS, save_interval=1)
+    job_id, output = submit_train(slurm_cluster, out, overrides)
+    latest = out / "run" / "checkpoints" / "latest"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (latest.exists() and latest.read_text().strip() >= "iter_0000002"):
+        assert time.monotonic() < deadline, _log(output)[-3000:]
+        time.sleep(0.1)
+    victims = _job_pids(job_id, "n2")
+    assert victims, "no process of the job on n2"
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT_S, output=output)
+    text = _log(output)
+    assert job["JobState"] == "FAILED" and job["Restarts"] == "0", text[-3000:]
+    assert "train.sbatch: the trainer step failed" in text and "requeue" not in text, text[-3000:]
+    done = [m["step"] for m in read_metrics(out / "run")]
+    assert max(done) < STEPS, "the node died after the run had finished"
+
+    job_id, output = submit_train(slurm_cluster, out, overrides)
+    job = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT_S, output=output)
+    text = _log(output)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), text[-3000:]
+    record = out / "run" / "slurm" / str(job_id) / "restart-0"
+    resumed = "".join(_log(p) for p in record.glob("trainer-*.log"))
+    assert re.search(r"resumed from \S+ at step [2-9]", resumed), resumed[-3000:]
+    metrics = read_metrics(out / "run")
+    assert [m["step"] for m in metrics] == list(range(STEPS + 1))  # none lost, none twice
     for m in metrics:
         assert _values(m) == expected[m["step"]], m["step"]

@@ -64,7 +64,7 @@ def test_dedicated_rollout_node_runs_sglang_engines_and_router(slurm_cluster, sg
     job = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT_S, output=output)
     print(f"slurm job {job_id}: {time.monotonic() - start:.0f} s from sbatch to COMPLETED")
 
-    run_dir = tmp_path / "logs" / str(job_id) / "restart-0"
+    run_dir = run / "slurm" / str(job_id) / "restart-0"
     text = _log(output)
     rollout_logs = sorted(run_dir.glob("rollout-1-*.log"))
     rollout = "".join(_log(p) for p in rollout_logs)

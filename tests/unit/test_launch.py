@@ -386,6 +386,32 @@ def test_write_scripts_for_the_sbatch(capsys, tmp_path):
     assert f"--output={out_dir}/trainer-%N.log" in trainer
 
 
+def test_write_record_goes_into_the_run_directory(capsys, tmp_path, monkeypatch):
+    """The sbatch's default: the record sits in the run's own directory, one folder per restart,
+    with the node addresses it was given."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nodes.txt").write_text(
+        "NodeName=n1 NodeAddr=10.0.0.1\nNodeName=n2 NodeAddr=10.0.0.2\n"
+    )
+    rc, out, err = dry_run(
+        capsys, TINY, *TINY_SGLANG, "train.output_dir=runs/mine", "--nodelist", "n[1-2]",
+        "--gpus-per-node", "1", "--job-id", "31", "--node-addrs", "@nodes.txt", "--write-record",
+    )  # fmt: skip
+    assert rc == 0, err
+    record = tmp_path / "runs" / "mine" / "slurm" / "31" / "restart-0"
+    assert out.splitlines()[-1] == f"record: {record}"
+    assert sorted(p.name for p in record.iterdir()) == [
+        "commands.txt", "nodes.txt", "rollout-1.sh", "trainer.sh",
+    ]  # fmt: skip
+    assert "NodeAddr=10.0.0.2" in (record / "nodes.txt").read_text()
+    assert f"--output={record}/rollout-1-%N.log" in (record / "rollout-1.sh").read_text()
+    rc, _, err = dry_run(
+        capsys, TINY, "--nodes", "1", "--gpus-per-node", "1", "--write-record",
+        "--write-scripts", "x",
+    )  # fmt: skip
+    assert rc == 2 and err.count("\n") == 1 and "pick one" in err
+
+
 def test_role_filter_prints_one_node(capsys):
     base = [TINY, *TINY_SGLANG, "--nodes", "2", "--gpus-per-node", "1", "--role", "rollout"]
     rc, out, _ = dry_run(capsys, *base, "--node-index", "1")
@@ -540,7 +566,8 @@ echo "NodeName=n2 Arch=x86_64 NodeAddr=127.0.0.2 NodeHostName=box"
 # Stands in for the dry-run once a real one has rendered the scripts: copies them to --write-scripts.
 STUB_PYTHON = r"""#!/bin/bash
 while [[ $# -gt 0 && $1 != --write-scripts ]]; do shift; done
-cp "$RENDERED"/*.sh "$2"/
+mkdir -p "$2" && cp "$RENDERED"/*.sh "$2"/
+echo "record: $2"
 """
 
 
