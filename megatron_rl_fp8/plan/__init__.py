@@ -1,8 +1,11 @@
 """The memory planner: per-GPU memory of the actor's run from its config, whether it fits, and
-which layouts of the same GPUs would (``megatron-rl-fp8 plan``; docs/plan.md).
+which layouts of the same GPUs would (``megatron-rl-fp8 plan``; docs/plan.md); and the step-time
+model, what each phase of a step costs (``plan --time``; docs/scaling.md).
 
 ``memory`` holds the estimate (a pure function of the config and the world: no GPU, no
-torch.distributed, no Megatron), ``layouts`` the search over alternatives, ``cli`` the table.
+torch.distributed, no Megatron), ``layouts`` the search over alternatives, ``time`` the step-time
+model on top of them, ``hardware`` and ``presets`` its GPU and model parameter sets, ``cli`` the
+tables.
 """
 
 from megatron_rl_fp8.plan.layouts import alternatives
@@ -16,15 +19,20 @@ from megatron_rl_fp8.plan.memory import (
     estimate,
     layer_activation_bytes,
 )
+from megatron_rl_fp8.plan.time import Efficiency, Fleet, Prediction, predict
 
 __all__ = [
     "CHUNKED_LOGPROBS",
     "UNCHUNKED_LOGPROBS",
+    "Efficiency",
     "Estimate",
+    "Fleet",
     "Layout",
     "LogitsCost",
+    "Prediction",
     "World",
     "alternatives",
     "estimate",
     "layer_activation_bytes",
+    "predict",
 ]

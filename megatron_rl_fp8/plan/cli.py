@@ -1,6 +1,7 @@
 """``megatron-rl-fp8 plan CONFIG [--gpus-per-node 8] [--nodes N] [section.key=value ...]``: the
 per-GPU memory of a run, whether its layout fits, and the layouts of the same GPUs that would
-(docs/plan.md explains the table)."""
+(docs/plan.md explains the table). ``--time`` adds the predicted seconds per phase of one step
+for BF16, FP8 rollout and full FP8 (``plan/time.py``; docs/scaling.md)."""
 
 from __future__ import annotations
 
@@ -44,8 +45,32 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--gpu-memory-gb",
         type=float,
-        default=80.0,
-        help="Memory of one GPU, GB of 10^9 bytes (default 80: H100; 141 for H200).",
+        default=None,
+        help="Memory of one GPU, GB of 10^9 bytes (default: --gpu's, else 80: H100; 141 for H200).",
+    )
+    p.add_argument(
+        "--gpu",
+        default=None,
+        help="GPU parameter set for --time: H100, H200 or B200 (default H100); also sets "
+        "--gpu-memory-gb unless given.",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Plan a preset shape instead of the config's model: qwen3-8b, qwen3-14b, "
+        "qwen2.5-32b, qwen3-32b (public config.json values; plan/presets.py).",
+    )
+    p.add_argument(
+        "--time",
+        action="store_true",
+        help="Also print the step-time model: seconds per phase for bf16, fp8-rollout and fp8.",
+    )
+    p.add_argument(
+        "--fill",
+        type=float,
+        default=1.0,
+        help="--time: mean response length / rollout.max_new_tokens (default 1: every "
+        "response at the limit).",
     )
     p.add_argument(
         "--spec",
@@ -125,13 +150,60 @@ def format_alternatives(fits: list[Estimate], top: int) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> int:
-    from megatron_rl_fp8.plan.layouts import alternatives
+def format_time(preds: list, gpu_name: str) -> str:
+    """The ``--time`` table: one column per precision, seconds per phase."""
+    from megatron_rl_fp8.plan.time import PHASES
 
-    world = World(
-        gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_memory_gb=args.gpu_memory_gb
+    labels = {
+        "rollout": "rollout (generation)",
+        "shadow": "BF16 shadow (amortised)",
+        "checkpoint": "checkpoint (amortised)",
+    }
+    head = "".join(f"{p.precision:>13}" for p in preds)
+    lines = [f"{'seconds per step (' + gpu_name + ')':<34}{head}"]
+    for phase in PHASES:
+        cells = "".join(f"{p.phases[phase]:13.2f}" for p in preds)
+        lines.append(f"  {labels.get(phase, phase):<32}{cells}")
+    lines.append(f"  {'step':<32}" + "".join(f"{p.step_s:13.2f}" for p in preds))
+    lines.append(f"  {'tokens/s':<32}" + "".join(f"{p.tokens_per_s:13.0f}" for p in preds))
+    base = preds[0].step_s
+    lines.append(
+        f"  {'speed-up vs ' + preds[0].precision:<32}"
+        + "".join(f"{base / p.step_s:12.2f}x" for p in preds)
     )
-    cfg, notes = load_for_plan(args.config, args.overrides)
+    return "\n".join(lines)
+
+
+def run_time(cfg, world: World, gpu, fill: float, spec: str) -> str:
+    from megatron_rl_fp8.plan.time import PRECISIONS, predict
+
+    preds = [predict(cfg, world, gpu, p, fill=fill, spec=spec) for p in PRECISIONS]
+    recipe = cfg.fp8.recipe if cfg.fp8.recipe != "bf16" else "blockwise"
+    d = preds[-1].detail
+    calib = cfg.loss.calib
+    notes = [
+        f"step-time model (plan/time.py, docs/scaling.md): {cfg.train.prompts_per_step} prompts "
+        f"x {cfg.rollout.n_samples_per_prompt} samples, {cfg.task.max_prompt_len} + "
+        f"{cfg.rollout.max_new_tokens} tokens, fill {fill:g}; fp8 training recipe {recipe}; "
+        f"shadow every {calib.interval if calib.enabled else '-'} steps",
+        f"rollout: {max(1, cfg.rollout.sglang.num_engines)} engine(s) x TP "
+        f"{cfg.rollout.sglang.tp_size}, {cfg.rollout.placement}; decode "
+        f"{d['rollout/decode_steps']:.0f} steps at {d['rollout/concurrent_per_engine']:.0f} "
+        "sequences per engine (fp8)",
+    ]
+    return "\n".join([format_time(preds, gpu.name), *(f"  note: {n}" for n in notes)])
+
+
+def run(args) -> int:
+    from megatron_rl_fp8.plan.hardware import get_gpu
+    from megatron_rl_fp8.plan.layouts import alternatives
+    from megatron_rl_fp8.plan.presets import preset_overrides
+
+    gpu = get_gpu(args.gpu or "H100")
+    memory_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else gpu.memory_gb
+    world = World(gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_memory_gb=memory_gb)
+    overrides = [*(preset_overrides(args.model) if args.model else []), *args.overrides]
+    cfg, notes = load_for_plan(args.config, overrides)
     # The rules `train` applies, with the same one-line errors; not what this machine lacks
     # (TE, logger packages): plans are usually made away from the GPUs.
     cfg.validate(world.size, this_machine=False)
@@ -164,6 +236,9 @@ def run(args) -> int:
             alternatives(cfg, world, spec=args.spec, logits=DEFAULT_LOGPROBS), args.top
         )
     )
+    if args.time:
+        print()
+        print(run_time(cfg, world, gpu, args.fill, args.spec))
     return 0
 
 

@@ -1,0 +1,445 @@
+"""Step-time model: what one synchronous RL step costs, phase by phase, from the config alone.
+
+A pure function of the resolved ``RunConfig``, the world and a GPU parameter set
+(``plan/hardware.py``): no torch, no torch.distributed, no GPU. It shares the memory planner's
+layout (``plan/memory.py:Layout``) and reports the planner's memory next to the times.
+
+Each phase is a roofline with *measured* efficiencies (:class:`Efficiency`: every constant names
+the measurement it comes from, or says ``ASSUMPTION`` where there is none yet):
+
+=============  ===============================================================================
+rollout        per engine (all engines in parallel, rows split evenly). Prefill: compute
+               bound, each prompt once per group (SGLang's prefix cache). Decode:
+               as many steps as the engine's tokens need at the KV pool's concurrency
+               (continuous batching), at least ``max_new_tokens`` (the longest response), each
+               reading the engine's weights once plus the KV cache of the live sequences: HBM
+               bound (or compute bound at large batches). FP8 rollout
+               halves the linear weights' bytes and runs the GEMMs at the FP8 GEMM ratio.
+reward         rows x a per-row CPU cost / ``reward.num_workers``.
+old_logprobs   one forward of the batch (the KL reference's too when ``loss.kl_coef > 0``).
+shadow         calibration steps only (full FP8 with ``loss.calib.enabled``): a BF16 forward
+               of the batch for pi_old, and per later mini-batch a BF16 + an FP8 forward of
+               pi_theta (``trainer/update.py``), divided by ``loss.calib.interval``.
+update         forward + backward = 3 forwards (+1 forward under full recompute), the optimizer
+               step per mini-batch, the TP collectives and the DP gradient reduction.
+sync           TP gather on NVLink, FP8 quantization (FP8 rollout), the broadcast to the
+               engines (NVLink when they share the first node, else InfiniBand), engine load.
+checkpoint     weights + optimizer state at the file system's rate / ``train.save_interval``.
+=============  ===============================================================================
+
+Trainer compute: the FLOP convention of ``tools/bench_actor.py`` (PaLM's: 6 x linear weights per
+token + 12 x layers x seq x heads x head_dim for attention, a forward is a third) split in two:
+the linear GEMMs at the measured GEMM efficiency, and the rest (attention, norms, the loss,
+launches; everything not a linear GEMM) at a per-FLOP cost fitted to the measured 2.03B actor
+step, so that the model reproduces that step. FP8 training divides only the GEMM part, by the
+measured fwd + bwd ratio of FP8 linear blocks. Pipeline bubbles multiply the compute by
+``1 + (PP - 1) / micro-batches``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING, Literal
+
+from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.plan.hardware import GPU, GPUS
+from megatron_rl_fp8.plan.memory import Estimate, Layout, Spec, World, estimate, stage_params
+
+if TYPE_CHECKING:
+    from megatron_rl_fp8.config import RunConfig
+    from megatron_rl_fp8.models.config import ModelConfig
+
+Precision = Literal["bf16", "fp8-rollout", "fp8"]
+PRECISIONS: tuple[Precision, ...] = ("bf16", "fp8-rollout", "fp8")
+PHASES = ("rollout", "reward", "old_logprobs", "shadow", "update", "sync", "checkpoint")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Efficiency:
+    """Fractions of a datasheet peak, and rates, that the model applies. Defaults are the
+    project's measurements (docs/gpu.md, docs/benchmarks.md, PLATFORM_NOTES) unless marked
+    ASSUMPTION (no measurement yet: the doc lists these)."""
+
+    gemm_bf16: float = 0.709
+    """BF16 GEMM / dense peak: mean of ``bench_gemm``'s 8 Qwen3-8B/32B linear shapes at M=8192
+    on the lent H200 (660-770 TFLOP/s of 989; docs/gpu.md, gpu_check run of 2026-11-30)."""
+
+    actor_step_s: float = 1.00
+    """The measured trainer step the non-GEMM cost is fitted to: ``tools/bench_actor.py``, 2.03B
+    Qwen3 shape, local spec (no TE), bf16, 8 x 2048 tokens, micro-batch 2, one H200: 1.00 s/step,
+    19.4% MFU (docs/gpu.md, gpu_check run of 2026-11-30). Local spec: with Transformer Engine the
+    non-GEMM share should shrink (not measured)."""
+
+    fp8_linear_speedup: tuple[tuple[str, float], ...] = (
+        ("tensorwise_delayed", 1.44),
+        ("tensorwise_current", 1.44),
+        ("rowwise", 1.10),
+        ("blockwise", 1.15),
+        ("mxfp8", 1.15),
+    )
+    """FP8 / BF16 time of the linear layers' forward + backward, quantization included, by
+    ``fp8.recipe``. tensorwise 1.44x, rowwise 1.10x: torchao 0.18 float8 + torch.compile, four
+    Qwen3-8B blocks, 8192 tokens, H200 (PLATFORM_NOTES, 2026-11-30). blockwise 1.15x: NOT
+    measured here; the seed paper's blockwise 10-20% (DESIGN.md), ASSUMPTION. mxfp8: as
+    blockwise, ASSUMPTION (needs Blackwell)."""
+
+    rollout_fp8_gemm: float = 1.59
+    """FP8 W8A8 blockwise (1x128 x 128x128) / BF16 GEMM rate for the rollout engine's linears:
+    mean of ``bench_gemm``'s blockwise column, H200 (1.37-1.75x; docs/gpu.md)."""
+
+    prefill_mfu: float = 0.5
+    """ASSUMPTION: SGLang prefill, model FLOPs / dense peak (no SGLang on the lent GPU)."""
+
+    decode_hbm: float = 0.7
+    """ASSUMPTION: SGLang decode, bytes read (weights + KV) / HBM peak."""
+
+    decode_mfu: float = 0.5
+    """ASSUMPTION: SGLang decode's compute bound at large batches, model FLOPs / dense peak."""
+
+    tp_collective_latency_s: float = 10e-6
+    """ASSUMPTION: latency of one small NCCL all-reduce within a node (decode: 2 per layer)."""
+
+    nvlink: float = 300 / 450
+    """ASSUMPTION: NCCL bus bandwidth / NVLink one-way peak: the ~300 GB/s of bench_sync's GPU
+    projection (docs/benchmarks.md)."""
+
+    ib: float = 40 / 50
+    """ASSUMPTION: the ~40 GB/s of one 400 Gb/s NIC that bench_sync's projection uses."""
+
+    quantize_bytes_s: float = 82e9
+    """FP8 blockwise quantization of the synced linears, bf16 bytes in per second on one H200:
+    modelopt ``FP8QTensor`` on Qwen3-8B's linears, ~0.17 s for 13.9 GB (``bench_sync.py
+    --quantizers``, docs/benchmarks.md). Scaled by the GPU's HBM bandwidth."""
+
+    engine_load_s: float = 0.15
+    """ASSUMPTION: per-sync HTTP calls and engine-side loading (bench_sync's projection: 0.1-0.2
+    s)."""
+
+    reward_s_per_row: float = 0.01
+    """ASSUMPTION: CPU seconds to score one completion (math-verify parse and compare)."""
+
+    checkpoint_bytes_s_per_node: float = 2e9
+    """ASSUMPTION: parallel file system write rate per node."""
+
+    optimizer_hbm: float = 0.7
+    """ASSUMPTION: Adam's step, bytes moved / HBM peak (a memory-bound elementwise kernel)."""
+
+    def fp8_speedup(self, recipe: str) -> float:
+        table = dict(self.fp8_linear_speedup)
+        if recipe not in table:
+            raise ConfigError(f"fp8.recipe={recipe!r} has no FP8 speed in the step-time model")
+        return table[recipe]
+
+
+EFFICIENCY = Efficiency()
+REFERENCE_GPU = GPUS["H200"]  # where the efficiencies were measured
+
+
+# -- FLOPs: tools/bench_actor.py's convention ------------------------------------------------------
+def linear_weights(m: ModelConfig) -> float:
+    """Weights of every linear GEMM, the output layer included (not the embedding, a lookup)."""
+    d, f = m.hidden_size, m.ffn_hidden_size
+    q, g = m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
+    per_layer = d * (q + 2 * g) + q * d + d * 2 * f + f * d
+    return m.num_layers * per_layer + d * m.padded_vocab_size()
+
+
+def train_flops_per_token(m: ModelConfig, seq: float) -> tuple[float, float]:
+    """(linear, attention) training FLOPs per token, forward + backward, at sequence length
+    ``seq``: ``tools/bench_actor.py:flops_per_token`` split in its two terms (a unit test
+    holds them equal)."""
+    q = m.num_attention_heads * m.kv_channels
+    return 6.0 * linear_weights(m), 12.0 * m.num_layers * seq * q
+
+
+def _optimizer_seconds(params: float, gpu: GPU, eff: Efficiency) -> float:
+    # Adam with fp32 main weights: read grad, main, m, v (16 B), write main, m, v (12 B) and the
+    # bf16 weight (2 B).
+    return params * 30 / (gpu.hbm_bytes_s * eff.optimizer_hbm)
+
+
+@functools.lru_cache(maxsize=8)
+def _rest_seconds_per_flop(eff: Efficiency) -> float:
+    """The non-GEMM cost per model FLOP, fitted so that the reference step (bench_actor's 2.03B
+    shape, 16384 tokens of 2048) takes ``eff.actor_step_s`` on the reference GPU."""
+    from megatron_rl_fp8.models.config import ModelConfig
+
+    m = ModelConfig(
+        arch="qwen3",
+        num_layers=28,
+        hidden_size=2048,
+        ffn_hidden_size=6144,
+        num_attention_heads=16,
+        num_query_groups=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    )
+    tokens = 8 * 2048
+    lin, attn = train_flops_per_token(m, 2048)
+    gemm = tokens * lin / (REFERENCE_GPU.bf16_flops * eff.gemm_bf16)
+    opt = _optimizer_seconds(stage_params(m, tp=1, pp=1, stage=0), REFERENCE_GPU, eff)
+    rest = eff.actor_step_s - gemm - opt
+    return rest / (tokens * (lin + attn))
+
+
+# -- inputs -------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fleet:
+    """The rollout engines: ``engines`` SGLang servers of ``tp`` GPUs each, sharing the trainer's
+    GPUs (colocated) or on GPUs of their own (dedicated), with ``mem_fraction`` of each GPU for
+    weights + KV cache."""
+
+    engines: int
+    tp: int
+    placement: Literal["colocated", "dedicated"]
+    mem_fraction: float
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> Fleet:
+        s = cfg.rollout.sglang
+        frac = s.mem_fraction_static
+        if frac is None:  # SGLang sizes itself: most of a GPU of its own
+            frac = 0.85 if cfg.rollout.placement == "dedicated" else 0.3
+        return cls(
+            engines=max(1, s.num_engines),
+            tp=s.tp_size,
+            placement=cfg.rollout.placement,
+            mem_fraction=frac,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """Seconds per phase (amortised where a phase is not every step) and what they came from."""
+
+    precision: Precision
+    phases: dict[str, float]
+    detail: dict[str, float]
+    memory: Estimate
+    tokens: float  # prompt + response tokens per step
+    gpus: int  # trainer GPUs + dedicated engine GPUs
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.phases.values())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+
+# -- the phases ---------------------------------------------------------------------------------
+def _rollout(
+    m: ModelConfig,
+    gpu: GPU,
+    fleet: Fleet,
+    *,
+    prompts: int,
+    rows: int,
+    prompt_len: int,
+    new_tokens: int,
+    fill: float,
+    fp8: bool,
+    eff: Efficiency,
+) -> dict[str, float]:
+    k = fleet.tp
+    lin = linear_weights(m)
+    emb = m.hidden_size * m.padded_vocab_size()  # the input embedding, read once per token
+    q = m.num_attention_heads * m.kv_channels
+    weight_bytes = (lin * (1 if fp8 else 2) + 2 * emb) / k  # per GPU of the engine
+    kv_per_token = 2 * m.num_layers * m.num_query_groups * m.kv_channels * 2 / k  # bf16 K and V
+    pool = fleet.mem_fraction * gpu.memory_gb * 1e9 - weight_bytes
+    seq = prompt_len + new_tokens
+    if pool < kv_per_token * seq:
+        raise ConfigError(
+            f"rollout.sglang.mem_fraction_static={fleet.mem_fraction} leaves no KV cache for one "
+            f"{seq}-token sequence on a TP {k} engine ({weight_bytes / 1e9:.1f} GB of weights per "
+            "GPU): raise it or rollout.sglang.tp_size"
+        )
+    per_engine = math.ceil(rows / fleet.engines)
+    concurrent = min(per_engine, int(pool // (kv_per_token * seq)))
+    gemm_rate = gpu.bf16_flops * (eff.rollout_fp8_gemm if fp8 else 1.0)
+    # Prefill: each prompt once per group (prefix cache), causal attention counted in full.
+    groups = math.ceil(prompts / fleet.engines)
+    prefill_tokens = groups * prompt_len
+    prefill = prefill_tokens * (
+        2 * lin / (gemm_rate * eff.prefill_mfu)
+        + 4 * m.num_layers * prompt_len * q / (gpu.bf16_flops * eff.prefill_mfu)
+    )
+    prefill /= k
+    # Decode: the longest response sets the steps; the mean sets the KV bytes and the FLOPs.
+    mean_new = fill * new_tokens
+    generated = per_engine * mean_new
+    # Continuous batching refills finished slots: the tokens at the pool's concurrency, but never
+    # fewer steps than the longest response.
+    steps = max(new_tokens, math.ceil(generated / concurrent))
+    kv_read = generated * (prompt_len + mean_new / 2) * kv_per_token
+    hbm = gpu.hbm_bytes_s * eff.decode_hbm
+    memory_s = (steps * weight_bytes + kv_read) / hbm
+    compute_s = generated * 2 * lin / k / (gemm_rate * eff.decode_mfu)
+    latency_s = steps * 2 * m.num_layers * eff.tp_collective_latency_s if k > 1 else 0.0
+    return {
+        "rollout/prefill": prefill,
+        "rollout/decode": max(memory_s, compute_s) + latency_s,
+        "rollout/decode_steps": steps,
+        "rollout/concurrent_per_engine": concurrent,
+    }
+
+
+def _trainer_pass_seconds(
+    m: ModelConfig,
+    gpu: GPU,
+    lay: Layout,
+    *,
+    tokens: float,
+    seq: float,
+    forwards: float,
+    fp8_speedup: float,
+    bubble: float,
+    eff: Efficiency,
+) -> float:
+    """Seconds on each GPU for ``forwards`` forward-equivalents (a backward is two) of
+    ``tokens``, the compute split evenly over the world, plus the TP collectives."""
+    lin, attn = train_flops_per_token(m, seq)
+    world = lay.tp * lay.pp * lay.cp * lay.dp
+    per_gpu = tokens * forwards / 3 / world
+    gemm = per_gpu * lin / (gpu.bf16_flops * eff.gemm_bf16) / fp8_speedup
+    # The non-GEMM part, fitted on the reference GPU, scaled by HBM bandwidth (ASSUMPTION: it is
+    # mostly memory-bound elementwise work).
+    rest = per_gpu * (lin + attn) * _rest_seconds_per_flop(eff)
+    rest *= REFERENCE_GPU.hbm_bytes_s / gpu.hbm_bytes_s
+    # TP: 2 all-reduces (or all-gather + reduce-scatter under SP) of [tokens, hidden] bf16 per
+    # layer and forward, each moving 2 (TP - 1) / TP of it per GPU, not overlapped.
+    tp_s = 0.0
+    if lay.tp > 1:
+        local = tokens / (lay.dp * lay.cp)
+        moved = 2 * local * m.hidden_size * 2 * 2 * (lay.tp - 1) / lay.tp
+        tp_s = forwards * (m.num_layers / lay.pp) * moved / (gpu.nvlink_bytes_s * eff.nvlink)
+    return (gemm + rest) * bubble + tp_s
+
+
+def predict(
+    cfg: RunConfig,
+    world: World,
+    gpu: GPU,
+    precision: Precision,
+    *,
+    layout: Layout | None = None,
+    fleet: Fleet | None = None,
+    fill: float = 1.0,
+    recipe: str | None = None,
+    spec: Spec = "te",
+    eff: Efficiency = EFFICIENCY,
+) -> Prediction:
+    """Predicted seconds per phase of one step of ``cfg`` on ``world`` (trainer GPUs) of
+    ``gpu``, for ``precision``: ``bf16``, ``fp8-rollout`` (FP8 engines, BF16 trainer) or ``fp8``
+    (both; the trainer's recipe is ``recipe`` or ``fp8.recipe``, blockwise if that is bf16).
+    ``fill``: mean response length / ``rollout.max_new_tokens``. Memory is the planner's
+    :func:`~megatron_rl_fp8.plan.memory.estimate` for the same layout and ``spec``."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
+    if not 0 < fill <= 1:
+        raise ConfigError(f"--fill={fill} must be in (0, 1]")
+    m, t, r = cfg.model, cfg.train, cfg.rollout
+    lay = layout or Layout.from_config(cfg, world.size)
+    fleet = fleet or Fleet.from_config(cfg)
+    memory = estimate(cfg, world, layout=lay, spec=spec)
+    if fleet.placement == "colocated" and fleet.engines * fleet.tp > world.size:
+        raise ConfigError(
+            f"rollout.sglang.num_engines ({fleet.engines}) x tp_size ({fleet.tp}) colocated "
+            f"engines need more than the {world.size} trainer GPUs"
+        )
+    fp8_rollout = precision != "bf16"
+    fp8_train = precision == "fp8"
+    recipe = recipe or (cfg.fp8.recipe if cfg.fp8.recipe != "bf16" else "blockwise")
+    speed = eff.fp8_speedup(recipe) if fp8_train else 1.0
+
+    prompts = t.prompts_per_step
+    rows = prompts * r.n_samples_per_prompt
+    prompt_len, new = cfg.task.max_prompt_len, r.max_new_tokens
+    seq = prompt_len + fill * new
+    tokens = rows * seq
+
+    detail = _rollout(
+        m,
+        gpu,
+        fleet,
+        prompts=prompts,
+        rows=rows,
+        prompt_len=prompt_len,
+        new_tokens=new,
+        fill=fill,
+        fp8=fp8_rollout,
+        eff=eff,
+    )
+    phases = {"rollout": detail["rollout/prefill"] + detail["rollout/decode"]}
+    phases["reward"] = rows * eff.reward_s_per_row / max(1, cfg.reward.num_workers)
+
+    # Micro-batches per DP rank and mini-batch: the pipeline bubble.
+    per_rank = max(1, rows // t.updates_per_step // lay.dp)
+    if t.max_tokens_per_gpu:
+        micro = max(1, math.ceil(per_rank * seq / t.max_tokens_per_gpu))
+    else:
+        micro = max(1, math.ceil(per_rank / t.micro_batch_size))
+    bubble = 1 + (lay.pp - 1) / micro
+    run = dict(tokens=tokens, seq=seq, bubble=bubble, eff=eff)
+    forward_fp8 = _trainer_pass_seconds(m, gpu, lay, forwards=1, fp8_speedup=speed, **run)
+    forward_bf16 = _trainer_pass_seconds(m, gpu, lay, forwards=1, fp8_speedup=1.0, **run)
+    reference = forward_fp8 if cfg.loss.kl_coef > 0 else 0.0
+    phases["old_logprobs"] = forward_fp8 + reference
+
+    shadow = 0.0
+    if fp8_train and cfg.loss.calib.enabled:
+        u = t.updates_per_step
+        per_calibration = forward_bf16 + (u - 1) / u * (forward_bf16 + forward_fp8)
+        shadow = per_calibration / cfg.loss.calib.interval
+    phases["shadow"] = shadow
+
+    forwards = 3 + (1 if lay.recompute == "full" else 0)
+    update = _trainer_pass_seconds(m, gpu, lay, forwards=forwards, fp8_speedup=speed, **run)
+    params = stage_params(m, lay.tp, lay.pp, stage=0)
+    shard = params / (lay.dp * lay.cp) if lay.distributed_optimizer else params
+    update += t.updates_per_step * _optimizer_seconds(shard, gpu, eff)
+    n = lay.dp * lay.cp
+    if n > 1:  # DP gradient reduction, fp32, not overlapped (ASSUMPTION: an upper bound)
+        per_gpu = (4 + 2 if lay.distributed_optimizer else 2 * 4) * params * (n - 1) / n
+        spans_nodes = world.nodes > 1
+        link = gpu.ib_bytes_s * eff.ib if spans_nodes else gpu.nvlink_bytes_s * eff.nvlink
+        detail["update/grad_reduce"] = t.updates_per_step * per_gpu / link
+        update += detail["update/grad_reduce"]
+    phases["update"] = update
+
+    # Weight sync: each PP stage's sender gathers its TP shards, quantizes (FP8 rollout), and
+    # broadcasts to every engine; the stages send in turn.
+    total = stage_params(m, 1, 1, 0)
+    lin = linear_weights(m) - m.hidden_size * m.padded_vocab_size()  # the layers' linears
+    nvlink = gpu.nvlink_bytes_s * eff.nvlink
+    gather = 2 * total / lay.pp * (lay.tp - 1) / lay.tp / nvlink
+    quantize = 0.0
+    if fp8_rollout:
+        rate = eff.quantize_bytes_s * gpu.hbm_bytes_s / REFERENCE_GPU.hbm_bytes_s
+        quantize = 2 * lin / lay.pp / rate
+    sent = 2 * total - (lin if fp8_rollout else 0)  # e4m3 linears (scales: ~0.01%), bf16 rest
+    same_node = fleet.placement == "colocated" and fleet.engines * fleet.tp <= world.gpus_per_node
+    link = nvlink if same_node else gpu.ib_bytes_s * eff.ib
+    transfer = sent / link
+    detail.update(
+        {
+            "sync/gather": gather,
+            "sync/quantize": quantize,
+            "sync/transfer": transfer,
+            "sync/load": eff.engine_load_s,
+        }
+    )
+    phases["sync"] = gather + quantize + transfer + eff.engine_load_s
+
+    ckpt_bytes = total * (2 + 12)  # bf16 weights + fp32 main weights and Adam's moments
+    interval = t.save_interval or t.steps
+    ckpt = ckpt_bytes / (world.nodes * eff.checkpoint_bytes_s_per_node)
+    phases["checkpoint"] = ckpt / max(1, interval)
+
+    dedicated = fleet.engines * fleet.tp if fleet.placement == "dedicated" else 0
+    return Prediction(precision, phases, detail, memory, tokens, world.size + dedicated)

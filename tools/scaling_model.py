@@ -1,0 +1,401 @@
+"""The scaling tables and plots of docs/scaling.md, from the step-time model (plan/time.py) and the
+memory planner (plan/memory.py). Pure arithmetic: seconds on a CPU, no GPU.
+
+For each preset (plan/presets.py) on 1/2/4/8 nodes of 8 H100 and H200, one GRPO workload (the
+FP8 example's settings, ``WORKLOAD``): the planner's best layout that fits (``plan.alternatives``,
+its first), colocated SGLang engines of the smallest TP whose BF16 weights take at most half of
+their memory share, one engine per TP group of the world; then BF16, FP8 rollout and full FP8
+(blockwise, shadow every 20 steps) per phase. Also the batch sweep (where FP8 stops paying), the
+training-phase speed-up per recipe (the paper's "up to 1.5x" against end to end), and the
+validation against the measured H200 actor steps of docs/gpu.md.
+
+    python tools/scaling_model.py                    # rewrites the tables in docs/scaling.md
+    python tools/scaling_model.py --print            # prints them instead
+    python tools/scaling_model.py --no-plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import re
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from megatron_rl_fp8.config import EXAMPLES_DIR, load_config  # noqa: E402
+from megatron_rl_fp8.config_utils import ConfigError  # noqa: E402
+from megatron_rl_fp8.plan.hardware import GPUS  # noqa: E402
+from megatron_rl_fp8.plan.layouts import alternatives  # noqa: E402
+from megatron_rl_fp8.plan.memory import CHUNKED_LOGPROBS, GB, Layout, World, stage_params  # noqa: E402
+from megatron_rl_fp8.plan.presets import PRESETS, preset_overrides  # noqa: E402
+from megatron_rl_fp8.plan.time import (  # noqa: E402
+    EFFICIENCY,
+    PHASES,
+    PRECISIONS,
+    REFERENCE_GPU,
+    Fleet,
+    _optimizer_seconds,
+    _trainer_pass_seconds,
+    predict,
+    train_flops_per_token,
+)
+
+EXAMPLE = EXAMPLES_DIR / "qwen3_8b_grpo_math_fp8.yaml"
+WORKLOAD = [
+    "model.hf_checkpoint=null",
+    "train.prompts_per_step=128",
+    "rollout.n_samples_per_prompt=8",
+    "task.max_prompt_len=1024",
+    "rollout.max_new_tokens=4096",
+    "train.updates_per_step=4",
+    "train.micro_batch_size=1",
+    "train.save_interval=20",
+    "fp8.recipe=blockwise",
+    "loss.calib.interval=20",
+]
+FILL = 0.5  # mean response = half of max_new_tokens (ASSUMPTION; docs/scaling.md)
+MEM_FRACTION = 0.35  # the engines' share of each GPU (the 32B example's)
+NODES = (1, 2, 4, 8)
+TABLE_GPUS = ("H100", "H200")
+FIGURES = ROOT / "docs" / "figures"
+DOC = ROOT / "docs" / "scaling.md"
+BEGIN, END = "<!-- scaling_model.py: begin -->", "<!-- scaling_model.py: end -->"
+
+
+@dataclasses.dataclass
+class Case:
+    preset: str
+    gpu: str
+    nodes: int
+    layout: Layout | None
+    fleet: Fleet | None
+    preds: dict  # precision -> Prediction
+    why: str = ""
+
+
+def engine_tp(cfg, gpu) -> int:
+    """Smallest power of two whose BF16 weights per GPU take at most half the engine's share."""
+    weights = 2 * stage_params(cfg.model, 1, 1, 0)
+    k = 1
+    while weights / k > 0.5 * MEM_FRACTION * gpu.memory_gb * GB and k < 8:
+        k *= 2
+    return k
+
+
+def make_case(preset: str, gpu_name: str, nodes: int, extra: list[str] = ()) -> Case:
+    gpu = GPUS[gpu_name]
+    w = World(nodes=nodes, gpu_memory_gb=gpu.memory_gb)
+    cfg = case_config(preset, gpu_name, nodes, extra)
+    fits = alternatives(cfg, w, spec="te", logits=CHUNKED_LOGPROBS)
+    if not fits:
+        return Case(preset, gpu_name, nodes, None, None, {}, "no layout fits")
+    lay = fits[0].layout  # the planner's pick (memory-ranked: fewest model-parallel ranks)
+    fleet = Fleet.from_config(cfg)
+    preds = {p: predict(cfg, w, gpu, p, layout=lay, fleet=fleet, fill=FILL) for p in PRECISIONS}
+    return Case(preset, gpu_name, nodes, lay, fleet, preds)
+
+
+def short_layout(lay: Layout) -> str:
+    s = f"TP{lay.tp} PP{lay.pp} DP{lay.dp}"
+    if lay.cp > 1:
+        s += f" CP{lay.cp}"
+    return s + (" rc" if lay.recompute == "full" else "")
+
+
+# -- tables -------------------------------------------------------------------------------------
+def scaling_tables(cases: list[Case]) -> str:
+    out = []
+    for preset in PRESETS:
+        out += [
+            f"### {preset}",
+            "",
+            "| GPU | nodes | layout (engines) | GB/GPU | precision | rollout | reward | "
+            "old logprobs | shadow | update | sync | ckpt | step s | tokens/s | vs BF16 |",
+            "|---|---:|---|---:|---|" + "---:|" * 10,
+        ]
+        for c in (c for c in cases if c.preset == preset):
+            if not c.preds:
+                out.append(f"| {c.gpu} | {c.nodes} | {c.why} | | | | | | | | | | | | |")
+                continue
+            base = c.preds["bf16"].step_s
+            for p, pred in c.preds.items():
+                mem = pred.memory.peak / GB
+                where = f"{short_layout(c.layout)} ({c.fleet.engines} x TP{c.fleet.tp})"
+                cells = " | ".join(f"{pred.phases[ph]:.2f}" for ph in PHASES)
+                out.append(
+                    f"| {c.gpu} | {c.nodes} | {where} | {mem:.0f} | {p} | {cells} | "
+                    f"{pred.step_s:.1f} | {pred.tokens_per_s:,.0f} | {base / pred.step_s:.2f}x |"
+                )
+        out.append("")
+    return "\n".join(out)
+
+
+def batch_sweep(preset: str, gpu: str, nodes: int) -> list[tuple[int, float, dict]]:
+    rows = []
+    for prompts in (4, 8, 16, 32, 64, 128, 256, 512):
+        c = make_case(preset, gpu, nodes, [f"train.prompts_per_step={prompts}"])
+        if c.preds:
+            base = c.preds["bf16"].step_s
+            rows.append(
+                (prompts, c.preds["bf16"].tokens, {p: base / c.preds[p].step_s for p in PRECISIONS})
+            )
+    return rows
+
+
+def sweep_table(sweeps: dict) -> str:
+    out = [
+        "| preset | GPUs | prompts x 8 | tokens / step | FP8 rollout vs BF16 | full FP8 vs BF16 |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for (preset, gpu, nodes), rows in sweeps.items():
+        for prompts, tokens, r in rows:
+            out.append(
+                f"| {preset} | {nodes} x 8 {gpu} | {prompts} | {tokens:,.0f} | "
+                f"{r['fp8-rollout']:.3f}x | {r['fp8']:.3f}x |"
+            )
+    return "\n".join(out)
+
+
+def recipe_table(preset: str, gpu: str, nodes: int) -> str:
+    """Training phase vs end to end, per recipe, at the measured efficiencies and at a
+    hypothetical GEMM-dominated trainer."""
+    out = [
+        "| trainer efficiency | recipe | FP8 linears fwd+bwd | training phase, no shadow | "
+        "training phase + shadow | end to end (FP8 rollout too) | full FP8 vs FP8 rollout | "
+        "break-even calib interval |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    c = make_case(preset, gpu, nodes)
+    for label, eff in efficiency_variants().items():
+        w = World(nodes=nodes, gpu_memory_gb=GPUS[gpu].memory_gb)
+        cfg = case_config(preset, gpu, nodes)
+        b = predict(cfg, w, GPUS[gpu], "bf16", layout=c.layout, fleet=c.fleet, fill=FILL, eff=eff)
+        for recipe, speed in eff.fp8_linear_speedup:
+            if recipe in ("tensorwise_delayed", "mxfp8"):
+                continue
+            f = predict(
+                cfg,
+                w,
+                GPUS[gpu],
+                "fp8",
+                layout=c.layout,
+                fleet=c.fleet,
+                fill=FILL,
+                recipe=recipe,
+                eff=eff,
+            )
+            no_shadow = ("old_logprobs", "update")
+            with_shadow = (*no_shadow, "shadow")
+            tr = sum(b.phases[p] for p in no_shadow) / sum(f.phases[p] for p in no_shadow)
+            ts = sum(b.phases[p] for p in no_shadow) / sum(f.phases[p] for p in with_shadow)
+            rollout_only = predict(
+                cfg, w, GPUS[gpu], "fp8-rollout", layout=c.layout, fleet=c.fleet, fill=FILL,
+                eff=eff,
+            )  # fmt: skip
+            # The interval at which one calibration's shadow passes cost what FP8 training saves.
+            gain = sum(b.phases[p] - f.phases[p] for p in no_shadow)
+            per_calibration = f.phases["shadow"] * cfg.loss.calib.interval
+            even = f"{per_calibration / gain:.1f}" if gain > 0 else "never"
+            out.append(
+                f"| {label} | {recipe} | {speed:.2f}x | {tr:.3f}x | {ts:.3f}x | "
+                f"{b.step_s / f.step_s:.3f}x | {rollout_only.step_s / f.step_s:.3f}x | {even} |"
+            )
+    return "\n".join(out)
+
+
+def case_config(preset: str, gpu: str, nodes: int, extra: list[str] = ()):
+    """The workload with the preset's shape and the engines: one per TP group of the world."""
+    g = GPUS[gpu]
+    base = load_config(EXAMPLE, [*WORKLOAD, *preset_overrides(preset), *extra])
+    k = engine_tp(base, g)
+    return load_config(
+        EXAMPLE,
+        [
+            *WORKLOAD,
+            *preset_overrides(preset),
+            *extra,
+            f"rollout.sglang.tp_size={k}",
+            f"rollout.sglang.num_engines={nodes * 8 // k}",
+            f"rollout.sglang.mem_fraction_static={MEM_FRACTION}",
+            "parallel.tensor_model_parallel_size=1",
+            "parallel.sequence_parallel=false",
+            "parallel.use_distributed_optimizer=true",
+        ],
+    )
+
+
+def efficiency_variants() -> dict:
+    """Measured (local spec, 19.4% MFU) and a hypothetical trainer at 40% MFU (TE-like;
+    ASSUMPTION, for the explanation only)."""
+    from megatron_rl_fp8.models.config import ModelConfig
+
+    ref = ModelConfig(
+        arch="qwen3", num_layers=28, hidden_size=2048, ffn_hidden_size=6144,
+        num_attention_heads=16, num_query_groups=8, head_dim=128, vocab_size=151936,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    lin, attn = train_flops_per_token(ref, 2048)
+    at40 = 8 * 2048 * (lin + attn) / (REFERENCE_GPU.bf16_flops * 0.40)
+    return {
+        "measured (19.4% MFU, local spec)": EFFICIENCY,
+        "hypothetical 40% MFU (TE-like)": dataclasses.replace(EFFICIENCY, actor_step_s=at40),
+    }
+
+
+def validation_table() -> str:
+    """The trainer part of the model against the measured H200 actor steps of docs/gpu.md."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_actor import model_config
+
+    m = model_config(False, 2048)
+    opt = _optimizer_seconds(stage_params(m, 1, 1, 0), REFERENCE_GPU, EFFICIENCY)
+
+    def step(tokens, forwards=3):
+        return (
+            _trainer_pass_seconds(
+                m, REFERENCE_GPU, Layout(), tokens=tokens, seq=2048, forwards=forwards,
+                fp8_speedup=1.0, bubble=1.0, eff=EFFICIENCY,
+            )
+            + opt
+        )  # fmt: skip
+
+    real = sum(round(512 + i * (2048 - 512) / 7) for i in range(8))  # --varlen's lengths
+    rows = [
+        ("gpu_check `bench_actor`, 8 x 2048 (the fit point)", 1.00, step(16384)),
+        ("ad-hoc script, same shape, earlier code", 1.10, step(16384)),
+        ("`--configs base --varlen` (rows padded to 2048)", 0.969, step(16384)),
+        ("`--configs recompute --varlen` (full, uniform, 1 layer)", 1.262, step(16384, 4)),
+        (f"`--configs budget --varlen` ({real} real tokens; lower bound)", 0.869, step(real)),
+    ]
+    out = ["| measured run (H200, 2.03B, local spec, bf16) | measured s/step | predicted | error |",
+           "|---|---:|---:|---:|"]  # fmt: skip
+    for name, measured, predicted in rows:
+        out.append(
+            f"| {name} | {measured:.3f} | {predicted:.3f} | {(predicted - measured) / measured:+.1%} |"
+        )
+    return "\n".join(out)
+
+
+# -- plots --------------------------------------------------------------------------------------
+def plots(cases: list[Case], sweeps: dict) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    written = []
+    styles = {"bf16": "C0", "fp8-rollout": "C1", "fp8": "C2"}
+
+    fig, axes = plt.subplots(1, len(PRESETS), figsize=(11, 3), sharey=False)
+    for ax, preset in zip(axes, PRESETS):
+        for gpu, ls in (("H200", "-"), ("H100", "--")):
+            pts = [c for c in cases if c.preset == preset and c.gpu == gpu and c.preds]
+            for p in PRECISIONS:
+                ax.plot(
+                    [c.nodes * 8 for c in pts],
+                    [c.preds[p].tokens_per_s / 1e3 for c in pts],
+                    ls, color=styles[p], marker=".", label=f"{gpu} {p}",
+                )  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_title(preset, fontsize=9)
+        ax.set_xlabel("GPUs", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0].set_ylabel("k tokens / s (predicted)", fontsize=8)
+    axes[-1].legend(fontsize=6)
+    fig.tight_layout()
+    written.append(_save(fig, "scaling_throughput.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for (preset, gpu, nodes), rows in sweeps.items():
+        xs = [t for _, t, _ in rows]
+        ax.plot(xs, [r["fp8-rollout"] for *_, r in rows], "--", marker=".",
+                label=f"{preset} {nodes}x8 {gpu}: FP8 rollout")  # fmt: skip
+        ax.plot(xs, [r["fp8"] for *_, r in rows], "-", marker=".",
+                label=f"{preset} {nodes}x8 {gpu}: full FP8")  # fmt: skip
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens per step (prompt + response)", fontsize=8)
+    ax.set_ylabel("predicted speed-up vs BF16", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    written.append(_save(fig, "scaling_breakeven.png"))
+
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3))
+    for ax, preset in zip(axes, ("qwen3-8b", "qwen3-32b")):
+        (c,) = [c for c in cases if c.preset == preset and c.gpu == "H200" and c.nodes == 2]
+        bottom = [0.0] * 3
+        for i, ph in enumerate(PHASES):
+            vals = [c.preds[p].phases[ph] for p in PRECISIONS]
+            ax.bar(PRECISIONS, vals, bottom=bottom, label=ph, color=f"C{i}")
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_title(f"{preset}, 2 x 8 H200", fontsize=9)
+        ax.set_ylabel("s / step (predicted)", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[-1].legend(fontsize=6)
+    fig.tight_layout()
+    written.append(_save(fig, "scaling_phases.png"))
+    return written
+
+
+def _save(fig, name: str) -> Path:
+    import matplotlib.pyplot as plt
+
+    path = FIGURES / name
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--print", action="store_true", help="Print the tables; leave the doc.")
+    ap.add_argument("--no-plots", action="store_true", help="Skip the PNGs.")
+    args = ap.parse_args(argv)
+    cases = [make_case(p, g, n) for p in PRESETS for g in TABLE_GPUS for n in NODES]
+    sweeps = {k: batch_sweep(*k) for k in (("qwen3-8b", "H200", 1), ("qwen3-32b", "H200", 2))}
+    text = "\n\n".join(
+        [
+            "## Tables (generated)",
+            f"Printed by `python tools/scaling_model.py` on {datetime.now(timezone.utc):%Y-%m-%d} "
+            f"({os.cpu_count()} CPU cores, no GPU, Python {platform.python_version()}; pure "
+            "arithmetic, the same on any machine). Seconds per step, amortised phases included; "
+            "tokens/s = prompt + response tokens per step / step time; GB/GPU = the planner's "
+            "peak per GPU.",
+            scaling_tables(cases),
+            "### Where FP8 stops paying: the batch sweep",
+            sweep_table(sweeps),
+            "### Training phase vs end to end, per recipe (qwen3-8b, 1 x 8 H200)",
+            recipe_table("qwen3-8b", "H200", 1),
+            "### Validation: the trainer part against measured H200 steps",
+            validation_table(),
+        ]
+    )
+    if args.print:
+        print(text)
+    else:
+        doc = DOC.read_text()
+        pattern = re.compile(re.escape(BEGIN) + ".*" + re.escape(END), re.S)
+        if not pattern.search(doc):
+            raise SystemExit(f"{DOC} has no {BEGIN} ... {END} markers")
+        DOC.write_text(pattern.sub(lambda _: f"{BEGIN}\n{text}\n{END}", doc))
+        print(f"wrote the tables into {DOC}")
+    if not args.no_plots:
+        for path in plots(cases, sweeps):
+            print(f"wrote {path} ({path.stat().st_size / 1e3:.0f} KB)")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
