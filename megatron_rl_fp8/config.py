@@ -199,9 +199,14 @@ class RunConfig:
         # What the actor will build on this machine (as Actor.__init__ decides it).
         import torch
 
-        from megatron_rl_fp8.fp8.te import have_te, should_emulate
+        from megatron_rl_fp8.fp8.backend import resolve_backend
+        from megatron_rl_fp8.fp8.te import have_te
 
-        use_te = torch.cuda.is_available() and not should_emulate(self.fp8) and have_te()
+        try:
+            backend = resolve_backend(self.fp8)
+        except ValueError as e:
+            raise ConfigError(f"fp8.{str(e).removeprefix('FP8Config.')}") from None
+        use_te = torch.cuda.is_available() and backend in (None, "te") and have_te()
         try:
             self.memory.check_backend(use_te=use_te)
             check_context_parallel(cp, use_te=use_te)

@@ -7,6 +7,13 @@ parallel), bf16 parameters with float32 main weights and gradients. The default 
 timed step. ``--varlen`` gives the rows lengths spread evenly from a quarter of ``--seq`` to all of
 it (right-padded, as RL responses are); tokens/s then counts real tokens only.
 
+``--fp8`` runs the step per FP8 backend and recipe, side by side with BF16: a comma-separated list
+of ``bf16``, ``RECIPE`` (``fp8.backend: auto``) or ``BACKEND:RECIPE`` (``te``, ``torch`` or
+``emulate``; see ``megatron_rl_fp8/fp8/backend.py``), e.g. ``bf16,torch:tensorwise_current,
+torch:rowwise,torch:blockwise``. An entry this machine cannot run is skipped with its reason. The
+"vs base" columns compare each row with the ``bf16`` row of its configuration (the first row when
+there is none).
+
 ``--configs`` runs several configurations side by side in one process (``CONFIGS``): ``base``,
 ``selective`` / ``recompute`` (Megatron's selective core-attention and full uniform 1-layer
 activation recomputation), ``distopt`` (distributed optimizer with overlapped gradient
@@ -30,6 +37,7 @@ bytes in the second step from PyTorch's profiler (allocations since the build: t
     python tools/bench_actor.py --peak-tflops 2250 --json out.json
     python tools/bench_actor.py --cpu-smoke              # 2 layers on the CPU: tests the script
     python tools/bench_actor.py --varlen --configs base,selective,recompute,budget
+    python tools/bench_actor.py --fp8 bf16,torch:tensorwise_current,torch:rowwise,torch:blockwise
     torchrun --nproc-per-node 8 tools/bench_actor.py --rows 64 --configs base,distopt,all --varlen
 """
 
@@ -127,6 +135,26 @@ def peak_tflops(arg: float | None) -> float | None:
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
+def parse_fp8(text: str) -> list[tuple[str, dict]]:
+    """``--fp8`` entries -> (label, FP8Config kwargs); raises ValueError naming a bad entry."""
+    from megatron_rl_fp8.fp8 import FP8Config
+
+    out = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        backend, _, recipe = entry.rpartition(":")
+        kwargs = {"recipe": recipe, "backend": backend or "auto"}
+        try:
+            FP8Config(**kwargs)
+        except ValueError as e:
+            raise ValueError(f"--fp8 entry {entry!r}: {e}") from None
+        out.append((entry, kwargs))
+    if not out:
+        raise ValueError("--fp8 is empty; give e.g. bf16,torch:tensorwise_current")
+    return out
+
+
 def make_batch(args, vocab: int) -> dict[str, torch.Tensor]:
     """All ranks' rows: random tokens; with ``args.varlen`` right-padded to lengths spread
     evenly over [seq / 4, seq]."""
@@ -145,6 +173,7 @@ def run(args) -> list[dict]:
 
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.fp8.backend import resolve_backend
     from megatron_rl_fp8.models.memory import MemoryConfig
     from megatron_rl_fp8.trainer.actor import Actor
     from megatron_rl_fp8.trainer.batch import rows_for_rank
@@ -170,8 +199,20 @@ def run(args) -> list[dict]:
     def nll(mb, logprobs):
         return -(logprobs * mb["loss_mask"]).sum() / tokens, {}
 
+    runs = []
+    for name in args.configs:
+        for label, kwargs in args.fp8:
+            fp8 = FP8Config(**kwargs)
+            try:
+                backend = resolve_backend(fp8)
+            except ValueError as e:
+                if groups.rank == 0:
+                    print(f"{name} / {label}: skipped: {e}", flush=True)
+                continue
+            runs.append((name, label, fp8, backend))
+
     try:
-        for name in args.configs:
+        for name, label, fp8, backend in runs:
             spec = CONFIGS[name]
             parallel_cfg = parallel.ParallelConfig(**spec.get("parallel", {}))
             parallel.init_model_parallel(parallel_cfg, seed=1)  # same weights for every config
@@ -188,7 +229,7 @@ def run(args) -> list[dict]:
                     mc,
                     OptimConfig(),
                     groups,
-                    fp8=FP8Config(recipe=args.fp8_recipe),
+                    fp8=fp8,
                     memory=MemoryConfig(**spec.get("memory", {})),
                     parallel=parallel_cfg,
                 )
@@ -200,7 +241,7 @@ def run(args) -> list[dict]:
                     with record_function(window):
                         actor.train_step(local, args.micro_batch, nll, max_tokens=budget)
             if groups.rank == 0:
-                print(f"{name}: {actor.describe()}", flush=True)
+                print(f"{name} / {label}: {actor.describe()}", flush=True)
 
             def step(actor=actor, budget=budget) -> float:
                 t = time.perf_counter()
@@ -231,7 +272,9 @@ def run(args) -> list[dict]:
                     "params_b": params / 1e9,
                     "layers": mc.num_layers,
                     "hidden": mc.hidden_size,
-                    "fp8_recipe": args.fp8_recipe,
+                    "fp8": label,
+                    "fp8_recipe": fp8.recipe,
+                    "fp8_backend": backend,
                     "rows": args.rows,
                     "seq": args.seq,
                     "real_tokens": tokens,
@@ -255,22 +298,31 @@ def run(args) -> list[dict]:
     return results
 
 
+def _base(results: list[dict], r: dict) -> dict:
+    """The row ``r`` is compared with: its configuration's BF16 row, else the first row."""
+    return next(
+        (b for b in results if b["config"] == r["config"] and b["fp8_recipe"] == "bf16"),
+        results[0],
+    )
+
+
 def markdown(results: list[dict]) -> str:
-    """One row per configuration; the ratios are against the first one, measured in this run."""
-    base = results[0]
+    """One row per configuration and FP8 setting; the ratios are against the configuration's BF16
+    row (else the first row), measured in this run."""
     lines = [
-        "| config | device x ranks | params | recipe | rows x seq (mb / budget) | s/step | "
-        "tokens/s | vs first | MFU | peak GB | vs first |",
+        "| config | device x ranks | params | fp8 | rows x seq (mb / budget) | s/step | "
+        "tokens/s | vs base | MFU | peak GB | vs base |",
         "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
+        base = _base(results, r)
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "- (pass --peak-tflops)"
         mem = f"{r['peak_mem_gb']:.3g}"
         mem_ratio = f"{r['peak_mem_gb'] / base['peak_mem_gb']:.2f}x"
         batching = r["max_tokens_per_gpu"] or r["micro_batch"]
         lines.append(
             f"| {r['config']} | {r['device']} x {r['ranks']} | {_params(r['params_b'])} | "
-            f"{r['fp8_recipe']} | {r['rows']} x {r['seq']} ({batching}) | {r['step_s']:.3f} | "
+            f"{r['fp8']} | {r['rows']} x {r['seq']} ({batching}) | {r['step_s']:.3f} | "
             f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
             f"{mfu} | {mem} | {mem_ratio} |"
         )
@@ -302,10 +354,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 2)")
     p.add_argument(
+        "--fp8",
+        help="comma-separated FP8 settings run side by side: bf16, RECIPE (backend auto) or "
+        "BACKEND:RECIPE with BACKEND te, torch or emulate (e.g. "
+        "bf16,torch:tensorwise_current,torch:rowwise); default: --fp8-recipe",
+    )
+    p.add_argument(
         "--fp8-recipe",
         default="bf16",
-        help="FP8Config.recipe of the actor (bf16 = off; FP8 runs through Transformer "
-        "Engine when installed, else the emulation, which measures nothing useful)",
+        help="one FP8Config.recipe with backend auto (bf16 = off); --fp8 runs several",
     )
     p.add_argument(
         "--peak-tflops",
@@ -325,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the results (a list) to this JSON file")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    try:
+        args.fp8 = parse_fp8(args.fp8 if args.fp8 is not None else args.fp8_recipe)
+    except ValueError as e:
+        p.error(str(e))
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown or not args.configs:
         p.error(f"--configs: unknown {unknown}; choose from {', '.join(CONFIGS)}")
@@ -336,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     args.rows, args.seq = args.rows or 8, args.seq or 2048
     args.cpu_smoke = args.cpu_smoke or args.cpu_small  # both run on the CPU
     results = run(args)
+    if not results:
+        raise SystemExit("bench_actor: no --fp8 entry can run on this machine (see above)")
     if int(os.environ.get("RANK", 0)) == 0:
         print(markdown(results))
         if args.json:

@@ -13,7 +13,8 @@
 #                   (3 and 4 pass when the job exits 0 and ran 5 steps on CUDA, token_mult_prob_error
 #                   is in [1, 1.1) and the step-5 checkpoint exists, as tests/gpu/test_trainer_gpu.py)
 #   5. bench_gemm   GEMM TFLOP/s: BF16 vs FP8 tensorwise / rowwise / blockwise, Qwen3-8B/32B shapes
-#   6. bench_actor  one-GPU actor step at a 2.0B Qwen3 shape: tokens/s, MFU, peak memory
+#   6. bench_actor  one-GPU actor step at a 2.0B Qwen3 shape: tokens/s, MFU, peak memory, in
+#                   BF16 and with tensorwise FP8 on the torch backend (skipped where it cannot run)
 # then a summary table (also DIR/summary.md). Exit status 1 if any step failed.
 #
 # Interpreter: $PYTHON if set, else .venv/bin/python if it exists, else python3. The repository
@@ -26,7 +27,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT_DIR=${GPU_CHECK_OUT:-gpu_check_out}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
 
-usage() { sed -n '2,23p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) [ $# -ge 2 ] || { echo "--out needs a directory" >&2; exit 2; }; OUT_DIR=$2; shift 2 ;;
@@ -233,13 +234,16 @@ PY
 record bench_gemm "${detail:-$(last_line "$STEP_LOG")}"
 grep '^|' "$STEP_LOG" >"$OUT_DIR/bench_gemm.md" 2>/dev/null
 
-step bench_actor 150 "$PYTHON" tools/bench_actor.py --json "$OUT_DIR/bench_actor.json"
+step bench_actor 240 "$PYTHON" tools/bench_actor.py --fp8 bf16,torch:tensorwise_current \
+    --json "$OUT_DIR/bench_actor.json"
 detail=$("$PYTHON" - "$OUT_DIR/bench_actor.json" <<'PY' 2>/dev/null
 import json, sys
-r = json.load(open(sys.argv[1]))[0]
+rows = json.load(open(sys.argv[1]))
+r = rows[0]
 mfu = f"MFU {r['mfu']:.1%}" if r["mfu"] is not None else "MFU ? (no --peak-tflops for this GPU)"
+fp8 = "".join(f"; {o['fp8']} x{o['tokens_per_s'] / r['tokens_per_s']:.2f}" for o in rows[1:])
 print(f"{r['params_b']:.2f}B, {r['rows']}x{r['seq']} tokens: {r['step_s']:.2f} s/step, "
-      f"{r['tokens_per_s']:.0f} tokens/s, {mfu}, peak {r['peak_mem_gb']:.1f} GB")
+      f"{r['tokens_per_s']:.0f} tokens/s, {mfu}, peak {r['peak_mem_gb']:.1f} GB{fp8}")
 PY
 )
 record bench_actor "${detail:-$(last_line "$STEP_LOG")}"

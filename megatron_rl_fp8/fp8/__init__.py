@@ -25,10 +25,13 @@ pi_theta / pi_old directly, which is why the loss side calibrates its clip bound
 
 Where things live: ``config`` (FP8Config, RolloutFP8Config), ``formats`` (constants),
 ``quantize`` (fake quant per granularity; real FP8 blockwise weights for rollout),
-``emulation`` (the CPU FP8 linear layer), ``te`` (mapping to Transformer Engine / Megatron).
+``emulation`` (the quantize-dequantize FP8 linear layer, any device), ``torch_backend`` (real FP8
+GEMMs through ``torch._scaled_mm``), ``te`` (mapping to Transformer Engine / Megatron) and
+``backend`` (which of the three runs, ``fp8.backend``).
 Nothing here imports Transformer Engine or Megatron at import time.
 """
 
+from megatron_rl_fp8.fp8.backend import resolve_backend
 from megatron_rl_fp8.fp8.config import FP8Config, RolloutFP8Config
 from megatron_rl_fp8.fp8.emulation import (
     DelayedScalingState,
@@ -74,6 +77,7 @@ __all__ = [
     "quantize_blockwise",
     "quantize_operand",
     "quantize_per_tensor",
+    "resolve_backend",
     "should_emulate",
     "te_recipe",
 ]

@@ -1,11 +1,12 @@
 """FP8 knobs: one dataclass for the trainer side, one for the rollout side.
 
 The trainer side (``FP8Config``) says how Megatron's linear layers run their GEMMs: which scaling
-recipe, which element formats, which layers stay in BF16, and (emulation only) how the tensor
-core's limited-precision accumulation is modelled. On a GPU with Transformer Engine it
-maps onto a TE recipe (``te.py``); on a CPU box the same config drives the emulation
-(``emulation.py``). The rollout side (``RolloutFP8Config``) says how synced weights are quantized
-for the serving engine (W8A8 blockwise, DeepSeek-V3 style).
+recipe, which element formats, which layers stay in BF16, which backend runs them, and (emulation
+only) how the tensor core's limited-precision accumulation is modelled. Three backends run the
+same recipes: Transformer Engine (``te.py``), real FP8 GEMMs through ``torch._scaled_mm``
+(``torch_backend.py``) and the quantize-dequantize emulation (``emulation.py``); ``backend.py``
+picks one for this machine. The rollout side (``RolloutFP8Config``) says how synced weights are
+quantized for the serving engine (W8A8 blockwise, DeepSeek-V3 style).
 """
 
 from __future__ import annotations
@@ -23,6 +24,23 @@ AmaxComputeAlgo = Literal["max", "most_recent"]
 RolloutWeightQuant = Literal["bf16", "blockwise", "per_tensor"]
 RolloutQuantizer = Literal["modelopt", "builtin"]
 Accumulation = Literal["fp32", "hopper"]
+Backend = Literal["auto", "te", "torch", "emulate"]
+
+BACKEND_RECIPES: dict[str, tuple[str, ...]] = {
+    "te": ("tensorwise_delayed", "tensorwise_current", "blockwise", "mxfp8"),
+    "torch": ("tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise"),
+    "emulate": ("tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise", "mxfp8"),
+}
+"""Which FP8 recipes each backend can run. TE has no per-row recipe; the torch backend runs
+tensorwise / rowwise through ``torch._scaled_mm`` and blockwise through
+``torch.nn.functional.scaled_mm`` (delayed scaling keeps its amax histories itself), but not MXFP8;
+the emulation runs all."""
+
+
+def backends_for(recipe: str) -> list[str]:
+    """The backends (``te``, ``torch``, ``emulate``) that can run ``recipe``."""
+    return [b for b, recipes in BACKEND_RECIPES.items() if recipe in recipes]
+
 
 HOPPER_MMA_K = 32
 """Elements of K one Hopper FP8 tensor-core instruction contracts (``wgmma.mma_async`` m64nNk32 for
@@ -43,7 +61,8 @@ class FP8Config:
         help="Scaling recipe. 'bf16' turns FP8 off. 'tensorwise_delayed': one scale per "
         "tensor from an amax history (TE DelayedScaling). 'tensorwise_current': one scale per "
         "tensor from its own amax (TE Float8CurrentScaling). 'rowwise': one scale per row "
-        "along the GEMM contraction dim (emulation only; no TE recipe). 'blockwise': 1x128 "
+        "along the GEMM contraction dim (torch backend and emulation; no TE recipe). "
+        "'blockwise': 1x128 "
         "activation/gradient groups and 128x128 weight blocks (TE Float8BlockScaling, "
         "DeepSeek-V3). 'mxfp8': 32-element blocks with power-of-two E8M0 scales (Blackwell).",
     )
@@ -78,12 +97,21 @@ class FP8Config:
         default=True,
         help="Keep the output projection (LM head) in BF16: its logits feed the log "
         "ratios directly, so FP8 noise there lands straight in the importance ratio. "
-        "Megatron's TE path never runs the LM head in FP8, so False is emulation-only.",
+        "Megatron's TE path never runs the LM head in FP8, so False needs backend torch or "
+        "emulate.",
+    )
+    backend: Backend = field(
+        default="auto",
+        help="What runs the FP8 GEMMs. 'te': Transformer Engine (GPU, TE installed). 'torch': "
+        "real FP8 GEMMs through torch._scaled_mm on the local layer spec (GPU with FP8 tensor "
+        "cores, compute capability >= 8.9; no TE needed). 'emulate': quantize-dequantize in "
+        "PyTorch on any device (numerics, CI). 'auto': te where TE and an FP8 GPU exist and TE "
+        "has the recipe, else torch on an FP8 GPU, else emulate.",
     )
     emulate: bool = field(
         default=False,
-        help="Force the pure-PyTorch FP8 emulation even where Transformer Engine and a "
-        "GPU exist (numerics debugging, CI parity checks). Always on without TE.",
+        help="Alias of backend='emulate' (kept so older configs load): true forces the "
+        "PyTorch emulation even where Transformer Engine and a GPU exist.",
     )
     accumulation: Accumulation = field(
         default="fp32",
@@ -131,6 +159,7 @@ class FP8Config:
         _check_non_negative_int("FP8Config.bf16_first_layers", self.bf16_first_layers)
         _check_non_negative_int("FP8Config.bf16_last_layers", self.bf16_last_layers)
         self._check_accumulation()
+        self._check_backend()
         # Megatron-Core rejects this pair in TransformerConfig; catching it here means the error
         # appears at config load, before any process group or model exists.
         bf16_edges = self.bf16_first_layers or self.bf16_last_layers
@@ -141,6 +170,34 @@ class FP8Config:
                 "recipe='tensorwise_delayed' (Megatron-Core forbids BF16 first/last layers under "
                 "delayed scaling); use recipe='tensorwise_current' or set both to 0"
             )
+
+    def _check_backend(self) -> None:
+        if not isinstance(self.emulate, bool):
+            raise ValueError(
+                f"FP8Config.emulate={self.emulate!r} is not valid; use true or false (or set "
+                "backend: emulate)"
+            )
+        if self.emulate and self.backend not in ("auto", "emulate"):
+            raise ValueError(
+                f"FP8Config.emulate=True contradicts backend={self.backend!r}; emulate is an alias "
+                "of backend='emulate': drop one of them"
+            )
+        if self.emulate:
+            self.backend = "emulate"
+        # Keep the alias in step, so a config written back to YAML reads the same.
+        self.emulate = self.backend == "emulate"
+        if self.enabled and self.backend == "te" and not self.keep_lm_head_bf16:
+            raise ValueError(
+                "FP8Config.keep_lm_head_bf16=False cannot run on backend='te' (Megatron's output "
+                "layer is not a TE module); set it to true, or use backend 'torch' or 'emulate'"
+            )
+        if self.enabled and self.backend != "auto":
+            can = backends_for(self.recipe)
+            if self.backend not in can:
+                raise ValueError(
+                    f"FP8Config.backend={self.backend!r} cannot run recipe={self.recipe!r}; "
+                    f"use backend {' or '.join(repr(b) for b in can)} (or 'auto')"
+                )
 
     def _check_accumulation(self) -> None:
         chunk = self.accum_chunk

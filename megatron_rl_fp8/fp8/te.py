@@ -10,7 +10,7 @@ tensorwise_delayed     DelayedScaling              "delayed"
 tensorwise_current     Float8CurrentScaling        "tensorwise"
 blockwise              Float8BlockScaling          "blockwise"
 mxfp8                  MXFP8BlockScaling           "mxfp8"
-rowwise                (none)                      (none): emulation only
+rowwise                (none)                      (none): torch backend / emulation
 =====================  ==========================  =============================
 
 ``format`` maps to TE's ``Format.E4M3`` / ``Format.HYBRID`` and Megatron's ``fp8="e4m3"`` /
@@ -24,8 +24,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from typing import Any
-
-import torch
 
 from megatron_rl_fp8.fp8.config import FP8Config
 
@@ -56,16 +54,11 @@ def have_te() -> bool:
 
 
 def should_emulate(config: FP8Config) -> bool:
-    """True when FP8 must run through the PyTorch emulation instead of TE: asked for via
-    ``config.emulate``, no CUDA device, no Transformer Engine, or a recipe TE lacks (rowwise)."""
-    if not config.enabled:
-        return False
-    return (
-        config.emulate
-        or config.recipe == "rowwise"
-        or not torch.cuda.is_available()
-        or not have_te()
-    )
+    """True when FP8 runs through the PyTorch emulation here (``fp8.backend``, resolved by
+    ``backend.resolve_backend``: asked for, or neither TE nor the torch backend can run)."""
+    from megatron_rl_fp8.fp8.backend import resolve_backend
+
+    return resolve_backend(config) == "emulate"
 
 
 def _require_te_mappable(config: FP8Config, what: str) -> None:
@@ -76,8 +69,8 @@ def _require_te_mappable(config: FP8Config, what: str) -> None:
     if config.recipe == "rowwise":
         raise ValueError(
             f"FP8Config.recipe='rowwise' has no {what} (Transformer Engine has no per-row FP8 "
-            "recipe); it runs only in emulation (FP8Config.emulate=True). On GPU use "
-            "'blockwise' (finer, 1x128) or 'tensorwise_current'"
+            "recipe); it runs on FP8Config.backend='torch' or 'emulate' (the emulation). With "
+            "TE use 'blockwise' (finer, 1x128) or 'tensorwise_current'"
         )
 
 
@@ -93,8 +86,8 @@ def te_recipe(config: FP8Config) -> Any:
     except (ImportError, OSError) as e:  # OSError: TE installed but its CUDA libraries absent
         raise ImportError(
             f"FP8Config.recipe={config.recipe!r} on the Transformer Engine path needs "
-            f"transformer_engine (GPU only): `{INSTALL_HINT}`. On CPU, set FP8Config.emulate=True "
-            f"to use the PyTorch emulation. (Import error: {e})"
+            f"transformer_engine (GPU only): `{INSTALL_HINT}`. Without TE, set "
+            f"FP8Config.backend to 'torch' (FP8 GPU) or 'emulate'. (Import error: {e})"
         ) from e
     fmt = te_recipes.Format.HYBRID if config.format == "hybrid" else te_recipes.Format.E4M3
     if config.recipe == "tensorwise_delayed":
@@ -133,9 +126,9 @@ def megatron_fp8_kwargs(
     _require_te_mappable(config, "Megatron-Core fp8_recipe")
     if not config.keep_lm_head_bf16:
         raise ValueError(
-            "FP8Config.keep_lm_head_bf16=False is emulation-only: Megatron-Core's output layer "
-            "is not a Transformer Engine module and always runs in BF16. Set it to True, or "
-            "FP8Config.emulate=True"
+            "FP8Config.keep_lm_head_bf16=False cannot run on Transformer Engine: Megatron-Core's "
+            "output layer is not a Transformer Engine module and always runs in BF16. Set it to "
+            "True, or FP8Config.backend='torch' or 'emulate'"
         )
     fields = _transformer_config_fields() if available_fields is None else available_fields
     kwargs: dict[str, Any] = {

@@ -1,13 +1,16 @@
-"""FP8 in the actor: TE autocast on GPU clusters, emulated FP8 linears on CPU, one switch for both.
+"""FP8 in the actor: TE autocast, real FP8 GEMMs via torch, or emulated FP8 linears; one switch.
 
-Where Transformer Engine runs (GPU, TE spec), FP8 is Megatron-Core's own: ``TransformerConfig.fp8``
-and ``fp8_recipe`` (``fp8.te.megatron_fp8_kwargs``) make every TE linear run FP8 GEMMs.
+Which of the three runs is ``fp8.backend`` (``fp8/backend.py: resolve_backend``). Under ``te``
+(GPU, TE spec), FP8 is Megatron-Core's own: ``TransformerConfig.fp8`` and ``fp8_recipe``
+(``fp8.te.megatron_fp8_kwargs``) make every TE linear run FP8 GEMMs.
 
-Elsewhere the local spec's ``ColumnParallelLinear`` / ``RowParallelLinear`` compute their GEMMs
-through :class:`megatron_rl_fp8.fp8.FP8LinearEmulator` instead: same layer classes, same parameters
-and sharding, but the three GEMMs of each linear (fprop, dgrad, wgrad) read FP8 quantize-dequantized
-operands with the recipe's granularity. Layers kept in BF16 (first/last N, the LM head) keep
-Megatron's GEMM. Each emulated linear owns its delayed-scaling amax histories, as TE modules do.
+Under ``torch`` and ``emulate`` the local spec's ``ColumnParallelLinear`` / ``RowParallelLinear``
+compute their GEMMs through :class:`megatron_rl_fp8.fp8.torch_backend.FP8LinearTorch` (real FP8
+codes into ``torch._scaled_mm``) or :class:`megatron_rl_fp8.fp8.FP8LinearEmulator`
+(quantize-dequantize) instead: same layer classes, same parameters and sharding, but the three
+GEMMs of each linear (fprop, dgrad, wgrad) read FP8 operands with the recipe's granularity. Layers
+kept in BF16 (first/last N, the LM head) keep Megatron's GEMM. Each such linear owns its
+delayed-scaling amax histories, as TE modules do.
 
 :func:`full_precision` switches FP8 off for a block of code (the BF16 shadow pass of calibrated
 clipping): the same weights, the same layers, unquantized GEMMs, no amax-history updates.
@@ -26,15 +29,29 @@ from megatron_rl_fp8.fp8.emulation import FP8LinearEmulator, quantization_error
 _LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
+def _make_linear(fp8: FP8Config, backend: str):
+    if backend == "emulate":
+        return FP8LinearEmulator(fp8)
+    if backend == "torch":
+        from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
+
+        return FP8LinearTorch(fp8)
+    raise ValueError(
+        f"backend={backend!r} has no FP8 linears to install (Transformer Engine's come with its "
+        "layer spec); use 'torch' or 'emulate'"
+    )
+
+
 class _EmulatedGemm:
-    """Replaces a Megatron linear's ``_forward_impl`` (the GEMM call) with the FP8 emulation.
+    """Replaces a Megatron linear's ``_forward_impl`` (the GEMM call) with an FP8 linear of the
+    torch backend or the emulation (``emulator``: either, same call).
 
     Megatron passes the communication duties of the GEMM along with it; the only one that applies
     without sequence parallelism is the column-parallel dgrad all-reduce, which
     ``copy_to_tensor_model_parallel_region`` provides (identity forward, all-reduce backward).
     """
 
-    def __init__(self, module: torch.nn.Module, emulator: FP8LinearEmulator):
+    def __init__(self, module: torch.nn.Module, emulator):
         self.original = module._forward_impl
         self.emulator = emulator
         self.enabled = True
@@ -63,8 +80,8 @@ class _EmulatedGemm:
             )
         if sequence_parallel:
             raise NotImplementedError(
-                "FP8 emulation does not support sequence parallelism; set "
-                "parallel.sequence_parallel=false on CPU"
+                "FP8 through backend 'torch' or 'emulate' does not support sequence parallelism; "
+                "set parallel.sequence_parallel=false, or use fp8.backend=te"
             )
         if allreduce_dgrad:
             from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
@@ -74,20 +91,23 @@ class _EmulatedGemm:
 
 
 def emulated_linears(model) -> Iterator[tuple[str, torch.nn.Module, _EmulatedGemm]]:
-    """(name, module, emulated GEMM) for every linear of ``model`` running emulated FP8."""
+    """(name, module, GEMM) for every linear of ``model`` whose FP8 this project runs (backend
+    'emulate' or 'torch'; ``gemm.emulator`` tells which)."""
     for name, module in model.named_modules():
         gemm = module.__dict__.get("_forward_impl")
         if isinstance(gemm, _EmulatedGemm):
             yield name, module, gemm
 
 
-def install_fp8_emulation(model, fp8: FP8Config, num_layers: int) -> int:
-    """Route the FP8 linears of this pipeline stage through the emulation; returns how many.
+def install_fp8_linears(model, fp8: FP8Config, num_layers: int, backend: str = "emulate") -> int:
+    """Route the FP8 linears of this pipeline stage through ``backend`` ('emulate' or 'torch');
+    returns how many.
 
     ``num_layers`` is the model's total depth (BF16 first/last layers are global positions).
     """
     if not fp8.enabled:
         return 0
+    _make_linear(fp8, backend)  # an unknown backend fails before any module changes
     count = 0
     decoder = getattr(model, "decoder", None)
     for layer in getattr(decoder, "layers", []):
@@ -95,13 +115,26 @@ def install_fp8_emulation(model, fp8: FP8Config, num_layers: int) -> int:
             continue
         for name, module in layer.named_modules():
             if name.split(".")[-1] in _LINEARS:
-                module._forward_impl = _EmulatedGemm(module, FP8LinearEmulator(fp8))
+                module._forward_impl = _EmulatedGemm(module, _make_linear(fp8, backend))
                 count += 1
     output_layer = getattr(model, "output_layer", None)
     if output_layer is not None and not fp8.keep_lm_head_bf16:
-        output_layer._forward_impl = _EmulatedGemm(output_layer, FP8LinearEmulator(fp8))
+        output_layer._forward_impl = _EmulatedGemm(output_layer, _make_linear(fp8, backend))
         count += 1
     return count
+
+
+@contextlib.contextmanager
+def fp8_weight_cache(model) -> Iterator[None]:
+    """Inside the block, torch-backend linears quantize each weight once and reuse it for every
+    micro-batch (the caller guarantees the weights do not change there: one forward/backward
+    schedule). No effect on the emulation or TE."""
+    with contextlib.ExitStack() as stack:
+        for _, _, gemm in emulated_linears(model):
+            cache = getattr(gemm.emulator, "weight_cache", None)
+            if cache is not None:
+                stack.enter_context(cache())
+        yield
 
 
 @contextlib.contextmanager

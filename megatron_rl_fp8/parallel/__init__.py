@@ -132,8 +132,8 @@ def check_context_parallel(cp_size: int, *, use_te: bool) -> None:
         raise ValueError(
             f"parallel.context_parallel_size={cp_size} needs Transformer Engine's attention on "
             "GPUs (Megatron's local attention has no context parallelism; without TE, or with "
-            "fp8.emulate, set it to 1 and use memory.recompute_* or train.max_tokens_per_gpu "
-            "for long sequences)"
+            "fp8.backend torch or emulate, set it to 1 and use memory.recompute_* or "
+            "train.max_tokens_per_gpu for long sequences)"
         )
 
 

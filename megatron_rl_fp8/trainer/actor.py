@@ -21,10 +21,11 @@ from collections.abc import Callable
 
 import torch
 
+from megatron_rl_fp8.fp8.backend import resolve_backend
 from megatron_rl_fp8.fp8.config import FP8Config
-from megatron_rl_fp8.fp8.te import have_te, megatron_fp8_kwargs, should_emulate
+from megatron_rl_fp8.fp8.te import have_te, megatron_fp8_kwargs
 from megatron_rl_fp8.models.config import ModelConfig
-from megatron_rl_fp8.models.fp8 import full_precision, install_fp8_emulation
+from megatron_rl_fp8.models.fp8 import fp8_weight_cache, full_precision, install_fp8_linears
 from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
 from megatron_rl_fp8.models.logprobs import token_logprobs, token_logprobs_and_entropy
 from megatron_rl_fp8.models.memory import MemoryConfig
@@ -193,6 +194,14 @@ def run_schedule(
     )
 
 
+_BACKEND_WORDS = {
+    "te": "Transformer Engine",
+    "torch": "torch._scaled_mm",
+    "emulate": "emulated",
+}
+"""How ``describe`` names each FP8 backend."""
+
+
 class Actor:
     def __init__(
         self,
@@ -224,12 +233,14 @@ class Actor:
         self.lr_decay_steps = optim_cfg.resolved_lr_decay_steps(total_steps)
         self.groups = groups
         self.fp8 = fp8 or FP8Config()
-        # FP8 through Transformer Engine where it can run (Megatron's own fp8 config); otherwise
-        # (CPU, or fp8.emulate) the local spec with emulated FP8 GEMMs installed after build.
-        self.fp8_emulated = should_emulate(self.fp8)
-        te_fp8 = {} if self.fp8_emulated or not self.fp8.enabled else megatron_fp8_kwargs(self.fp8)
+        # fp8.backend (resolved for this machine): 'te' is Megatron's own fp8 config on the TE
+        # spec; 'torch' (real FP8 GEMMs) and 'emulate' are the local spec with FP8 linears
+        # installed after build. None: FP8 is off.
+        self.fp8_backend = resolve_backend(self.fp8)
+        self.fp8_emulated = self.fp8_backend == "emulate"
+        te_fp8 = megatron_fp8_kwargs(self.fp8) if self.fp8_backend == "te" else {}
         on_cpu = groups.device.type != "cuda"
-        use_te = not on_cpu and not self.fp8_emulated and have_te()
+        use_te = self.use_te = not on_cpu and self.fp8_backend in (None, "te") and have_te()
         memory = memory or MemoryConfig()
         memory.check_backend(use_te=use_te)
         parallel = self.parallel = parallel or ParallelConfig()
@@ -247,8 +258,8 @@ class Actor:
             **memory.megatron_kwargs(),
         )
         module = build_gpt_model(model_cfg, self.config, use_te=use_te)
-        if self.fp8_emulated:
-            install_fp8_emulation(module, self.fp8, model_cfg.num_layers)
+        if self.fp8_backend in ("torch", "emulate"):
+            install_fp8_linears(module, self.fp8, model_cfg.num_layers, self.fp8_backend)
         if groups.device.type == "cuda":
             # As Megatron's get_model: weights are initialised on the host (so every TP layout
             # draws the same full matrices), then the module moves to this rank's GPU *before*
@@ -288,7 +299,7 @@ class Actor:
         fp8 = (
             "off"
             if not self.fp8.enabled
-            else f"{self.fp8.recipe} ({'emulated' if self.fp8_emulated else 'Transformer Engine'})"
+            else f"{self.fp8.recipe} ({_BACKEND_WORDS[self.fp8_backend]})"
         )
         g, p = self.groups, self.parallel
         dtype = str(self.config.params_dtype).removeprefix("torch.")
@@ -350,9 +361,11 @@ class Actor:
     def _run(
         self, micro_batches: MicroBatches, loss_fn: Callable, *, forward_only: bool
     ) -> list[dict]:
-        return run_schedule(
-            self.model, self.groups.device, micro_batches, loss_fn, forward_only=forward_only
-        )
+        # The weights are fixed for one schedule: the torch backend quantizes each once.
+        with fp8_weight_cache(self.module):
+            return run_schedule(
+                self.model, self.groups.device, micro_batches, loss_fn, forward_only=forward_only
+            )
 
     def _logits_kwargs(self) -> dict:
         return {

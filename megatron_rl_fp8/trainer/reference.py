@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_rl_fp8.config_utils import ConfigError
-from megatron_rl_fp8.fp8.te import have_te
 from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
 from megatron_rl_fp8.models.logprobs import token_logprobs
@@ -106,7 +105,7 @@ class Reference:
         on_cpu = g.device.type != "cuda"
         # The actor's kernel choice (Actor.__init__), so parameter names match one to one; but no
         # FP8 recipe and no emulation: the reference runs unquantized.
-        use_te = not on_cpu and not actor.fp8_emulated and have_te()
+        use_te = actor.use_te
         self.config = transformer_config(
             self.model_cfg,
             tensor_model_parallel_size=g.tp_size,

@@ -79,15 +79,24 @@ def _exactness_body(rank, world):
     shadow = (y16 - plain).abs().max().item()
     fp8_gap = (y.detach() - plain).abs().max().item()
     y_again, _ = lin(x.detach())  # FP8 is back on after the block
+    gaps = _torch_backend_gaps(actor)  # in this process: no second spawn and Megatron import
     parallel.destroy()
-    return exact, shadow, fp8_gap, torch.equal(y_again, y.detach())
+    return exact, shadow, fp8_gap, torch.equal(y_again, y.detach()), gaps
 
 
 def test_emulated_linear_is_the_emulator_and_shadow_is_exact():
-    exact, shadow, fp8_gap, restored = run_distributed(_exactness_body, world_size=1)[0]
+    exact, shadow, fp8_gap, restored, gaps = run_distributed(_exactness_body, world_size=1)[0]
     assert exact == (True, True, True)  # forward, dgrad and wgrad bit-identical
     assert shadow < 1e-5 < fp8_gap  # the shadow pass is the unquantized GEMM
     assert restored
+    torch_emu, emu_bf16, torch_emu_after, moved, ok = gaps
+    assert ok
+    # The torch backend: same FP8 codes; what differs is its bf16 GEMM outputs in this float32
+    # model (2^-9 relative per output, while the operands' FP8 errors average over K): about
+    # half of FP8's own distance from BF16 here, and never more than it.
+    assert torch_emu < emu_bf16
+    # After the step the cached FP8 weights were refreshed: the new weights, not the old ones.
+    assert torch_emu_after < emu_bf16 < moved
 
 
 def _set_full_weights(actor, g):
@@ -134,3 +143,43 @@ def test_tp2_fp8_step_matches_tp1():
     assert ok1 and ok2
     assert loss2 == pytest.approx(loss1, rel=1e-5)
     assert gn2 == pytest.approx(gn1, rel=1e-5)
+
+
+def _torch_backend_gaps(actor):
+    """The torch backend's linears (real FP8 codes into ``torch._scaled_mm``, which CPU torch runs
+    at these sizes) in the actor's schedule. ``fp8.backend: torch`` needs an FP8 GPU, so the
+    emulated linears are swapped for the torch backend's on the same weights. Mean logprob gaps:
+    torch vs emulation, emulation vs BF16, the same two after a step, torch before vs after."""
+    from megatron_rl_fp8.fp8 import FP8LinearEmulator
+    from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
+    from megatron_rl_fp8.models.fp8 import emulated_linears
+
+    fp8 = actor.fp8
+    gemms = [gemm for _, _, gemm in emulated_linears(actor.module)]
+    ids = torch.randint(4, 53, (8, 10), generator=torch.Generator().manual_seed(2))
+    batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "loss_mask": torch.ones(8, 10)}
+
+    def logprobs(kind):
+        for gemm in gemms:
+            gemm.emulator = FP8LinearTorch(fp8) if kind == "torch" else FP8LinearEmulator(fp8)
+        if kind == "bf16":
+            with actor.full_precision():
+                return actor.compute_logprobs(batch, 8, entropy=False)["logprobs"]
+        # 4 micro-batches: the torch backend reuses each quantized weight across them
+        return actor.compute_logprobs(batch, 2, entropy=False)["logprobs"]
+
+    def nll(mb, lp):
+        return -(lp * mb["loss_mask"]).sum() / 80, {}
+
+    before = {kind: logprobs(kind) for kind in ("torch", "emulate", "bf16")}
+    logprobs("torch")
+    _, grad_norm, ok = actor.train_step(batch, 2, nll)
+    after = {kind: logprobs(kind) for kind in ("torch", "emulate")}
+    gap = lambda a, b: (a - b).abs().mean().item()  # noqa: E731
+    return (
+        gap(before["torch"], before["emulate"]),
+        gap(before["emulate"], before["bf16"]),
+        gap(after["torch"], after["emulate"]),
+        gap(after["torch"], before["torch"]),
+        ok,
+    )

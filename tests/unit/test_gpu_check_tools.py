@@ -158,3 +158,46 @@ def test_gpu_check_stops_clearly_without_a_gpu(tmp_path):
     assert "no CUDA GPU" in out.stdout
     assert "torch " in (tmp_path / "o" / "versions.txt").read_text()
     assert not (tmp_path / "o" / "runs").exists()  # stopped before the jobs
+
+
+def test_bench_actor_fp8_entries_and_ratios_against_bf16():
+    """``--fp8``: entries are checked before anything is built, and each row's ratios are
+    against its configuration's BF16 row."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_actor
+    finally:
+        sys.path.pop(0)
+    entries = bench_actor.parse_fp8("bf16, torch:tensorwise_current,rowwise,emulate:mxfp8")
+    assert [label for label, _ in entries] == [
+        "bf16",
+        "torch:tensorwise_current",
+        "rowwise",
+        "emulate:mxfp8",
+    ]
+    assert entries[1][1] == {"recipe": "tensorwise_current", "backend": "torch"}
+    assert entries[2][1] == {"recipe": "rowwise", "backend": "auto"}
+    with pytest.raises(ValueError, match="--fp8 entry 'te:rowwise': FP8Config.backend='te'"):
+        bench_actor.parse_fp8("bf16,te:rowwise")
+
+    def row(config, fp8, recipe, tokens_per_s):
+        return {
+            "config": config, "fp8": fp8, "fp8_recipe": recipe, "device": "H200", "ranks": 1,
+            "params_b": 2.03, "rows": 8, "seq": 2048, "max_tokens_per_gpu": None,
+            "micro_batch": 2, "step_s": 1.0, "tokens_per_s": tokens_per_s, "mfu": None,
+            "peak_mem_gb": 80.0,
+        }  # fmt: skip
+
+    results = [
+        row("base", "bf16", "bf16", 100.0),
+        row("base", "torch:tensorwise_current", "tensorwise_current", 150.0),
+        row("recompute", "bf16", "bf16", 50.0),
+        row("recompute", "torch:rowwise", "rowwise", 60.0),
+    ]
+    table = _table_rows(bench_actor.markdown(results))
+    assert [(r[3], r[7]) for r in table] == [
+        ("bf16", "1.00x"),
+        ("torch:tensorwise_current", "1.50x"),
+        ("bf16", "1.00x"),
+        ("torch:rowwise", "1.20x"),
+    ]

@@ -1,0 +1,117 @@
+"""Which backend runs the FP8 GEMMs on this machine: one decision, made in one place.
+
+Three backends run the same recipes (``FP8Config.recipe``) and differ in what executes them:
+
+* ``te``: Transformer Engine's FP8 linears (Megatron's TE layer spec and ``fp8_autocast``).
+* ``torch``: Megatron's local linears with real FP8 GEMMs through ``torch._scaled_mm``
+  (``torch_backend.py``); no TE needed, so it runs where TE cannot be installed.
+* ``emulate``: quantize-dequantize in PyTorch (``emulation.py``); any device, slower than BF16.
+
+Both GPU backends need FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell);
+TE's MXFP8 needs Blackwell (>= 10.0); the torch backend's blockwise GEMMs need a torch whose
+``torch.nn.functional.scaled_mm`` has block scaling. ``backend: auto`` takes the first of te,
+torch, emulate that can run the recipe here. An explicit backend that cannot run is an error
+naming what is missing, raised at config validation, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rl_fp8.fp8.config import BACKEND_RECIPES, FP8Config, backends_for
+from megatron_rl_fp8.fp8.te import INSTALL_HINT, have_te
+
+__all__ = [
+    "FP8_MIN_CAPABILITY",
+    "MXFP8_MIN_CAPABILITY",
+    "backend_problem",
+    "cuda_capability",
+    "have_blockwise_scaled_mm",
+    "resolve_backend",
+]
+
+FP8_MIN_CAPABILITY = (8, 9)
+"""First compute capability with FP8 tensor cores (Ada); Hopper is 9.0, Blackwell 10.0."""
+MXFP8_MIN_CAPABILITY = (10, 0)
+"""MXFP8 (E8M0 block scales) tensor cores: Blackwell."""
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """Compute capability of the current CUDA device, None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability())  # type: ignore[return-value]
+
+
+def have_blockwise_scaled_mm() -> bool:
+    """Whether the installed torch has ``torch.nn.functional.scaled_mm`` with 1x128 / 128x128
+    block scaling (the torch backend's blockwise GEMMs)."""
+    scaling = getattr(torch.nn.functional, "ScalingType", None)
+    return (
+        hasattr(torch.nn.functional, "scaled_mm")
+        and hasattr(scaling, "BlockWise1x128")
+        and hasattr(scaling, "BlockWise128x128")
+    )
+
+
+def _capability_problem(capability: tuple[int, int] | None, minimum: tuple[int, int]) -> str | None:
+    if capability is None:
+        return "no CUDA GPU is visible"
+    if tuple(capability) < minimum:
+        have = ".".join(map(str, capability))
+        need = ".".join(map(str, minimum))
+        return (
+            f"the GPU (compute capability {have}) has no FP8 tensor cores for it (needs >= {need})"
+        )
+    return None
+
+
+def backend_problem(backend: str, recipe: str, capability: tuple[int, int] | None) -> str | None:
+    """Why ``backend`` cannot run ``recipe`` on a machine whose GPU has ``capability`` (None: no
+    GPU); None when it can. ``emulate`` runs everything everywhere."""
+    if backend not in BACKEND_RECIPES:
+        raise ValueError(f"backend={backend!r} is not valid; choose one of {list(BACKEND_RECIPES)}")
+    if recipe not in BACKEND_RECIPES[backend]:
+        can = " or ".join(repr(b) for b in backends_for(recipe))
+        return f"it has no {recipe!r} recipe (use backend {can})"
+    if backend == "emulate":
+        return None
+    minimum = MXFP8_MIN_CAPABILITY if recipe == "mxfp8" else FP8_MIN_CAPABILITY
+    problem = _capability_problem(capability, minimum)
+    if problem is not None:
+        return problem
+    if backend == "te" and not have_te():
+        return f"Transformer Engine is not installed (`{INSTALL_HINT}`)"
+    if backend == "torch" and recipe == "blockwise" and not have_blockwise_scaled_mm():
+        return (
+            f"torch {torch.__version__} has no block-scaled torch.nn.functional.scaled_mm "
+            "(upgrade torch; 2.11 has it)"
+        )
+    return None
+
+
+def resolve_backend(config: FP8Config, *, capability=...) -> str | None:
+    """The backend that runs ``config``'s FP8 GEMMs here: 'te', 'torch' or 'emulate'; None when
+    FP8 is off (recipe 'bf16').
+
+    ``capability``: the GPU's compute capability (None: no GPU); probed when not given. Raises a
+    one-line ValueError when an explicitly chosen backend cannot run here.
+    """
+    if not config.enabled:
+        return None
+    if capability is ...:
+        capability = cuda_capability()
+    if config.backend != "auto":
+        problem = backend_problem(config.backend, config.recipe, capability)
+        if problem is not None:
+            raise ValueError(
+                f"FP8Config.backend={config.backend!r} cannot run recipe={config.recipe!r} here: "
+                f"{problem}; use backend 'emulate', or 'auto' to pick what can run"
+            )
+        return config.backend
+    for backend in ("te", "torch"):
+        if backend == "te" and not config.keep_lm_head_bf16:
+            continue  # Megatron's output layer is no TE module: TE cannot run it in FP8
+        if backend_problem(backend, config.recipe, capability) is None:
+            return backend
+    return "emulate"

@@ -1,0 +1,361 @@
+"""The ``torch`` FP8 backend: Megatron's local linears with real FP8 GEMMs via ``torch._scaled_mm``.
+
+Where Transformer Engine is absent (it cannot be installed on every GPU box), FP8 still runs on
+the tensor cores: each linear's three GEMMs (see ``emulation.py`` for the table)
+
+    fprop  y  = x  @ W^T     a = x   [T, K]   b = W   [N, K]    contraction K
+    dgrad  dx = dy @ W       a = dy  [T, N]   b = W^T [K, N]    contraction N
+    wgrad  dW = dy^T @ x     a = dy^T [N, T]  b = x^T [K, T]    contraction T
+
+are computed as ``a @ b^T`` by ``torch._scaled_mm(a8, b8.t(), scale_a, scale_b)`` on FP8 codes.
+Every operand is stored row-major as [rows, contraction], so ``b8.t()`` is the column-major second
+operand cuBLAS requires, and every scale is shared along the contraction dim (``emulation.py``
+explains why). The codes are exactly those the emulation uses (same ``amax / fp8_max`` scales, same
+rounding), so the emulation predicts this backend up to accumulation order and bf16 output
+rounding. Scale layouts handed to the GEMM, per recipe:
+
+=====================  ======================  ===========================================
+recipe                 scale_a                 scale_b
+=====================  ======================  ===========================================
+tensorwise_*           0-d float32             0-d float32
+rowwise                [M, 1]                  [1, N] (the [N, 1] row scales, transposed)
+blockwise (fprop,      [M, K/128] 1x128,       [K4, N/128] view of the contiguous [N/128, K4]
+dgrad)                 column-major strides    128x128 block scales (K4: K/128 rounded up to 4)
+blockwise (wgrad)      [M, K/128] 1x128,       [N, K/128] 1x128, column-major strides
+                       column-major strides
+=====================  ======================  ===========================================
+
+Blockwise GEMMs go through ``torch.nn.functional.scaled_mm`` with ``ScalingType.BlockWise1x128``
+/ ``BlockWise128x128`` (torch 2.11 has it; CPU torch runs only the first two rows). Operands are
+zero-padded to the GEMM's alignment (16; 128 along block-scaled dims) before quantization, which
+changes no amax; outputs are sliced back. Forward operands are e4m3; ``format: hybrid`` quantizes
+the output gradient to e5m2. GEMM outputs are bf16 (cast to the input's dtype); the bias is added
+after the GEMM in that dtype, and its gradient is the emulation's. The forward GEMM uses fast
+accumulation when ``accum_fast_fprop`` (as torchao does); dgrad and wgrad never do.
+
+Provenance of the blockwise layouts: 1x128 x 128x128 was measured on the H200 (PLATFORM_NOTES) at
+shapes whose K/128 is a multiple of 4; the padding to 4 and the 1x128 x 1x128 (wgrad) layout follow
+torch's own ``scaled_mm`` samples and are first exercised on a GPU by
+``tests/gpu/test_fp8_torch_backend.py``.
+
+Caching: inside :meth:`FP8LinearTorch.weight_cache` (the actor opens it around each forward /
+backward schedule, during which the weights do not change) the quantized weight is made once and
+reused by every micro-batch. Delayed scaling never caches: its weight scale follows the amax
+history, which moves with each call, as in the emulation.
+
+Tensor and pipeline parallelism: each rank quantizes its own weight shard and its own activations,
+so every scale (tensorwise included) is per local shard, as in the emulation. Sequence parallelism
+is not supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl_fp8.fp8.config import FP8Config
+from megatron_rl_fp8.fp8.emulation import DelayedScalingState, OperandRole
+from megatron_rl_fp8.fp8.quantize import _to_codes, compute_scale_inv
+
+__all__ = [
+    "ALIGN",
+    "BLOCK",
+    "FP8LinearTorch",
+    "FP8Operand",
+    "fp8_mm",
+    "quantize_gemm_operand",
+    "transpose_operand",
+]
+
+ALIGN = 16
+"""cuBLAS FP8 GEMMs want every dim a multiple of 16 (16 bytes of e4m3)."""
+BLOCK = 128
+"""Block size of the blockwise recipe: 1x128 activation / gradient groups, 128x128 weight tiles."""
+
+_PER_TENSOR = ("tensorwise_delayed", "tensorwise_current")
+
+
+class FP8Operand(NamedTuple):
+    """One GEMM operand: FP8 ``codes`` [rows, contraction] (zero-padded) and float32 ``scale_inv``
+    (``x ~= codes * scale_inv``) of the shape its ``granularity`` gives (see module table)."""
+
+    codes: torch.Tensor
+    scale_inv: torch.Tensor
+    granularity: str  # "tensor", "row", "group" (1x128) or "block" (128x128)
+
+
+def _granularity(recipe: str, role: OperandRole) -> str:
+    if recipe in _PER_TENSOR:
+        return "tensor"
+    if recipe == "rowwise":
+        return "row"
+    if recipe == "blockwise":
+        return "block" if role == "weight" else "group"
+    raise ValueError(
+        f"FP8Config.recipe={recipe!r} has no torch-backend GEMM; use 'tensorwise_delayed', "
+        "'tensorwise_current', 'rowwise' or 'blockwise', or backend 'emulate'"
+    )
+
+
+def _pad2(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    pad_r, pad_c = (-t.shape[0]) % rows, (-t.shape[1]) % cols
+    return F.pad(t, (0, pad_c, 0, pad_r)) if (pad_r or pad_c) else t
+
+
+def quantize_gemm_operand(
+    t: torch.Tensor,
+    recipe: str,
+    role: OperandRole,
+    fmt: str = "e4m3",
+    *,
+    scale_inv: torch.Tensor | None = None,
+) -> FP8Operand:
+    """Quantize a 2D operand [rows, contraction] for :func:`fp8_mm`, scales along its last dim.
+
+    ``scale_inv`` (tensorwise only) overrides the tensor's own amax (delayed scaling). Pads rows
+    to 16 (128 for 128x128 weight tiles) and the contraction dim to 16 (128 under blockwise).
+    """
+    if t.dim() != 2:
+        raise ValueError(f"quantize_gemm_operand needs a 2D tensor, got shape {tuple(t.shape)}")
+    gran = _granularity(recipe, role)
+    with torch.no_grad():
+        # Contiguous: elementwise ops keep a transposed input's strides, and cuBLAS needs the
+        # codes row-major (the second operand is handed over as codes.t(), column-major).
+        t = _pad2(
+            t.detach(),
+            BLOCK if gran == "block" else ALIGN,
+            BLOCK if recipe == "blockwise" else ALIGN,
+        ).contiguous()
+        r, c = t.shape
+        if gran == "tensor":
+            s = compute_scale_inv(t.abs().amax(), fmt) if scale_inv is None else scale_inv.float()
+            return FP8Operand(_to_codes(t, s, fmt), s, gran)
+        if gran == "row":
+            s = compute_scale_inv(t.abs().amax(dim=1, keepdim=True), fmt)  # [R, 1]
+            return FP8Operand(_to_codes(t, s, fmt), s, gran)
+        if gran == "group":
+            tv = t.reshape(r, c // BLOCK, BLOCK)
+            s = compute_scale_inv(tv.abs().amax(dim=-1, keepdim=True), fmt)  # [R, C/128, 1]
+            return FP8Operand(_to_codes(tv, s, fmt).reshape(r, c), s.reshape(r, c // BLOCK), gran)
+        tv = t.reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK)
+        s = compute_scale_inv(tv.abs().amax(dim=(1, 3), keepdim=True), fmt)
+        codes = _to_codes(tv, s, fmt).reshape(r, c)
+        return FP8Operand(codes, s.reshape(r // BLOCK, c // BLOCK).contiguous(), gran)
+
+
+def transpose_operand(op: FP8Operand) -> FP8Operand:
+    """The same tensor as [contraction, rows]: valid for scales that do not depend on the
+    direction (per tensor; 128x128 tiles, whose grid transposes), a contiguous FP8 copy."""
+    if op.granularity == "tensor":
+        return FP8Operand(op.codes.t().contiguous(), op.scale_inv, op.granularity)
+    if op.granularity == "block":
+        return FP8Operand(op.codes.t().contiguous(), op.scale_inv.t().contiguous(), "block")
+    raise ValueError(
+        f"a {op.granularity!r}-scaled operand cannot be transposed (its scales run along the "
+        "contraction dim); quantize the transposed tensor instead"
+    )
+
+
+def fp8_mm(
+    a: FP8Operand, b: FP8Operand, *, fast_accum: bool = False, out_dtype=torch.bfloat16
+) -> torch.Tensor:
+    """``a @ b^T`` over the shared (last) contraction dim on FP8 tensor cores -> [Ra, Rb]."""
+    if a.codes.shape[1] != b.codes.shape[1]:
+        raise ValueError(
+            f"contraction dims differ: a is {tuple(a.codes.shape)}, b is {tuple(b.codes.shape)}"
+        )
+    if a.granularity in ("tensor", "row"):
+        # Row scales of b are [N, 1]; _scaled_mm wants them as [1, N] (a contiguous view).
+        sb = b.scale_inv if b.granularity == "tensor" else b.scale_inv.t()
+        return torch._scaled_mm(
+            a.codes,
+            b.codes.t(),
+            scale_a=a.scale_inv,
+            scale_b=sb,
+            out_dtype=out_dtype,
+            use_fast_accum=fast_accum,
+        )
+    scaling = F.ScalingType
+    # 1x128 scales: [rows, C/128] with column-major strides; 128x128: [C/128, N/128] as the
+    # transposed view of the contiguous [N/128, C/128] grid (the layouts measured on the H200),
+    # its C/128 padded to a multiple of 4 as torch's own blockwise samples do (a no-op at the
+    # measured shapes; the padded scales meet no data).
+    sa = a.scale_inv.t().contiguous().t()
+    if b.granularity == "block":
+        kb = b.scale_inv.shape[1]
+        grid = F.pad(b.scale_inv, (0, (-kb) % 4)) if kb % 4 else b.scale_inv
+        sb, recipe_b = grid.t(), scaling.BlockWise128x128
+    else:
+        sb, recipe_b = b.scale_inv.t().contiguous().t(), scaling.BlockWise1x128
+    return F.scaled_mm(
+        a.codes,
+        b.codes.t(),
+        sa,
+        scaling.BlockWise1x128,
+        sb,
+        recipe_b,
+        output_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
+
+
+class _ScaledMMLinearFn(torch.autograd.Function):
+    """y = x @ W^T + b with all three GEMMs on FP8 codes (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, linear: FP8LinearTorch):  # noqa: D102
+        cfg = linear.config
+        recipe = cfg.recipe
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        t, n = x2.shape[0], weight.shape[0]
+        sx = sw = None
+        if recipe == "tensorwise_delayed":
+            sx = linear.input_state.scale_inv_then_update(x2, "e4m3")
+            sw = linear.weight_state.scale_inv_then_update(weight, "e4m3")
+        qx = quantize_gemm_operand(x2, recipe, "input", "e4m3", scale_inv=sx)
+        qw = linear.weight_operand(weight, "fprop", scale_inv=sw)
+        y = fp8_mm(qx, qw, fast_accum=cfg.accum_fast_fprop)[:t, :n].to(x.dtype)
+        if bias is not None:
+            y = y + bias.detach().to(x.dtype)
+        ctx.linear = linear
+        ctx.shapes = (x.shape, t, n, k)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.per_tensor = recipe in _PER_TENSOR
+        if ctx.per_tensor:
+            # One scale per tensor holds along every dim: the backward GEMMs reuse the forward
+            # codes (and, under delayed scaling, the forward scales), as TE does.
+            ctx.save_for_backward(qx.codes, qx.scale_inv, qw.codes, qw.scale_inv, weight)
+        else:
+            ctx.save_for_backward(x2.detach(), weight)
+        return y.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        linear: FP8LinearTorch = ctx.linear
+        cfg = linear.config
+        recipe, gfmt = cfg.recipe, cfg.grad_format
+        x_shape, t, n, k = ctx.shapes
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        g2 = grad_out.reshape(-1, n)
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dx = dw = db = None
+        if ctx.per_tensor:
+            x8, sx, w8, sw, weight = ctx.saved_tensors
+            sg = None
+            if recipe == "tensorwise_delayed":
+                sg = linear.grad_state.scale_inv_then_update(g2.float(), gfmt)
+            qg = quantize_gemm_operand(g2, recipe, "grad_output", gfmt, scale_inv=sg)
+            if need_dx:
+                wt = linear.cached_operand(weight, "dgrad")
+                if wt is None:
+                    wt = linear.store_operand(
+                        weight, "dgrad", transpose_operand(FP8Operand(w8, sw, "tensor"))
+                    )
+                dx = fp8_mm(qg, wt)[:t, :k]
+            if need_dw:
+                xt = transpose_operand(FP8Operand(x8, sx, "tensor"))
+                dw = fp8_mm(transpose_operand(qg), xt)[:n, :k]
+        else:
+            x2, weight = ctx.saved_tensors
+            if need_dx:  # contraction over N: dy along its rows, W^T [K, N]
+                qg = quantize_gemm_operand(g2, recipe, "grad_output", gfmt)
+                dx = fp8_mm(qg, linear.weight_operand(weight, "dgrad"))[:t, :k]
+            if need_dw:  # contraction over tokens: dy^T [N, T], x^T [K, T]
+                qgt = quantize_gemm_operand(g2.t(), recipe, "grad_output", gfmt)
+                qxt = quantize_gemm_operand(x2.t(), recipe, "input", "e4m3")
+                dw = fp8_mm(qgt, qxt)[:n, :k]
+        if need_db:
+            db = g2.float().sum(dim=0).to(b_dtype)
+        if dx is not None:
+            dx = dx.to(x_dtype).reshape(x_shape)
+        if dw is not None:
+            dw = dw.to(w_dtype)
+        return dx, dw, db, None
+
+
+class FP8LinearTorch:
+    """Per-layer real-FP8 GEMMs: ``linear(x, weight, bias) -> y``, the torch backend's sibling
+    of :class:`~megatron_rl_fp8.fp8.emulation.FP8LinearEmulator` (same call, same config).
+
+    Holds the layer's delayed-scaling amax histories and, inside :meth:`weight_cache`, its
+    quantized weight. ``enabled=False`` (or recipe 'bf16') gives a plain ``F.linear``.
+    """
+
+    def __init__(self, config: FP8Config, *, enabled: bool = True):
+        if config.enabled:
+            for role in ("input", "weight"):
+                _granularity(config.recipe, role)  # a recipe this backend lacks fails here
+        self.config = config
+        self.enabled = enabled and config.enabled
+        make = lambda: DelayedScalingState(  # noqa: E731
+            config.amax_history_len, config.amax_compute_algo, config.margin
+        )
+        self.input_state = make()
+        self.weight_state = make()
+        self.grad_state = make()
+        self._cache: dict | None = None  # layout -> (weight key, operand) inside weight_cache()
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not self.enabled:
+            return F.linear(x, weight, bias)
+        if x.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"x has {x.shape[-1]} features but weight is {tuple(weight.shape)} ([out, in])"
+            )
+        return _ScaledMMLinearFn.apply(x, weight, bias, self)
+
+    @contextlib.contextmanager
+    def weight_cache(self) -> Iterator[None]:
+        """Reuse the quantized weight across calls inside the block; the caller promises the
+        weight does not change there (one forward/backward schedule). Nests; cleared on exit."""
+        if self._cache is not None:
+            yield
+            return
+        self._cache = {}
+        try:
+            yield
+        finally:
+            self._cache = None
+
+    def _key(self, weight: torch.Tensor) -> tuple:
+        # A guard on top of the caller's promise: a different tensor or an in-place update
+        # through autograd-visible ops changes it (Megatron's optimizer writes .data, which
+        # does not, hence the explicit weight_cache scope).
+        return (weight.data_ptr(), weight._version, tuple(weight.shape))
+
+    def cached_operand(self, weight: torch.Tensor, layout: str) -> FP8Operand | None:
+        """The cached ``layout`` ('fprop' / 'dgrad') operand of ``weight``, if any."""
+        if self._cache is None or self.config.recipe == "tensorwise_delayed":
+            return None
+        hit = self._cache.get(layout)
+        return hit[1] if hit is not None and hit[0] == self._key(weight) else None
+
+    def store_operand(self, weight: torch.Tensor, layout: str, op: FP8Operand) -> FP8Operand:
+        """Cache ``op`` as ``weight``'s ``layout`` operand where caching is on; returns ``op``."""
+        if self._cache is not None and self.config.recipe != "tensorwise_delayed":
+            self._cache[layout] = (self._key(weight), op)
+        return op
+
+    def weight_operand(
+        self, weight: torch.Tensor, layout: str, *, scale_inv: torch.Tensor | None = None
+    ) -> FP8Operand:
+        """``weight`` quantized for the fprop GEMM ([N, K]) or the dgrad GEMM ([K, N])."""
+        op = self.cached_operand(weight, layout)
+        if op is not None:
+            return op
+        w = weight if layout == "fprop" else weight.t()
+        op = quantize_gemm_operand(w, self.config.recipe, "weight", "e4m3", scale_inv=scale_inv)
+        return self.store_operand(weight, layout, op)
+
+    def __repr__(self) -> str:
+        return (
+            f"FP8LinearTorch(recipe={self.config.recipe!r}, format={self.config.format!r}, "
+            f"enabled={self.enabled})"
+        )
