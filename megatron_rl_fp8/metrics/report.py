@@ -27,6 +27,7 @@ from pathlib import Path
 
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.metrics.logger import EVENTS_FILE, METRICS_FILE, read_metrics
+from megatron_rl_fp8.metrics.step_time import OTHER, PARTS, PHASES, STEP
 
 USEFUL_TOKENS_PER_S = "perf/useful_tokens_per_s"
 # A derived series (``Run.series`` computes it step by step) for runs that predate the key above.
@@ -389,6 +390,66 @@ def summary_row(run: Run) -> dict[str, str]:
     }
 
 
+def _breakdown_rows(parent: str, label: str):
+    """(label, key) of ``parent``'s nested parts, depth first, labels prefixed by the path."""
+    for name, key in PARTS.get(parent, ()):
+        yield f"{label}: {name}", key
+        yield from _breakdown_rows(key, f"{label}: {name}")
+
+
+def step_time_breakdown(run: Run) -> dict[str, tuple[float, float]] | None:
+    """Mean seconds per step and share of the step time of every phase ``run`` logged (key ->
+    (mean, share)), of ``perf/step_time_s`` and of ``perf/other_time_s`` (recomputed as the step
+    time no phase accounts for, so runs from before it was logged have it too), over its RL
+    steps with a step time; a step without a phase counts 0 for it (so a
+    checkpoint every 50 steps shows its amortised cost). None without step times."""
+    rows = [
+        r
+        for r in run.records
+        if isinstance(r.get("step"), int) and r["step"] >= 1 and _number(r.get(STEP)) is not None
+    ]
+    if not rows:
+        return None
+    total = sum(_number(r[STEP]) for r in rows)
+    keys = [key for _, key in PHASES]
+    keys += [key for _, parent in PHASES for _, key in _breakdown_rows(parent, "")]
+    out = {}
+    for key in keys:
+        values = [_number(r.get(key)) for r in rows]
+        if all(v is None for v in values):
+            continue  # never logged by this run: "–", not 0
+        seconds = sum(v for v in values if v is not None)
+        out[key] = (seconds / len(rows), seconds / total if total > 0 else math.nan)
+    phases = sum(out[key][0] for _, key in PHASES if key in out)
+    other = max(0.0, total / len(rows) - phases)
+    out[OTHER] = (other, other * len(rows) / total if total > 0 else math.nan)
+    out[STEP] = (total / len(rows), 1.0)
+    return out
+
+
+def _breakdown_table(runs: list[Run]) -> list[str]:
+    """The report's step-time table: one row per phase (nested parts under theirs), one column
+    per run with the mean seconds per step and the share of the step time."""
+    tables = {run.label: step_time_breakdown(run) for run in runs}
+    shown = [run for run in runs if tables[run.label]]
+    if not shown:
+        return []
+    rows, ordered = [], []
+    for label, key in PHASES:
+        ordered.append((label, key))
+        ordered += list(_breakdown_rows(key, label))
+    ordered += [("other", OTHER), ("step", STEP)]
+    for label, key in ordered:
+        if not any(key in tables[run.label] for run in shown):
+            continue
+        row = {"phase": label, "key": f"`{key}`"}
+        for run in shown:
+            cell = tables[run.label].get(key)
+            row[run.label] = "–" if cell is None else f"{cell[0]:.3g} s ({100 * cell[1]:.1f}%)"
+        rows.append(row)
+    return _table(rows)
+
+
 def _table(rows: list[dict[str, str]]) -> list[str]:
     cols = list(rows[0])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -405,6 +466,15 @@ def _markdown(runs: list[Run], figures: list[str], skipped: list[Panel]) -> str:
         "What each figure shows: `docs/report.md`.",
         "",
     ]
+    breakdown = _breakdown_table(runs)
+    if breakdown:
+        lines += ["## Step-time breakdown", "", *breakdown, ""]
+        lines += [
+            "Mean seconds per RL step (a step without the phase counts 0) and share of the step "
+            "time; a `phase: part` row is a part of its phase's row (not added to the step again). "
+            "Other: the step time no phase accounts for. Definitions: `docs/logging.md`.",
+            "",
+        ]
     events = [(run, ev) for run in runs for ev in run.guard_events]
     if events:
         lines += ["## Guard events", ""]

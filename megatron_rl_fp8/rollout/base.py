@@ -105,7 +105,10 @@ class RolloutEngine(Protocol):
         seed: int = 0,
         greedy: bool = False,
     ) -> list[Completion]:
-        """Sample ``n`` completions per prompt, grouped: result[i * n + j] is prompt i, sample j."""
+        """Sample ``n`` completions per prompt, grouped: result[i * n + j] is prompt i, sample j.
+
+        An engine may set ``wait_s``: the seconds of this call spent waiting on its slowest
+        engines (``perf/rollout_wait_time_s``, docs/logging.md); absent means 0."""
 
     @property
     def export_options(self) -> dict:

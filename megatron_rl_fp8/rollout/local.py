@@ -44,6 +44,8 @@ class LocalEngine:
         self.eos_token_ids = eos_ids(eos_token_id)
         self.fp8 = fp8 or RolloutFP8Config()
         self._version = -1
+        # One batched call generates every row: nothing waits on a slower engine.
+        self.wait_s = 0.0
         if self.fp8.enabled:
             self._quantize_linear_inputs()
 

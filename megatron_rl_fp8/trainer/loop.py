@@ -29,6 +29,7 @@ from megatron_rl_fp8.data.prompts import check_vocab
 from megatron_rl_fp8.loss import grpo_advantages
 from megatron_rl_fp8.metrics.console import print_step, progress_bar
 from megatron_rl_fp8.metrics.logger import MetricsLogger, print_rank0
+from megatron_rl_fp8.metrics.step_time import StepClock
 from megatron_rl_fp8.models.fp8 import weight_quantization_errors
 from megatron_rl_fp8.models.hf_mapping import hf_config_with_tokens
 from megatron_rl_fp8.models.pretrained import load_converted, load_hf_weights
@@ -37,6 +38,7 @@ from megatron_rl_fp8.rollout.sglang.errors import RolloutLost, SyncFailed
 from megatron_rl_fp8.rollout.sglang.sender import WeightSender
 from megatron_rl_fp8.sync.buckets import export_for_rollout
 from megatron_rl_fp8.sync.gather import iter_full_params
+from megatron_rl_fp8.sync.timing import SyncTimes, timed
 from megatron_rl_fp8.trainer import checkpoint, run_dir
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.batch import build_rl_batch, order_for_updates
@@ -123,6 +125,7 @@ class Trainer:
         )
         self.weight_sender = None  # a pipeline stage's sending rank's side of a fleet sync
         self.synced_version = -1
+        self.sync_times = SyncTimes()  # the last sync's parts (the driver's; sync/timing.py)
         if self.is_driver:
             tok = self.tokenizer
             self.engine = build_engine(
@@ -150,6 +153,7 @@ class Trainer:
         # Throughput per useful update over this process's RL steps (rollbacks included).
         self.useful_tokens = 0.0
         self.started = 0.0
+        self.clock = StepClock()  # the step windows of the perf/ breakdown (metrics/step_time.py)
 
     def sync_weights(self, version: int) -> float:
         """Megatron shards -> full tensors -> the export path (``sync.buckets.export_for_rollout``:
@@ -160,12 +164,17 @@ class Trainer:
         the in-process engine gets everything through the driver. A sync that the engines could
         not complete (``SyncFailed``: an engine died during it and was relaunched) runs again:
         the engines' weights are unknown, the trainer's are not. Colocated engines get their
-        weights' memory back before it (their KV cache before they generate)."""
+        weights' memory back before it (their KV cache before they generate).
+
+        Returns its seconds; ``self.sync_times`` gets its parts on the driver (every attempt's;
+        the rest of the time is barriers and the colocated memory calls)."""
         t0 = time.perf_counter()
+        self.sync_times = times = SyncTimes()
         if self.colocated and self.is_driver:
             self.engine.resume_memory(("weights",))
         for attempt in range(1, self.cfg.rollout.sglang.max_restarts + 2):
-            failure = self._push_to_fleet(version) if self.fleet else self._push_to_driver(version)
+            push = self._push_to_fleet if self.fleet else self._push_to_driver
+            failure = push(version, times)
             failure = broadcast_object(failure, self.groups.driver_rank)  # also the barrier
             if failure is None:
                 break
@@ -175,8 +184,9 @@ class Trainer:
         self.synced_version = version
         return time.perf_counter() - t0
 
-    def _push_to_driver(self, version: int) -> None:
-        """Every stage's full tensors to the driver, which feeds its engine."""
+    def _push_to_driver(self, version: int, times: SyncTimes) -> None:
+        """Every stage's full tensors to the driver, which feeds its engine. In-process: nothing
+        is transferred, and the engine's load is its update_weights less the stream it pulls."""
         if self.groups.dp_rank == 0 and self.groups.cp_rank == 0:
             full = iter_full_params(
                 self.actor.model,
@@ -185,44 +195,67 @@ class Trainer:
                 dst_global_rank=self.groups.driver_rank,
             )
             options = self.engine.export_options if self.is_driver else {}
-            buckets = export_for_rollout(full, self.cfg.model, self.cfg.rollout.fp8, **options)
+            buckets = export_for_rollout(
+                timed(full, times, "gather"), self.cfg.model, self.cfg.rollout.fp8, **options
+            )
             if self.is_driver:
-                self.engine.update_weights(buckets, version=version)
+                exported = times.export
+                t0 = time.perf_counter()
+                self.engine.update_weights(timed(buckets, times, "export"), version=version)
+                times.load += time.perf_counter() - t0 - (times.export - exported)
             else:
                 # Drive the gather's collectives; non-driver ranks receive nothing.
                 collections.deque(buckets, maxlen=0)
 
-    def _push_to_fleet(self, version: int) -> str | None:
+    def _push_to_fleet(self, version: int, times: SyncTimes) -> str | None:
         """One fleet sync: the driver begins it; each pipeline stage's sending rank (its TP-rank-0
         rank of the DP-rank-0 / CP-rank-0 replica) gathers its stage's TP shards and broadcasts
         its own buckets to every engine, one stage after the other (NCCL groups sharing engines
-        must not interleave); the driver ends it. Returns the failure to retry on, or None."""
+        must not interleave); the driver ends it. Returns the failure to retry on, or None.
+        ``times`` gets every sender's parts (stages push one after the other, so they add up)
+        and the begin / end calls as engine load."""
         g = self.groups
+        t0 = time.perf_counter()
         plan = self.engine.begin_sync(version) if self.is_driver else None
+        begin = time.perf_counter() - t0
         plan = broadcast_object(plan, g.driver_rank)
         error = None
+        mine = SyncTimes()
         replica = g.dp_rank == 0 and g.cp_rank == 0
         sender = dist.get_process_group_ranks(g.tp)[0] if g.tp is not None else g.rank
         for stage in range(g.pp_size):
             if replica and stage == g.pp_rank:
                 full = iter_full_params(self.actor.model, tp_group=g.tp, dst_global_rank=sender)
                 buckets = export_for_rollout(
-                    full, self.cfg.model, self.cfg.rollout.fp8, **plan.export_options
+                    timed(full, mine, "gather"),
+                    self.cfg.model,
+                    self.cfg.rollout.fp8,
+                    **plan.export_options,
                 )
                 if g.rank == sender:
                     if self.weight_sender is None:
                         self.weight_sender = WeightSender()
-                    error = self.weight_sender.push(plan, buckets)
+                    error = self.weight_sender.push(plan, timed(buckets, mine, "export"))
+                    mine.transfer += self.weight_sender.times.transfer
+                    mine.load += self.weight_sender.times.load
                 else:
                     collections.deque(buckets, maxlen=0)  # the TP gather's collectives
+                    mine = SyncTimes()  # a sender's TP peers: the same gather, not added again
             dist.barrier()
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+        # One gather carries every sender's failure and its parts' seconds.
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, (error, mine))
         if self.is_driver:
+            for _, part in reports:
+                times.add(part)
+            times.load += begin
+            t0 = time.perf_counter()
             try:
-                self.engine.end_sync(plan, errors)
+                self.engine.end_sync(plan, [e for e, _ in reports])
             except SyncFailed as e:
                 return str(e)
+            finally:
+                times.load += time.perf_counter() - t0
         return None
 
     def fp8_weight_errors(self) -> dict:
@@ -497,6 +530,7 @@ class Trainer:
 
         progress = progress_bar(self.is_driver, cfg.train.steps, self.step)
         self.started = time.perf_counter()  # throughput counts RL steps, not the warm start
+        self.clock = StepClock()  # the first step's window opens here
         preemption = PreemptionSignal(self.groups.device)
         try:
             steps_this_run = 0
@@ -508,6 +542,8 @@ class Trainer:
                     progress.n = self.step
                     progress.refresh()
                     continue
+                if self.is_driver:
+                    self.clock.finish(metrics)  # step time, other, running means
                 self.logger.log(self.step, metrics)
                 if self.is_driver:
                     progress.update(1)
@@ -518,7 +554,11 @@ class Trainer:
                     cfg.train.save_interval and self.step % cfg.train.save_interval == 0
                 ) or self.step == cfg.train.steps
                 if saved:
+                    t_save = time.perf_counter()
                     self.save()
+                    # In the next line's window: this step's line is already written (it comes
+                    # first, so a crash during the save loses no line).
+                    self.clock.add("perf/checkpoint_time_s", time.perf_counter() - t_save)
                 if self.step < cfg.train.steps and preemption.requested():
                     if not saved:
                         self.save()
@@ -572,12 +612,14 @@ class Trainer:
             metrics.update(self.pending_metrics)
             self.pending_metrics = {}
             metrics["perf/sync_time_s"] = sync_time
-            step_time = time.perf_counter() - t0
-            metrics["perf/step_time_s"] = step_time
-            # Tokens that carried gradient per second: this step's, and this process's (time lost
-            # to rolled-back steps and dynamic-sampling refills counts against it).
+            metrics.update(self.sync_times.metrics())
+            # Tokens that carried gradient per second of the training phases (rollout to sync:
+            # evaluations and checkpoints excluded), and of this process's run (time lost to
+            # rolled-back steps and dynamic-sampling refills counts against it).
             self.useful_tokens += metrics["perf/useful_tokens"]
-            metrics["perf/useful_tokens_per_s"] = metrics["perf/useful_tokens"] / step_time
+            metrics["perf/useful_tokens_per_s"] = metrics["perf/useful_tokens"] / (
+                time.perf_counter() - t0
+            )
             elapsed = time.perf_counter() - self.started
             metrics["perf/useful_tokens_per_s_run"] = self.useful_tokens / elapsed
         if (
@@ -585,7 +627,11 @@ class Trainer:
             and self.step % cfg.train.eval_interval == 0
             or self.step == cfg.train.steps
         ):
+            t_eval = time.perf_counter()
             metrics.update(self.evaluate())
+            if self.is_driver:
+                metrics["perf/eval_time_s"] = time.perf_counter() - t_eval
+        # perf/step_time_s and the rest of the breakdown: run() (metrics/step_time.py).
         return metrics
 
     def close(self) -> None:

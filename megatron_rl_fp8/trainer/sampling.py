@@ -77,8 +77,9 @@ class Sampler:
 
     def _sample_round(self, records, step: int, round_: int):
         """One rollout round on the driver: completions, their decoded texts and (shaped) rewards
-        for ``records``."""
+        for ``records``, and the round's stats (scoring, generation time)."""
         r, loss_cfg = self.cfg.rollout, self.cfg.loss
+        t0 = time.perf_counter()
         completions = self.engine.generate(
             self.prompt_ids(records),
             n=r.n_samples_per_prompt,
@@ -87,8 +88,15 @@ class Sampler:
             top_p=r.top_p,
             seed=r.seed + step + round_ * 1_000_003,
         )
+        # Summed over the sampling rounds (the scoring stats are counters). No device sync is
+        # needed: the completions are host lists when generate returns.
+        timing = {
+            "perf/rollout_generate_time_s": time.perf_counter() - t0,
+            "perf/rollout_wait_time_s": getattr(self.engine, "wait_s", 0.0),
+        }
         texts = [self.decode(c) for c in completions]
         rewards, reward_stats = self._score(records, texts, r.n_samples_per_prompt)
+        reward_stats = {**reward_stats, **timing}
         if loss_cfg.overlong_buffer:
             lengths = torch.tensor([len(c.response_ids) for c in completions])
             rewards = rewards + overlong_reward_penalty(

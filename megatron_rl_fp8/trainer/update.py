@@ -58,6 +58,13 @@ def global_loss_counts(local: dict, *, agg: str, updates: int, groups) -> list[f
     return [max(c, 1.0) for c in total.tolist()]
 
 
+def _phase_done(t: torch.Tensor) -> None:
+    """Wait for the kernels that made ``t`` when it is on a GPU (nothing on CPU), so the phase
+    that made it owns their time (perf/ timers; the passes that follow read .item() anyway)."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
 def chunks(batch: dict, n: int) -> list[dict]:
     return [{k: v.chunk(n)[i] for k, v in batch.items()} for i in range(n)]
 
@@ -96,9 +103,13 @@ class PolicyUpdate:
         old = self._logprobs(local)
         shadow_time = 0.0
         if calibrating:
+            if old is not None:  # the FP8 pass's kernels are not the shadow's time
+                _phase_done(old["logprobs"])
             ts = time.perf_counter()
             with self.actor.full_precision():
                 old16 = self._logprobs(local, entropy=False)  # train/entropy is FP8's
+            if old16 is not None:
+                _phase_done(old16["logprobs"])
             shadow_time = time.perf_counter() - ts
             local["old_logprobs_bf16"] = (
                 old16["logprobs"]
@@ -238,7 +249,7 @@ class PolicyUpdate:
         calibrating = self.calibrator.due(step) and not self.bf16
         precision = self.actor.full_precision() if self.bf16 else contextlib.nullcontext()
         with precision:
-            metrics = self._update(local, acc, calibrating, t0)
+            metrics, logprob_time, shadow_time = self._update(local, acc, calibrating)
         # The rollout sync, checkpoints and the norm read the weights next: gather them now
         # when the distributed optimizer left that to the next forward pass.
         self.actor.finish_param_gather()
@@ -246,15 +257,27 @@ class PolicyUpdate:
         if g.is_driver:
             metrics["train/param_norm"] = self.param_norm
             metrics["train/bf16_step"] = float(self.bf16)
+            # Disjoint phases of the driver's clock (metrics/step_time.py); each ends in a host
+            # read of its results (.item() of the accounted sums, the norm), so no device sync
+            # is added. The update is the rest of this call.
+            metrics["perf/logprob_time_s"] = logprob_time
+            metrics["perf/update_time_s"] = time.perf_counter() - t0 - logprob_time - shadow_time
+            if calibrating:
+                metrics["perf/shadow_time_s"] = shadow_time
         return metrics
 
-    def _update(self, local, acc, calibrating: bool, t0: float) -> dict:
+    def _update(self, local, acc, calibrating: bool) -> tuple[dict, float, float]:
+        """The step's work; returns (driver's metrics, old-logprob seconds, BF16 shadow
+        seconds: the shadow old logprobs and the calibration passes)."""
         cfg, g = self.cfg, self.groups
         bounds = self.calibrator.nominal if self.bf16 else None
+        t0 = time.perf_counter()
         shadow_time = self.old_logprobs(local, acc, calibrating)
         if self.reference is not None:
             self.ref_logprobs(local)
-        logprob_time = time.perf_counter() - t0
+            _phase_done(local["ref_logprobs"])
+        # The FP8 (and reference) passes only: the BF16 shadow pass inside is its own phase.
+        logprob_time = time.perf_counter() - t0 - shadow_time
 
         n_up = cfg.train.updates_per_step
         grad_norms, skipped = [], 0
@@ -293,14 +316,11 @@ class PolicyUpdate:
             metrics["train/grad_norm"] = grad_norms[-1]
             metrics["train/skipped_updates"] = float(skipped)
             metrics["train/lr"] = lr  # of the last update, as the grad norm
-            metrics["perf/logprob_time_s"] = logprob_time
-            metrics["perf/update_time_s"] = time.perf_counter() - t0 - logprob_time - shadow_time
             if cfg.fp8.enabled:
                 metrics["calib/lower"], metrics["calib/upper"] = bounds or self.calibrator.bounds
             if calibrating:
                 metrics.update(calib_metrics)
-                metrics["perf/shadow_time_s"] = shadow_time
-        return metrics
+        return metrics, logprob_time, shadow_time
 
     def _reduce(self, acc: MetricAccumulator) -> dict:
         """Sum over DP on the last stage, divide into means, hand the result to the driver."""

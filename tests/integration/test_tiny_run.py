@@ -138,6 +138,30 @@ def test_lr_follows_the_schedule(uninterrupted):
         assert uninterrupted[step]["train/lr"] == pytest.approx(want, rel=1e-9), step
 
 
+def test_step_time_breakdown_adds_up(uninterrupted):
+    from megatron_rl_fp8.metrics.step_time import OTHER, PARTS, PHASES, STEP
+
+    for step in range(1, 7):
+        m = uninterrupted[step]
+        phases = {k: m[k] for _, k in PHASES if k in m}
+        parts = {k: m[k] for group in PARTS.values() for _, k in group if k in m}
+        assert all(v >= 0 for v in {**phases, **parts, OTHER: m[OTHER]}.values()), (step, m)
+        assert math.isclose(sum(phases.values()) + m[OTHER], m[STEP], rel_tol=1e-9), step
+        for key in ("perf/rollout_time_s", "perf/logprob_time_s", "perf/update_time_s"):
+            assert key in phases, (step, key)
+        # In-process engine: nothing waits on a slower engine, nothing is transferred.
+        assert m["perf/rollout_wait_time_s"] == 0 and m["perf/sync_transfer_time_s"] == 0
+        assert m["perf/rollout_generate_time_s"] <= m["perf/rollout_time_s"]
+        sync_parts = ("gather", "quantize", "transfer", "load")
+        sync = sum(m[f"perf/sync_{p}_time_s"] for p in sync_parts)
+        assert sync <= m["perf/sync_time_s"], step
+        # Calibration every 2 steps, evaluation every 3; the step-3 checkpoint is on line 4.
+        assert step % 2 == 0 or "perf/shadow_time_s" in m, step
+        assert ("perf/eval_time_s" in m) == (step % 3 == 0), step
+        assert ("perf/checkpoint_time_s" in m) == (step == 4), step
+        assert m["perf/amortised/step_time_s"] > 0
+
+
 def _metric_values(m: dict) -> dict:
     # Timings differ between any two runs; everything else is computed, not measured.
     return {k: v for k, v in m.items() if not k.startswith("perf/")}

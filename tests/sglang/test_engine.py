@@ -143,7 +143,10 @@ def test_both_transports_greedy_match_local_engine_across_syncs(one):
         sd = _weights(seed=version)
         _sync(one, sd, version)
         assert one.weight_version() == version and one.health()
+        # Both transports time their parts (perf/sync_transfer_time_s, perf/sync_load_time_s).
+        assert one.sender.times.transfer > 0 and one.sender.times.load > 0, transport
         _assert_greedy_match(one, sd, version)
+        assert one.wait_s == 0.0  # one engine, no router: nothing waits on a slower engine
     one.cfg.transport = "tensor"
     assert one.stats["restarts"] == 0
 

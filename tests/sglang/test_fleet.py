@@ -20,6 +20,7 @@ the same fleet shows:
 import dataclasses
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -108,9 +109,12 @@ def test_every_engine_serves_the_broadcast_weights_and_the_router_uses_both(flee
         for eng in fleet.engines:
             _assert_same(_greedy(eng.url, version), ref)
         before = fleet.request_counts()
+        t0 = time.perf_counter()
         _assert_same(
             fleet.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0), ref
         )
+        # The time short of two requests in flight (perf/rollout_wait_time_s) is inside the call.
+        assert 0 <= fleet.wait_s <= time.perf_counter() - t0
         after = fleet.request_counts()
         assert all(b > a for a, b in zip(before, after)), (before, after)
     assert fleet.weight_version() == 2

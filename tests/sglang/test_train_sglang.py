@@ -57,6 +57,10 @@ def test_pp2_trainer_feeds_a_colocated_engine_from_each_stage_and_resends_a_fail
     ]
     assert [m["step"] for m in metrics] == [0, 1, 2]
     _assert_rollout_matches_trainer(metrics)  # both stages' weights arrived intact, twice
+    for m in metrics[1:]:  # both stages' senders' parts reach the driver, inside the sync
+        parts = [m[f"perf/sync_{p}_time_s"] for p in ("gather", "quantize", "transfer", "load")]
+        assert min(parts) >= 0 and m["perf/sync_transfer_time_s"] > 0, m
+        assert sum(parts) <= m["perf/sync_time_s"], m
     assert metrics[2]["rollout/engine_restarts"] >= 1
     # Step 0: sync, evaluate; steps 1 and 2: rollout, train, sync (step 1's twice); step 2
     # evaluates too. The KV cache is resumed only once released, the weights only before a sync.

@@ -91,6 +91,25 @@ from megatron_rl_fp8.rollout.sglang.transports import write_model_config
 from megatron_rl_fp8.sync.buckets import Bucket
 
 
+def short_of_engines(spans: list[tuple[float, float]], engines: int) -> float:
+    """Seconds between the first request sent and the last answered during which fewer than
+    ``engines`` of the requests ``spans`` ((sent, answered) times) were in flight.
+
+    Whatever the router did, at least one engine had nothing to do then: the rollout was waiting
+    on its slowest engines (typically the tail, where the longest completions finish). Zero
+    for one engine (in flight < 1 only between requests)."""
+    if not spans or engines < 1:
+        return 0.0
+    events = sorted([(t0, 1) for t0, _ in spans] + [(t1, -1) for _, t1 in spans])
+    short, in_flight, last = 0.0, 0, events[0][0]
+    for t, change in events:
+        if in_flight < engines:
+            short += t - last
+        in_flight += change
+        last = t
+    return short
+
+
 @dataclasses.dataclass(eq=False)
 class _Engine:
     """One SGLang server of the fleet."""
@@ -163,6 +182,9 @@ class SGLangFleet:
             "update_seconds": 0.0,
         }
         self._engines_used = 0  # engines that answered requests in the last rollout
+        # Seconds of the last generate call with fewer requests in flight than engines serving
+        # (``short_of_engines``): the rollout's time waiting on its slowest engines.
+        self.wait_s = 0.0
         self._attached_seen = False  # attached engines waited for (first sync)
         self.fault_hook: Callable[[str], None] | None = fault_hook_from_env(self)
         try:
@@ -592,13 +614,17 @@ class SGLangFleet:
         )
         before = self.request_counts()
         done: dict[int, Completion] = {}
+        self.wait_s = 0.0
         for attempt in range(self.cfg.max_restarts + 2):
             pending = {i: r for i, r in requests.items() if i not in done}
             if not pending:
                 break
             if attempt:
                 self.stats["retried_requests"] += len(pending)
-            answered = self._send(pending, rows)
+            # A router spreads the requests over every engine serving; without one they all go
+            # to one engine.
+            engines = sum(e.version == self._version and e.alive() for e in self.engines)
+            answered = self._send(pending, rows, engines=engines if self.router_url else 1)
             done.update(answered)
             # After failed requests, also ask every live engine for /health: a hung one is
             # replaced like a dead one.
@@ -620,17 +646,26 @@ class SGLangFleet:
             raise SGLangServerError("no SGLang engine serves the synced weights")
         return serving[0].url
 
-    def _send(self, pending: dict[int, dict], rows: list[list[int]]) -> dict[int, Completion]:
+    def _send(
+        self, pending: dict[int, dict], rows: list[list[int]], *, engines: int = 1
+    ) -> dict[int, Completion]:
         """One round of requests (one per row), all in flight at once; the answers that came
-        back right, by row."""
+        back right, by row. Adds the round's time short of ``engines`` requests in flight to
+        ``wait_s``."""
         http = Http(self._target())
         timeout = self.cfg.request_timeout_s
         out: dict[int, Completion] = {}
+        spans: list[tuple[float, float]] = []  # (sent, answered) per request, driver's clock
+
+        def call(r: dict):
+            t0 = time.perf_counter()
+            try:
+                return http.call("/generate", r, timeout=timeout)
+            finally:
+                spans.append((t0, time.perf_counter()))  # list.append is atomic
+
         with concurrent.futures.ThreadPoolExecutor(min(len(pending), 64)) as pool:
-            futures = {
-                i: pool.submit(http.call, "/generate", r, timeout=timeout)
-                for i, r in pending.items()
-            }
+            futures = {i: pool.submit(call, r) for i, r in pending.items()}
             self._fault("generate")  # mid-rollout: the requests are in flight
             failures = []
             for i, fut in futures.items():
@@ -646,6 +681,7 @@ class SGLangFleet:
                     )
                 except SGLangServerError as e:
                     failures.append(f"row {i}: {_first_line(e)}")
+        self.wait_s += short_of_engines(spans, engines)
         if failures:
             print(
                 f"[sglang] {len(failures)} rollout request(s) failed, to be retried; first: "

@@ -38,6 +38,7 @@ from megatron_rl_fp8.rollout.sglang.transports import (
 )
 from megatron_rl_fp8.sync.buckets import Bucket
 from megatron_rl_fp8.sync.quantize import SCALE_SUFFIX
+from megatron_rl_fp8.sync.timing import SyncTimes
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -63,6 +64,8 @@ class WeightSender:
     def __init__(self):
         self._group = None  # distributed: (process group, name)
         self._key: tuple = ()  # the plan's engines the group was formed with
+        # The last push's transfer and engine-load seconds (``sync/timing.py``).
+        self.times = SyncTimes()
 
     def push(
         self,
@@ -72,8 +75,10 @@ class WeightSender:
         fault: Callable[[str], None] | None = None,
     ) -> str | None:
         """Send every bucket to ``plan``'s engines; returns the first failure (then the rest of
-        the stream is only consumed: the export is a collective), or None."""
+        the stream is only consumed: the export is a collective), or None. ``self.times``
+        holds its transfer and engine-load seconds afterwards."""
         error = None
+        self.times = SyncTimes()
         try:
             send = self._sender(plan) if not plan.failed else None
         except SGLangServerError as e:
@@ -110,17 +115,28 @@ class WeightSender:
             tps = [tp for _, tp in plan.engines]
 
             def send(bucket: Bucket) -> None:
-                _each(
+                t0 = time.perf_counter()
+                handed = _each(
                     engines,
                     lambda h, tp: push_tensor(h, bucket, tp_size=tp, timeout=plan.timeout),
                     tps,
                 )
+                # The engines' calls run at once: the slowest one's buffer building is transfer.
+                transfer = max(handed, default=0.0)
+                self.times.transfer += transfer
+                self.times.load += time.perf_counter() - t0 - transfer
 
             return send
         group = self._ensure_group(plan)
-        return lambda bucket: push_distributed(
-            engines, group, bucket, device=plan.device, timeout=plan.timeout
-        )
+
+        def send(bucket: Bucket) -> None:
+            transfer, load = push_distributed(
+                engines, group, bucket, device=plan.device, timeout=plan.timeout
+            )
+            self.times.transfer += transfer
+            self.times.load += load
+
+        return send
 
     def _ensure_group(self, plan: SyncPlan):
         key = tuple(plan.engines)
@@ -151,8 +167,9 @@ class WeightSender:
         destroy_sender_group(group)
 
 
-def _each(engines: list[Http], call, args: list) -> None:
-    """``call(engine, arg)`` for every engine at once; the first failure, naming its engine."""
+def _each(engines: list[Http], call, args: list) -> list:
+    """``call(engine, arg)`` for every engine at once: their results, or the first failure,
+    naming its engine."""
     with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
         futures = [pool.submit(call, h, a) for h, a in zip(engines, args)]
     for http, fut in zip(engines, futures):
@@ -161,6 +178,7 @@ def _each(engines: list[Http], call, args: list) -> None:
             raise type(error)(f"{http.base_url}: {error}") from error
         if error is not None:
             raise error
+    return [fut.result() for fut in futures]
 
 
 def _per_tensor_scale_names(named):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,11 @@ from megatron_rl_fp8.rollout.sglang.process import pick_port
 from megatron_rl_fp8.sync.buckets import Bucket
 
 
-def push_tensor(http: Http, bucket: Bucket, *, tp_size: int, timeout: float) -> None:
+def push_tensor(http: Http, bucket: Bucket, *, tp_size: int, timeout: float) -> float:
     """``tensor`` transport: one buffer per dtype (shared memory on CPU, CUDA IPC on GPU), the
-    handles over HTTP, the same for each of the engine's ``tp_size`` ranks."""
+    handles over HTTP, the same for each of the engine's ``tp_size`` ranks. Returns the seconds
+    spent building the buffers and handles (the rest is the engine's update call)."""
+    t0 = time.perf_counter()
     import base64
     import io
     from multiprocessing.reduction import ForkingPickler
@@ -34,21 +37,26 @@ def push_tensor(http: Http, bucket: Bucket, *, tp_size: int, timeout: float) -> 
     buf = io.BytesIO()
     ForkingPickler(buf).dump(flat)
     payload = base64.b64encode(buf.getvalue()).decode()
+    handed = time.perf_counter() - t0
     http.ok(
         "/update_weights_from_tensor",
         {"serialized_named_tensors": [payload] * tp_size, "flush_cache": False},
         timeout=timeout,
     )
     del flat  # the server has copied the values when the call returns
+    return handed
 
 
 def push_distributed(
     engines: list[Http], group: tuple, bucket: Bucket, *, device: str, timeout: float
-) -> None:
+) -> tuple[float, float]:
     """``distributed`` transport: the bucket's bytes as one flat buffer, broadcast once over the
     private group ``(pg, name)`` to every engine in ``engines`` while each one's
     ``/update_weights_from_distributed`` call (SGLang's ``flattened_bucket`` format) receives it.
-    A failure names the first engine whose call failed."""
+    A failure names the first engine whose call failed. Returns (transfer, load) seconds: until
+    the broadcast completed on the sender, then until every engine answered (it applied the
+    bucket)."""
+    t0 = time.perf_counter()
     ordered, flat = flatten_for_broadcast(bucket.tensors)
     if device == "cuda":
         flat = flat.cuda()
@@ -69,15 +77,21 @@ def push_distributed(
             opts = torch.distributed.BroadcastOptions()
             opts.rootRank = 0
             group[0].broadcast([flat], opts).wait()
+            if device == "cuda":
+                # NCCL's wait() only orders streams; the engines' replies wait for the broadcast
+                # anyway, so this costs nothing and puts the broadcast's time in transfer.
+                torch.cuda.synchronize()
         except RuntimeError as e:
             for reply in replies:
                 reply.cancel()
             raise _ServerGone(f"weight broadcast to the SGLang engines failed: {e}") from e
+        t1 = time.perf_counter()
         for http, reply in zip(engines, replies):
             try:
                 reply.result()
             except SGLangServerError as e:
                 raise type(e)(f"{http.base_url}: {e}") from e
+    return t1 - t0, time.perf_counter() - t1
 
 
 def flatten_for_broadcast(
