@@ -126,6 +126,11 @@ class Efficiency:
     optimizer_hbm: float = 0.7
     """ASSUMPTION: Adam's step, bytes moved / HBM peak (a memory-bound elementwise kernel)."""
 
+    rest_s_per_flop: float | None = None
+    """The trainer's non-GEMM seconds per model FLOP *on the device in use*, when fitted there
+    (``tools/validate_step_model.py`` fits it on a measured CPU run). ``None``: the fit to
+    ``actor_step_s`` on the reference GPU, scaled by HBM bandwidth."""
+
     def fp8_speedup(self, recipe: str) -> float:
         table = dict(self.fp8_linear_speedup)
         if recipe not in table:
@@ -309,8 +314,11 @@ def _trainer_pass_seconds(
     gemm = per_gpu * lin / (gpu.bf16_flops * eff.gemm_bf16) / fp8_speedup
     # The non-GEMM part, fitted on the reference GPU, scaled by HBM bandwidth (ASSUMPTION: it is
     # mostly memory-bound elementwise work).
-    rest = per_gpu * (lin + attn) * _rest_seconds_per_flop(eff)
-    rest *= REFERENCE_GPU.hbm_bytes_s / gpu.hbm_bytes_s
+    if eff.rest_s_per_flop is None:
+        rest = per_gpu * (lin + attn) * _rest_seconds_per_flop(eff)
+        rest *= REFERENCE_GPU.hbm_bytes_s / gpu.hbm_bytes_s
+    else:  # fitted on this device: no scaling
+        rest = per_gpu * (lin + attn) * eff.rest_s_per_flop
     # TP: 2 all-reduces (or all-gather + reduce-scatter under SP) of [tokens, hidden] bf16 per
     # layer and forward, each moving 2 (TP - 1) / TP of it per GPU, not overlapped.
     tp_s = 0.0
