@@ -72,6 +72,7 @@ CONFIGS = {
 
 def model_config(cpu_smoke: bool, seq: int, *, cpu_small: bool = False):
     from megatron_rl_fp8.models.config import ModelConfig
+    from megatron_rl_fp8.plan.presets import BENCH_ACTOR_2B
 
     if cpu_small:  # ~19M parameters: big enough on the CPU for the configurations to differ
         return ModelConfig(
@@ -97,19 +98,7 @@ def model_config(cpu_smoke: bool, seq: int, *, cpu_small: bool = False):
             vocab_size=128,
             max_position_embeddings=seq,
         )
-    return ModelConfig(
-        arch="qwen3",
-        num_layers=28,
-        hidden_size=2048,
-        ffn_hidden_size=6144,
-        num_attention_heads=16,
-        num_query_groups=8,
-        head_dim=128,
-        vocab_size=151936,
-        max_position_embeddings=seq,
-        params_dtype="bfloat16",
-        tie_word_embeddings=False,
-    )
+    return ModelConfig(**BENCH_ACTOR_2B, max_position_embeddings=seq, params_dtype="bfloat16")
 
 
 def flops_per_token(mc, seq: int) -> tuple[float, int]:

@@ -61,6 +61,21 @@ PRESETS = {
     ),
 }
 
+# The actor shape measured on the H200 (tools/bench_actor.py's default, the step-time model's
+# reference point): the Qwen3-1.7B block (huggingface.co/Qwen/Qwen3-1.7B/blob/main/config.json)
+# with an untied output layer, 2.03B parameters.
+BENCH_ACTOR_2B = dict(
+    arch="qwen3",
+    num_layers=28,
+    hidden_size=2048,
+    ffn_hidden_size=6144,
+    num_attention_heads=16,
+    num_query_groups=8,
+    head_dim=128,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+)
+
 
 def preset_overrides(name: str) -> list[str]:
     """``model.key=value`` overrides that give a config the preset's shape."""

@@ -170,18 +170,9 @@ def _rest_seconds_per_flop(eff: Efficiency) -> float:
     """The non-GEMM cost per model FLOP, fitted so that the reference step (bench_actor's 2.03B
     shape, 16384 tokens of 2048) takes ``eff.actor_step_s`` on the reference GPU."""
     from megatron_rl_fp8.models.config import ModelConfig
+    from megatron_rl_fp8.plan.presets import BENCH_ACTOR_2B
 
-    m = ModelConfig(
-        arch="qwen3",
-        num_layers=28,
-        hidden_size=2048,
-        ffn_hidden_size=6144,
-        num_attention_heads=16,
-        num_query_groups=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=False,
-    )
+    m = ModelConfig(**BENCH_ACTOR_2B)
     tokens = 8 * 2048
     lin, attn = train_flops_per_token(m, 2048)
     gemm = tokens * lin / (REFERENCE_GPU.bf16_flops * eff.gemm_bf16)
