@@ -161,6 +161,10 @@ def read_env(
         )
     names = expand_nodelist(text)
     _check_names(names, text, nodes if nodes is not None else _opt_int(env, "SLURM_JOB_NUM_NODES"))
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise ConfigError(
+            f"--gpus-per-node {gpus_per_node}: must be >= 1 (on a CPU cluster: ranks per node)"
+        )
     gpus = gpus_per_node if gpus_per_node is not None else gpus_from_env(env)
     if gpus is None or gpus < 1:
         raise ConfigError(

@@ -97,6 +97,11 @@ def test_gpus_per_node_fallbacks():
     assert gpus_from_env({}) is None
 
 
+def test_zero_gpus_per_node_names_the_flag():
+    with pytest.raises(ConfigError, match="--gpus-per-node 0: must be >= 1"):
+        read_env({"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_GPUS_ON_NODE": "8"}, gpus_per_node=0)
+
+
 def test_env_is_read_and_flags_override_it():
     slurm = {
         "SLURM_JOB_ID": "4711",
