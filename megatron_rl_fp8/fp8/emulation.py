@@ -241,13 +241,13 @@ class _FP8LinearFn(torch.autograd.Function):
         return dx, dw, db, None
 
 
-class FP8LinearEmulator:
-    """Per-layer FP8 GEMM emulation: ``emulator(x, weight, bias) -> y``.
+class FP8Linear:
+    """What every per-layer FP8 linear shares: ``linear(x, weight, bias) -> y`` through the
+    autograd function ``_function`` (the backend's GEMMs), the layer's delayed-scaling amax
+    histories, and ``enabled=False`` (or recipe "bf16") giving a plain ``F.linear`` (BF16
+    first/last layers, the LM head). One per layer: a Megatron linear wrapper owns it."""
 
-    Holds the delayed-scaling amax histories of one linear layer, so create one per layer (a
-    Megatron linear wrapper owns it). ``enabled=False`` (or recipe "bf16") gives a plain
-    ``F.linear`` (BF16 first/last layers, the LM head).
-    """
+    _function: type[torch.autograd.Function]
 
     def __init__(self, config: FP8Config, *, enabled: bool = True):
         self.config = config
@@ -268,7 +268,13 @@ class FP8LinearEmulator:
             raise ValueError(
                 f"x has {x.shape[-1]} features but weight is {tuple(weight.shape)} ([out, in])"
             )
-        return _FP8LinearFn.apply(x, weight, bias, self)
+        return self._function.apply(x, weight, bias, self)
+
+
+class FP8LinearEmulator(FP8Linear):
+    """Per-layer FP8 GEMM emulation: quantize-dequantize around a high-precision GEMM."""
+
+    _function = _FP8LinearFn
 
     def __repr__(self) -> str:
         return (

@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl_fp8.fp8.config import FP8Config
-from megatron_rl_fp8.fp8.emulation import DelayedScalingState, OperandRole
+from megatron_rl_fp8.fp8.emulation import FP8Linear, OperandRole
 from megatron_rl_fp8.fp8.quantize import _to_codes, compute_scale_inv
 
 __all__ = [
@@ -278,7 +278,7 @@ class _ScaledMMLinearFn(torch.autograd.Function):
         return dx, dw, db, None
 
 
-class FP8LinearTorch:
+class FP8LinearTorch(FP8Linear):
     """Per-layer real-FP8 GEMMs: ``linear(x, weight, bias) -> y``, the torch backend's sibling
     of :class:`~megatron_rl_fp8.fp8.emulation.FP8LinearEmulator` (same call, same config).
 
@@ -286,30 +286,14 @@ class FP8LinearTorch:
     quantized weight. ``enabled=False`` (or recipe 'bf16') gives a plain ``F.linear``.
     """
 
+    _function = _ScaledMMLinearFn
+
     def __init__(self, config: FP8Config, *, enabled: bool = True):
         if config.enabled:
             for role in ("input", "weight"):
                 _granularity(config.recipe, role)  # a recipe this backend lacks fails here
-        self.config = config
-        self.enabled = enabled and config.enabled
-        make = lambda: DelayedScalingState(  # noqa: E731
-            config.amax_history_len, config.amax_compute_algo, config.margin
-        )
-        self.input_state = make()
-        self.weight_state = make()
-        self.grad_state = make()
+        super().__init__(config, enabled=enabled)
         self._cache: dict | None = None  # layout -> (weight key, operand) inside weight_cache()
-
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        if not self.enabled:
-            return F.linear(x, weight, bias)
-        if x.shape[-1] != weight.shape[1]:
-            raise ValueError(
-                f"x has {x.shape[-1]} features but weight is {tuple(weight.shape)} ([out, in])"
-            )
-        return _ScaledMMLinearFn.apply(x, weight, bias, self)
 
     @contextlib.contextmanager
     def weight_cache(self) -> Iterator[None]:
