@@ -51,26 +51,15 @@ from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "tools"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+# The timing runs and the ~21M model of the per-phase validation.
+from validate_step_model import COMMON, MODEL_20M  # noqa: E402
 
 FP8_CONFIG = str(ROOT / "examples" / "tiny_cpu_fp8.yaml")
-# Timing runs: no SFT warm start, no checkpoint, a short evaluation (left out of the step).
-COMMON = ["sft.steps=0", "train.save_interval=0", "train.eval_interval=0", "train.eval_prompts=16"]
-MODELS = {
-    "tiny": [],
-    # ~21M parameters, as tools/validate_step_model.py's predicted run.
-    "20m": [
-        "model.num_layers=4",
-        "model.hidden_size=512",
-        "model.ffn_hidden_size=1536",
-        "model.num_attention_heads=8",
-        "model.num_query_groups=4",
-        "model.vocab_size=8192",
-        "train.prompts_per_step=16",
-        "train.micro_batch_size=16",
-    ],
-}
+MODELS = {"tiny": [], "20m": MODEL_20M}
 NOT_IN_STEP = ("perf/eval_time_s", "perf/checkpoint_time_s")
 INTERVALS = (1, 5, 20)
 PHASE_KEYS = (
