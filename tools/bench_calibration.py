@@ -168,7 +168,7 @@ def make_batch(tokens: int, seed: int, device: str):
     return [t.to(device) for t in (fp8, bf16, adv, mask)]
 
 
-def _exact_bounds(batch, group, bins):
+def _exact_bounds(batch, group):
     """All-gather every rank's tokens, then the exact bounds over all of them (every rank)."""
     import torch
     import torch.distributed as dist
@@ -225,17 +225,14 @@ def _collective_worker(rank: int, world: int, port: int, args: dict, queue) -> N
                     *b, EPS_LOW, EPS_HIGH, group=dist.group.WORLD, bins=bins
                 )
             )
-            exact = synced(lambda b=batch: _exact_bounds(b, dist.group.WORLD, bins))
+            exact = synced(lambda b=batch: _exact_bounds(b, dist.group.WORLD))
             hist(), exact()  # warm-up
             times: dict[str, list[float]] = {"hist": [], "exact": []}
+            bounds: dict[str, tuple[float, float]] = {}
             for _ in range(args["repeats"]):
                 for name, fn in (("hist", hist), ("exact", exact)):
-                    seconds, bounds = fn()
+                    seconds, bounds[name] = fn()
                     times[name].append(seconds)
-                    if name == "hist":
-                        hist_bounds = bounds
-                    else:
-                        exact_bounds = bounds
             medians = torch.tensor([statistics.median(times[n]) for n in ("hist", "exact")])
             dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank's
             sent_exact = sum(t.numel() * t.element_size() for t in batch)
@@ -247,7 +244,7 @@ def _collective_worker(rank: int, world: int, port: int, args: dict, queue) -> N
                     "exact_s": float(medians[1]),
                     "hist_bytes": 8 * (4 * bins + 7),
                     "exact_bytes": sent_exact,
-                    "bound_diff": max(abs(a - b) for a, b in zip(hist_bounds, exact_bounds)),
+                    "bound_diff": max(abs(a - b) for a, b in zip(bounds["hist"], bounds["exact"])),
                 }
             )
         if rank == 0:

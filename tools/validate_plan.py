@@ -33,13 +33,16 @@ import torch
 TINY = "examples/tiny_cpu.yaml"
 # ~21M parameters: 4 layers of width 512 (8 query / 4 KV heads of 64, SwiGLU 1536), vocab 8192
 # (untied), 4 rows of 256 tokens per micro-batch.
-MODEL_20M = [
+SHAPE_20M = [
     "model.num_layers=4",
     "model.hidden_size=512",
     "model.ffn_hidden_size=1536",
     "model.num_attention_heads=8",
     "model.num_query_groups=4",
     "model.vocab_size=8192",
+]
+MODEL_20M = [
+    *SHAPE_20M,
     "model.max_position_embeddings=256",
     "task.max_prompt_len=128",
     "rollout.max_new_tokens=128",

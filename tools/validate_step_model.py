@@ -47,6 +47,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "tools") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tools"))
+from validate_plan import SHAPE_20M  # noqa: E402  (the ~21M shape of the memory validation)
+
 TINY = str(ROOT / "examples" / "tiny_cpu.yaml")
 # Every run: no SFT warm start (timing only), no checkpoint; the evaluation still runs before the
 # first and after the last step (on few prompts) and is left out of the comparison (its own key).
@@ -54,12 +58,7 @@ COMMON = ["sft.steps=0", "train.save_interval=0", "train.eval_interval=0", "trai
 # ~21M parameters: 4 layers of width 512 (8 query / 4 KV heads of 64, SwiGLU 1536), vocab 8192
 # (untied; as tools/validate_plan.py), on 16 prompts x 8 samples instead of 32 x 8.
 MODEL_20M = [
-    "model.num_layers=4",
-    "model.hidden_size=512",
-    "model.ffn_hidden_size=1536",
-    "model.num_attention_heads=8",
-    "model.num_query_groups=4",
-    "model.vocab_size=8192",
+    *SHAPE_20M,
     "train.prompts_per_step=16",
     "train.micro_batch_size=16",
 ]
