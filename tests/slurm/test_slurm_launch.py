@@ -143,11 +143,19 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, uninterrupted, tmp
         assert job["JobState"] in ("RUNNING", "COMPLETING", "PENDING"), _log(output)[-3000:]
         assert time.monotonic() < deadline, _log(output)[-3000:]
         time.sleep(0.5)
-    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    # Not in the same second as the requeue: slurmd revoked the first run's credential then, and
+    # compares in whole seconds, so a relaunch within it is refused ("Job credential revoked":
+    # FAILED 1:0, the script never runs). Slurm's own hold is what avoids it on a cluster.
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while _job_pids(job_id, "n1") or _job_pids(job_id, "n2"):
+        assert time.monotonic() < deadline, "the first run's processes outlived its requeue"
+        time.sleep(0.5)
+    slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now+2")
     job = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT_S, output=output)
     text = _log(output)
-    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), text[-3000:]
-    assert job["Restarts"] == "1", text[-3000:]
+    reason = f"{text[-3000:]}\nscontrol: {job.get('Reason')}"
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), reason
+    assert job["Restarts"] == "1", reason
     assert f"requeueing job {job_id}" in text
     # The step in flight when USR1 came (3) was finished and checkpointed, so the requeued job
     # resumes after it. (Without the handler the ranks die in step 3: it resumes at 2.) torchrun
