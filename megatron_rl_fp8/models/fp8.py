@@ -46,9 +46,19 @@ class _EmulatedGemm:
     """Replaces a Megatron linear's ``_forward_impl`` (the GEMM call) with an FP8 linear of the
     torch backend or the emulation (``emulator``: either, same call).
 
-    Megatron passes the communication duties of the GEMM along with it; the only one that applies
-    without sequence parallelism is the column-parallel dgrad all-reduce, which
-    ``copy_to_tensor_model_parallel_region`` provides (identity forward, all-reduce backward).
+    Megatron passes the communication duties of the GEMM along with it, and they are kept: the
+    column-parallel dgrad all-reduce (``copy_to_tensor_model_parallel_region``: identity forward,
+    all-reduce backward) and, under sequence parallelism, the all-gather of the sequence-split
+    input (``gather_from_sequence_parallel_region``: all-gather forward, reduce-scatter of the
+    input gradient backward). The FP8 linear then sees the whole sequence, as it does without
+    sequence parallelism: the same operands, so the same codes and scales (a tensorwise amax is
+    over the gathered tensor, as TE's is over its all-gathered input).
+
+    Memory under sequence parallelism: the FP8 linear keeps the gathered input for its backward
+    (the torch backend's tensorwise recipes as FP8 codes, 1 byte per element; its other recipes
+    and the emulation in the input's dtype), where Megatron's own GEMM keeps the local shard and
+    gathers it again in the backward. At TP=2 the tensorwise codes cost what Megatron's bf16
+    shard does; above, TP / 2 times as much for the QKV and FC1 inputs.
     """
 
     def __init__(self, module: torch.nn.Module, emulator):
@@ -78,15 +88,12 @@ class _EmulatedGemm:
                 tp_group=tp_group,
                 **kwargs,
             )
-        if sequence_parallel:
-            raise NotImplementedError(
-                "FP8 through backend 'torch' or 'emulate' does not support sequence parallelism; "
-                "set parallel.sequence_parallel=false, or use fp8.backend=te"
-            )
-        if allreduce_dgrad:
-            from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+        from megatron.core.tensor_parallel import mappings
 
-            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        if sequence_parallel:  # Megatron never sets allreduce_dgrad with it
+            input = mappings.gather_from_sequence_parallel_region(input, group=tp_group)
+        elif allreduce_dgrad:
+            input = mappings.copy_to_tensor_model_parallel_region(input, group=tp_group)
         return self.emulator(input, weight, bias)
 
 

@@ -7,14 +7,15 @@ import torch
 from tests.dist_utils import run_distributed
 
 
-def _actor(fp8_kwargs, tp=1):
+def _actor(fp8_kwargs, tp=1, sp=False):
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.fp8 import FP8Config
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.trainer.actor import Actor
     from megatron_rl_fp8.trainer.config import OptimConfig
 
-    g = parallel.initialize(parallel.ParallelConfig(tensor_model_parallel_size=tp), seed=5)
+    layout = parallel.ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp)
+    g = parallel.initialize(layout, seed=5)
     mc = ModelConfig(
         arch="qwen3",
         num_layers=3,
@@ -25,7 +26,7 @@ def _actor(fp8_kwargs, tp=1):
         vocab_size=53,
         max_position_embeddings=32,
     )
-    return Actor(mc, OptimConfig(), g, fp8=FP8Config(**fp8_kwargs)), g
+    return Actor(mc, OptimConfig(), g, fp8=FP8Config(**fp8_kwargs), parallel=layout), g
 
 
 def _placement_body(rank, world):
@@ -118,10 +119,19 @@ def _set_full_weights(actor, g):
             p.copy_(split_tp_shard(name, full, g.tp_rank, g.tp_size))
 
 
-def _tp_body(rank, world, tp):
-    from megatron_rl_fp8 import parallel
+# (recipe, FP8 linears): MXFP8 has no torch-backend GEMM; tensorwise runs real FP8 codes on CPU.
+TP_CASES = {"emulate": "mxfp8", "torch": "tensorwise_current"}
 
-    actor, g = _actor(dict(recipe="mxfp8"), tp=tp)
+
+def _tp_step(tp, sp, backend):
+    """One training step of the 3-layer FP8 actor on fixed full weights: (loss, grad norm, ok)."""
+    from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
+    from megatron_rl_fp8.models.fp8 import emulated_linears
+
+    actor, g = _actor(dict(recipe=TP_CASES[backend]), tp=tp, sp=sp)
+    if backend == "torch":  # fp8.backend: torch needs an FP8 GPU; same linears, real FP8 codes
+        for _, _, gemm in emulated_linears(actor.module):
+            gemm.emulator = FP8LinearTorch(actor.fp8)
     _set_full_weights(actor, g)
     ids = torch.randint(4, 53, (4, 10), generator=torch.Generator().manual_seed(2))
     batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "loss_mask": torch.ones(4, 10)}
@@ -130,19 +140,50 @@ def _tp_body(rank, world, tp):
         return -(logprobs * mb["loss_mask"]).sum() / 40, {}
 
     out, grad_norm, ok = actor.train_step(batch, 4, nll)
-    parallel.destroy()
     return (out[0]["loss"].item() if out else None), grad_norm, ok
 
 
-def test_tp2_fp8_step_matches_tp1():
+def _tp_body(rank, world, tp):
+    from megatron_rl_fp8 import parallel
+
+    layouts = [(False, "emulate")]
+    if tp == 2:
+        layouts += [(True, "emulate"), (False, "torch"), (True, "torch")]
+    out = {(sp, backend): _tp_step(tp, sp, backend) for sp, backend in layouts}
+    parallel.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_runs():
+    """{(sequence parallel, backend): (loss, grad norm, ok)} at TP=1 and on rank 0 of TP=2."""
+    return (
+        run_distributed(_tp_body, world_size=1, args=(1,))[0],
+        run_distributed(_tp_body, world_size=2, args=(2,))[0],
+    )
+
+
+def test_tp2_fp8_step_matches_tp1(tp_runs):
     """MXFP8's 32-element scale groups fall inside the TP shards here (every split dim is a
     multiple of 32), so TP=2 quantizes exactly the groups TP=1 does and must agree up to fp32
     reduction order. (With the column-parallel dgrad all-reduce removed the grad norm drops 6.5 -> 4.6.)"""
-    loss1, gn1, ok1 = run_distributed(_tp_body, world_size=1, args=(1,))[0]
-    loss2, gn2, ok2 = run_distributed(_tp_body, world_size=2, args=(2,))[0]
+    (loss1, gn1, ok1), (loss2, gn2, ok2) = (run[False, "emulate"] for run in tp_runs)
     assert ok1 and ok2
     assert loss2 == pytest.approx(loss1, rel=1e-5)
     assert gn2 == pytest.approx(gn1, rel=1e-5)
+
+
+@pytest.mark.parametrize("backend", sorted(TP_CASES))
+def test_sequence_parallel_fp8_step_matches_tp2(tp_runs, backend):
+    """Sequence parallelism at TP=2 under FP8 (the emulation, and the torch backend's real codes):
+    each column-parallel linear all-gathers the sequence-split input before quantizing it, so it
+    sees the tensor it sees without SP; the row-parallel outputs are reduce-scattered instead of
+    all-reduced and the dgrads reduce-scattered instead of all-reduced: the same two-term sums."""
+    tp2 = tp_runs[1]
+    (loss, gn, ok), (loss_sp, gn_sp, ok_sp) = tp2[False, backend], tp2[True, backend]
+    assert ok and ok_sp
+    assert loss_sp == pytest.approx(loss, rel=1e-5)
+    assert gn_sp == pytest.approx(gn, rel=1e-5)
 
 
 def _torch_backend_gaps(actor):
