@@ -10,7 +10,9 @@ it (right-padded, as RL responses are); tokens/s then counts real tokens only.
 ``--fp8`` runs the step per FP8 backend and recipe, side by side with BF16: a comma-separated list
 of ``bf16``, ``RECIPE`` (``fp8.backend: auto``) or ``BACKEND:RECIPE`` (``te``, ``torch`` or
 ``emulate``; see ``megatron_rl_fp8/fp8/backend.py``), e.g. ``bf16,torch:tensorwise_current,
-torch:rowwise,torch:blockwise``. An entry this machine cannot run is skipped with its reason. The
+torch:rowwise,torch:blockwise``; a ``+compile`` suffix sets ``fp8.compile_casts`` (the torch
+backend's casts through ``torch.compile``; the compile happens in the warm-up steps, untimed).
+An entry this machine cannot run is skipped with its reason. The
 "vs base" columns compare each row with the ``bf16`` row of its configuration (the first row when
 there is none).
 
@@ -133,7 +135,12 @@ def parse_fp8(text: str) -> list[tuple[str, dict]]:
         if not entry:
             continue
         backend, _, recipe = entry.rpartition(":")
+        recipe, plus, compiled = recipe.partition("+")
+        if plus and compiled != "compile":
+            raise ValueError(f"--fp8 entry {entry!r}: the only suffix is '+compile'")
         kwargs = {"recipe": recipe, "backend": backend or "auto"}
+        if plus:
+            kwargs["compile_casts"] = True
         try:
             FP8Config(**kwargs)
         except ValueError as e:

@@ -14,7 +14,8 @@
 #                   is in [1, 1.1) and the step-5 checkpoint exists, as tests/gpu/test_trainer_gpu.py)
 #   5. bench_gemm   GEMM TFLOP/s: BF16 vs FP8 tensorwise / rowwise / blockwise, Qwen3-8B/32B shapes
 #   6. bench_actor  one-GPU actor step at a 2.0B Qwen3 shape: tokens/s, MFU, peak memory, in
-#                   BF16 and with tensorwise FP8 on the torch backend (skipped where it cannot run)
+#                   BF16 and with tensorwise FP8 on the torch backend, its casts eager and
+#                   compiled (fp8.compile_casts) (skipped where it cannot run)
 # then a summary table (also DIR/summary.md). Exit status 1 if any step failed.
 #
 # Interpreter: $PYTHON if set, else .venv/bin/python if it exists, else python3. The repository
@@ -234,8 +235,8 @@ PY
 record bench_gemm "${detail:-$(last_line "$STEP_LOG")}"
 grep '^|' "$STEP_LOG" >"$OUT_DIR/bench_gemm.md" 2>/dev/null
 
-step bench_actor 240 "$PYTHON" tools/bench_actor.py --fp8 bf16,torch:tensorwise_current \
-    --json "$OUT_DIR/bench_actor.json"
+step bench_actor 300 "$PYTHON" tools/bench_actor.py \
+    --fp8 bf16,torch:tensorwise_current,torch:tensorwise_current+compile --json "$OUT_DIR/bench_actor.json"
 detail=$("$PYTHON" - "$OUT_DIR/bench_actor.json" <<'PY' 2>/dev/null
 import json, sys
 rows = json.load(open(sys.argv[1]))

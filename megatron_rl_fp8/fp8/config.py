@@ -108,6 +108,14 @@ class FP8Config:
         "PyTorch on any device (numerics, CI). 'auto': te where TE and an FP8 GPU exist and TE "
         "has the recipe, else torch on an FP8 GPU, else emulate.",
     )
+    compile_casts: bool = field(
+        default=False,
+        help="Backend torch only: run each operand's cast (amax, scale, saturate, FP8 cast, "
+        "padding) as one torch.compile'd function instead of six to eight eager kernels that "
+        "each read the whole tensor. Same codes and scales (tests check bit equality); the first "
+        "step pays the compile (seconds to a minute). Off by default until measured on a GPU: "
+        "tools/bench_actor.py --fp8 torch:tensorwise_current,torch:tensorwise_current+compile.",
+    )
     emulate: bool = field(
         default=False,
         help="Alias of backend='emulate' (kept so older configs load): true forces the "
@@ -190,6 +198,15 @@ class FP8Config:
             raise ValueError(
                 "FP8Config.keep_lm_head_bf16=False cannot run on backend='te' (Megatron's output "
                 "layer is not a TE module); set it to true, or use backend 'torch' or 'emulate'"
+            )
+        if not isinstance(self.compile_casts, bool):
+            raise ValueError(
+                f"FP8Config.compile_casts={self.compile_casts!r} is not valid; use true or false"
+            )
+        if self.compile_casts and self.backend in ("te", "emulate"):
+            raise ValueError(
+                f"FP8Config.compile_casts=True applies to backend 'torch' only (got "
+                f"backend={self.backend!r}); set it to false, or use backend 'torch' or 'auto'"
             )
         if self.enabled and self.backend != "auto":
             can = backends_for(self.recipe)

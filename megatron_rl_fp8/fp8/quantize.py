@@ -108,8 +108,8 @@ def _to_codes(x: torch.Tensor, scale_inv: torch.Tensor, fmt: str) -> torch.Tenso
     # (fp8 * scale_inv) assume. modelopt multiplies by 448/amax instead: the codes agree except
     # for one-ulp round-half ties (see tests/unit/test_fp8_modelopt.py). The clamp matters:
     # torch's cast to e4m3fn maps out-of-range values to NaN instead of saturating.
-    if torch.result_type(x, scale_inv) != torch.float32:
-        # e.g. bf16 x with a 0-d scale would divide in bf16 (0-d tensors do not promote).
+    if x.dtype in (torch.bfloat16, torch.float16):
+        # A 0-d float32 scale does not promote a bf16 x: the division would run in bf16.
         x = x.float()
     y = torch.div(x, scale_inv)
     return y.clamp_(-fmax, fmax).to(FP8_DTYPES[fmt])

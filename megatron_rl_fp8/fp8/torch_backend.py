@@ -43,14 +43,26 @@ backward schedule, during which the weights do not change) the quantized weight 
 reused by every micro-batch. Delayed scaling never caches: its weight scale follows the amax
 history, which moves with each call, as in the emulation.
 
+Casts: each operand's quantization is six to eight eager kernels that each pass over the tensor
+(abs, amax, the float32 copy of a bf16 input, divide, saturate, cast; a transposed or unaligned
+operand adds a copy): memory-bound passes that can eat what the FP8 GEMM saves (not yet
+measured on a GPU).
+``fp8.compile_casts`` runs :func:`quantize_gemm_operand` through ``torch.compile`` (one function
+per process, dynamic shapes, no graph breaks): inductor fuses each recipe's cast into one C++
+kernel on the CPU (its output code read with ``run_and_get_code``, torch 2.13: tensorwise,
+rowwise, rowwise of a transposed view, blockwise), a reduction and an elementwise pass at most,
+with the same codes and scales.
+
 Tensor and pipeline parallelism: each rank quantizes its own weight shard and its own activations,
-so every scale (tensorwise included) is per local shard, as in the emulation. Sequence parallelism
-is not supported.
+so every scale (tensorwise included) is per local shard, as in the emulation. Under sequence
+parallelism the linear receives the all-gathered input (``models/fp8.py``), so its scales are
+those of the whole sequence, as without it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -66,6 +78,7 @@ __all__ = [
     "BLOCK",
     "FP8LinearTorch",
     "FP8Operand",
+    "compiled_quantize",
     "fp8_mm",
     "quantize_gemm_operand",
     "transpose_operand",
@@ -147,6 +160,24 @@ def quantize_gemm_operand(
         return FP8Operand(codes, s.reshape(r // BLOCK, c // BLOCK).contiguous(), gran)
 
 
+COMPILED_GRAPHS = 64
+"""Graphs the compiled quantizer may keep (Dynamo's default is 8 per function). Each recipe x
+role x format, each scale source (own amax or delayed), each layout (the backward quantizes
+transposed views) and aligned vs padded shapes is a graph of its own: a rowwise linear with the
+hybrid format alone needs 6 to 12."""
+
+
+@functools.cache
+def compiled_quantize():
+    """:func:`quantize_gemm_operand` compiled once per process (``fp8.compile_casts``); raises
+    Dynamo's per-function graph limit to :data:`COMPILED_GRAPHS` where it is lower."""
+    import torch._dynamo
+
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, COMPILED_GRAPHS)
+    return torch.compile(quantize_gemm_operand, dynamic=True, fullgraph=True)
+
+
 def transpose_operand(op: FP8Operand) -> FP8Operand:
     """The same tensor as [contraction, rows]: valid for scales that do not depend on the
     direction (per tensor; 128x128 tiles, whose grid transposes), a contiguous FP8 copy."""
@@ -217,7 +248,7 @@ class _ScaledMMLinearFn(torch.autograd.Function):
         if recipe == "tensorwise_delayed":
             sx = linear.input_state.scale_inv_then_update(x2, "e4m3")
             sw = linear.weight_state.scale_inv_then_update(weight, "e4m3")
-        qx = quantize_gemm_operand(x2, recipe, "input", "e4m3", scale_inv=sx)
+        qx = linear.quantize(x2, recipe, "input", "e4m3", scale_inv=sx)
         qw = linear.weight_operand(weight, "fprop", scale_inv=sw)
         y = fp8_mm(qx, qw, fast_accum=cfg.accum_fast_fprop)[:t, :n].to(x.dtype)
         if bias is not None:
@@ -249,7 +280,7 @@ class _ScaledMMLinearFn(torch.autograd.Function):
             sg = None
             if recipe == "tensorwise_delayed":
                 sg = linear.grad_state.scale_inv_then_update(g2.float(), gfmt)
-            qg = quantize_gemm_operand(g2, recipe, "grad_output", gfmt, scale_inv=sg)
+            qg = linear.quantize(g2, recipe, "grad_output", gfmt, scale_inv=sg)
             if need_dx:
                 wt = linear.cached_operand(weight, "dgrad")
                 if wt is None:
@@ -263,11 +294,11 @@ class _ScaledMMLinearFn(torch.autograd.Function):
         else:
             x2, weight = ctx.saved_tensors
             if need_dx:  # contraction over N: dy along its rows, W^T [K, N]
-                qg = quantize_gemm_operand(g2, recipe, "grad_output", gfmt)
+                qg = linear.quantize(g2, recipe, "grad_output", gfmt)
                 dx = fp8_mm(qg, linear.weight_operand(weight, "dgrad"))[:t, :k]
             if need_dw:  # contraction over tokens: dy^T [N, T], x^T [K, T]
-                qgt = quantize_gemm_operand(g2.t(), recipe, "grad_output", gfmt)
-                qxt = quantize_gemm_operand(x2.t(), recipe, "input", "e4m3")
+                qgt = linear.quantize(g2.t(), recipe, "grad_output", gfmt)
+                qxt = linear.quantize(x2.t(), recipe, "input", "e4m3")
                 dw = fp8_mm(qgt, qxt)[:n, :k]
         if need_db:
             db = g2.float().sum(dim=0).to(b_dtype)
@@ -293,6 +324,8 @@ class FP8LinearTorch(FP8Linear):
             for role in ("input", "weight"):
                 _granularity(config.recipe, role)  # a recipe this backend lacks fails here
         super().__init__(config, enabled=enabled)
+        # quantize_gemm_operand's signature, eager or compiled (fp8.compile_casts)
+        self.quantize = compiled_quantize() if config.compile_casts else quantize_gemm_operand
         self._cache: dict | None = None  # layout -> (weight key, operand) inside weight_cache()
 
     @contextlib.contextmanager
@@ -335,7 +368,7 @@ class FP8LinearTorch(FP8Linear):
         if op is not None:
             return op
         w = weight if layout == "fprop" else weight.t()
-        op = quantize_gemm_operand(w, self.config.recipe, "weight", "e4m3", scale_inv=scale_inv)
+        op = self.quantize(w, self.config.recipe, "weight", "e4m3", scale_inv=scale_inv)
         return self.store_operand(weight, layout, op)
 
     def __repr__(self) -> str:

@@ -7,6 +7,7 @@ CUDA GPU with FP8 tensor cores).
   against a derived bound; here the hardware also accumulates in its own way (about 13 mantissa
   bits between promotions, see tests/gpu/test_fp8_gpu.py), so the check is a relative one: far
   below FP8's own quantization noise (a few percent), far above what a wrong scale or layout gives.
+* ``fp8.compile_casts`` (Triton-fused casts) gives the eager casts' results bit for bit.
 * A tiny full-FP8 actor runs through the torch backend: its logprobs match the emulation's on the
   same weights much more closely than either matches BF16, the shadow switch turns it off, and a
   training step is applied.
@@ -65,6 +66,35 @@ def test_torch_backend_gemms_match_emulation(recipe, fmt, shape):
         print(f"\n{recipe} {fmt} {shape} {name}: torch vs emulation {rel:.2e}")
         assert rel < 2**-6, f"{name}: {rel:.3g} relative to the emulation"
     assert fp8_noise > 4 * _rel(outs[1][0], outs[0][0])  # FP8 noise dominates the difference
+
+
+@needs_fp8_gpu
+@pytest.mark.parametrize("recipe", ["tensorwise_current", "rowwise", "blockwise"])
+def test_compiled_casts_are_the_eager_casts_on_the_gpu(recipe):
+    """``fp8.compile_casts``: Triton's fused cast gives the eager kernels' codes and scales, and
+    the linear the same outputs and gradients, bit for bit (the CPU suite checks inductor's C++)."""
+    from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.fp8.backend import have_blockwise_scaled_mm
+    from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
+
+    if recipe == "blockwise" and not have_blockwise_scaled_mm():
+        pytest.skip(f"torch {torch.__version__} has no block-scaled F.scaled_mm")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = (torch.randn(768, 1024, device="cuda", generator=g) * 0.05).bfloat16()
+    for tokens in (512, 200):
+        x = torch.randn(tokens, 1024, device="cuda", generator=g).bfloat16()
+        dy = torch.randn(tokens, 768, device="cuda", generator=g).bfloat16()
+        outs = []
+        for compiled in (False, True):
+            linear = FP8LinearTorch(
+                FP8Config(recipe=recipe, format="hybrid", compile_casts=compiled)
+            )
+            xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = linear(xx, ww)
+            y.backward(dy)
+            outs.append((y.detach(), xx.grad, ww.grad))
+        for name, eager, got in zip(("y", "dx", "dw"), *outs):
+            assert torch.equal(eager, got), f"{recipe} {tokens} tokens: {name} differs"
 
 
 def _actor_step(rank, world, recipe):

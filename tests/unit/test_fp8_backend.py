@@ -10,6 +10,7 @@ accepted (docs: PLATFORM_NOTES) and multiplies the dequantized operands; the rea
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -412,3 +413,45 @@ def test_install_torch_backend_and_full_precision_switch():
     assert set(weight_quantization_errors(model, fp8)) == {"L2.linear_fc1", "lm_head"}
     with pytest.raises(ValueError, match="backend='te' has no FP8 linears to install"):
         install_fp8_linears(_Model(), fp8, num_layers=2, backend="te")
+
+
+# -- compiled casts (fp8.compile_casts) -----------------------------------------------------------
+def test_compile_casts_is_for_the_torch_backend_only():
+    FP8Config(recipe="rowwise", backend="torch", compile_casts=True)
+    FP8Config(recipe="rowwise", compile_casts=True)  # auto: applies where torch is picked
+    for backend in ("te", "emulate"):
+        with pytest.raises(ValueError) as e:
+            FP8Config(recipe="tensorwise_current", backend=backend, compile_casts=True)
+        assert str(e.value).startswith(
+            f"FP8Config.compile_casts=True applies to backend 'torch' only (got backend={backend!r})"
+        )
+    with pytest.raises(ValueError, match="FP8Config.compile_casts='yes' is not valid"):
+        FP8Config(compile_casts="yes")
+
+
+@pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("clang++")),
+    reason="torch.compile on the CPU builds C++: no g++ or clang++ here",
+)
+@pytest.mark.parametrize("recipe", ["tensorwise_current", "rowwise"])
+def test_compiled_casts_give_the_eager_codes_and_gradients(recipe):
+    """Inductor's fused cast (CPU C++ here, Triton on a GPU) against the eager kernels: the same
+    forward output and the same dgrad / wgrad, bit for bit, at two ragged token counts (dynamic
+    shapes: the second needs no new compile)."""
+    cfg = dict(recipe=recipe, format="hybrid")
+    eager = FP8LinearTorch(FP8Config(**cfg))
+    compiled = FP8LinearTorch(FP8Config(**cfg, compile_casts=True))
+    assert compiled.quantize is tb.compiled_quantize() and eager.quantize is quantize_gemm_operand
+    gen = torch.Generator().manual_seed(4)
+    w = (torch.randn(136, 200, generator=gen) * 0.1).to(torch.bfloat16)
+    for tokens in (50, 77):
+        x = (torch.randn(tokens, 200, generator=gen) * 3).to(torch.bfloat16)
+        gy = torch.randn(tokens, 136, generator=gen).to(torch.bfloat16)
+        got = []
+        for linear in (eager, compiled):
+            xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            y = linear(xi, wi)
+            y.backward(gy)
+            got.append((y.detach(), xi.grad, wi.grad))
+        for a, b, what in zip(*got, ("output", "dgrad", "wgrad"), strict=True):
+            assert torch.equal(a, b), (tokens, what, (a.float() - b.float()).abs().max().item())

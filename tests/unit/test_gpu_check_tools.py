@@ -179,6 +179,14 @@ def test_bench_actor_fp8_entries_and_ratios_against_bf16():
     assert entries[2][1] == {"recipe": "rowwise", "backend": "auto"}
     with pytest.raises(ValueError, match="--fp8 entry 'te:rowwise': FP8Config.backend='te'"):
         bench_actor.parse_fp8("bf16,te:rowwise")
+    compiled = bench_actor.parse_fp8("torch:rowwise+compile")
+    assert compiled == [
+        ("torch:rowwise+compile", {"recipe": "rowwise", "backend": "torch", "compile_casts": True})
+    ]
+    with pytest.raises(ValueError, match="the only suffix is '\\+compile'"):
+        bench_actor.parse_fp8("torch:rowwise+fused")
+    with pytest.raises(ValueError, match="compile_casts=True applies to backend 'torch' only"):
+        bench_actor.parse_fp8("emulate:rowwise+compile")
 
     def row(config, fp8, recipe, tokens_per_s):
         return {
