@@ -12,6 +12,8 @@
 #   4. tiny_fp8     the tiny job, full FP8 with calibrated clipping: examples/tiny_cpu_fp8.yaml
 #                   (3 and 4 pass when the job exits 0 and ran 5 steps on CUDA, token_mult_prob_error
 #                   is in [1, 1.1) and the step-5 checkpoint exists, as tests/gpu/test_trainer_gpu.py)
+#      tiny_fp8_emulate  step 4 again with fp8.backend=emulate (when step 4 ran another backend):
+#                   the real FP8 GEMMs against their emulation, token_mult_prob_error side by side
 #   5. bench_gemm   GEMM TFLOP/s: BF16 vs FP8 tensorwise / rowwise / blockwise, Qwen3-8B/32B shapes
 #   6. bench_actor  one-GPU actor step at a 2.0B Qwen3 shape: tokens/s, MFU, peak memory, in
 #                   BF16 and with tensorwise FP8 on the torch backend, its casts eager and
@@ -213,6 +215,21 @@ step tiny_fp8 120 "$PYTHON" -m megatron_rl_fp8 train examples/tiny_cpu_fp8.yaml 
 detail=$(summarize_run "$OUT_DIR/runs/tiny_fp8" "$STEP_LOG" 5) || [ "$STEP_RC" -ne 0 ] || STEP_RC=1
 [ "$STEP_RC" -eq 0 ] || detail="$(last_line "$STEP_LOG") | $detail"
 record tiny_fp8 "$detail"
+
+# The same FP8 job through the emulation: the torch backend must train like it (issue 17: its
+# token_mult_prob_error of the same order). Skipped where tiny_fp8 already ran the emulation.
+if grep -q '^actor: .*(emulated)' "$OUT_DIR/tiny_fp8.log" 2>/dev/null; then
+    STEP_RC=0 STEP_SECS=0
+    record tiny_fp8_emulate "skipped: tiny_fp8 ran on the emulation"
+else
+    step tiny_fp8_emulate 120 "$PYTHON" -m megatron_rl_fp8 train examples/tiny_cpu_fp8.yaml \
+        "${TINY_ARGS[@]}" loss.calib.interval=2 fp8.backend=emulate \
+        "train.output_dir=$OUT_DIR/runs/tiny_fp8_emulate"
+    detail=$(summarize_run "$OUT_DIR/runs/tiny_fp8_emulate" "$STEP_LOG" 5) ||
+        [ "$STEP_RC" -ne 0 ] || STEP_RC=1
+    [ "$STEP_RC" -eq 0 ] || detail="$(last_line "$STEP_LOG") | $detail"
+    record tiny_fp8_emulate "$detail"
+fi
 
 # -- 5, 6. benchmarks --------------------------------------------------------------------------
 step bench_gemm 120 "$PYTHON" tools/bench_gemm.py --json "$OUT_DIR/bench_gemm.json"
