@@ -23,7 +23,9 @@ reduction: it shards only over DP ranks, so run it under torchrun), ``budget``
 (``train.max_tokens_per_gpu`` = micro-batch x seq: packs short rows, with ``--varlen``), ``all``.
 
 Model: the Qwen3-1.7B block (28 layers, hidden 2048, 16 query / 8 KV heads of 128, SwiGLU 6144,
-vocab 151936) with an untied output layer, 2.03B parameters. Throughput in model FLOPs
+vocab 151936) with an untied output layer, 2.03B parameters; ``--shape`` takes a larger model's
+layers instead (``megatron_rl_fp8/plan/presets.py``: qwen3-8b, qwen3-14b, qwen2.5-32b, qwen3-32b),
+``--layers`` fewer of them, so that its GEMM shapes run on one GPU. Throughput in model FLOPs
 (PaLM's convention, no recompute, causal attention counted in full):
 
     FLOPs per token = 6 * (linear weights, output layer included)
@@ -40,6 +42,7 @@ bytes in the second step from PyTorch's profiler (allocations since the build: t
     python tools/bench_actor.py --cpu-smoke              # 2 layers on the CPU: tests the script
     python tools/bench_actor.py --varlen --configs base,selective,recompute,budget
     python tools/bench_actor.py --fp8 bf16,torch:tensorwise_current,torch:rowwise,torch:blockwise
+    python tools/bench_actor.py --shape qwen3-8b --layers 8 --fp8 bf16,torch:tensorwise_current
     torchrun --nproc-per-node 8 tools/bench_actor.py --rows 64 --configs base,distopt,all --varlen
 """
 
@@ -72,9 +75,13 @@ CONFIGS = {
 """Name -> MemoryConfig / ParallelConfig fields and whether a token budget groups the rows."""
 
 
-def model_config(cpu_smoke: bool, seq: int, *, cpu_small: bool = False):
+def model_config(
+    cpu_smoke: bool, seq: int, *, cpu_small: bool = False, shape: str = "2b", layers: int = 0
+):
+    """The benchmarked model: ``shape`` '2b' (``BENCH_ACTOR_2B``) or a ``plan.presets`` name,
+    ``layers`` (0: the shape's own) deep; ``cpu_small`` / ``cpu_smoke`` models of their own."""
     from megatron_rl_fp8.models.config import ModelConfig
-    from megatron_rl_fp8.plan.presets import BENCH_ACTOR_2B
+    from megatron_rl_fp8.plan.presets import BENCH_ACTOR_2B, PRESETS
 
     if cpu_small:  # ~19M parameters: big enough on the CPU for the configurations to differ
         return ModelConfig(
@@ -100,7 +107,10 @@ def model_config(cpu_smoke: bool, seq: int, *, cpu_small: bool = False):
             vocab_size=128,
             max_position_embeddings=seq,
         )
-    return ModelConfig(**BENCH_ACTOR_2B, max_position_embeddings=seq, params_dtype="bfloat16")
+    fields = dict(BENCH_ACTOR_2B if shape == "2b" else PRESETS[shape])
+    if layers:
+        fields["num_layers"] = layers
+    return ModelConfig(**fields, max_position_embeddings=seq, params_dtype="bfloat16")
 
 
 def flops_per_token(mc, seq: int) -> tuple[float, int]:
@@ -180,7 +190,9 @@ def run(args) -> list[dict]:
             "no CUDA GPU: bench_actor measures a GPU training step (use --cpu-smoke "
             "to test the script on CPU)"
         )
-    mc = model_config(args.cpu_smoke, args.seq, cpu_small=args.cpu_small)
+    mc = model_config(
+        args.cpu_smoke, args.seq, cpu_small=args.cpu_small, shape=args.shape, layers=args.layers
+    )
     groups = parallel.initialize(parallel.ParallelConfig(), seed=1)
     on_gpu = groups.device.type == "cuda"
     batch = make_batch(args, mc.vocab_size)
@@ -266,6 +278,7 @@ def run(args) -> list[dict]:
                     "device": torch.cuda.get_device_name() if on_gpu else "cpu",
                     "ranks": groups.dp_size,
                     "params_b": params / 1e9,
+                    "shape": "cpu" if args.cpu_smoke else args.shape,
                     "layers": mc.num_layers,
                     "hidden": mc.hidden_size,
                     "fp8": label,
@@ -316,8 +329,11 @@ def markdown(results: list[dict]) -> str:
         mem = f"{r['peak_mem_gb']:.3g}"
         mem_ratio = f"{r['peak_mem_gb'] / base['peak_mem_gb']:.2f}x"
         batching = r["max_tokens_per_gpu"] or r["micro_batch"]
+        model = _params(r["params_b"])
+        if r.get("shape") not in (None, "2b", "cpu"):
+            model += f" ({r['shape']}, {r['layers']} layers)"
         lines.append(
-            f"| {r['config']} | {r['device']} x {r['ranks']} | {_params(r['params_b'])} | "
+            f"| {r['config']} | {r['device']} x {r['ranks']} | {model} | "
             f"{r['fp8']} | {r['rows']} x {r['seq']} ({batching}) | {r['step_s']:.3f} | "
             f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
             f"{mfu} | {mem} | {mem_ratio} |"
@@ -330,6 +346,8 @@ def _params(billions: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_rl_fp8.plan.presets import PRESETS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--cpu-smoke",
@@ -341,6 +359,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a ~19M-parameter model (4 layers, hidden 384, vocab 16384), 8 rows x 256 tokens, "
         "on the CPU: the configurations' relative costs where no GPU is at hand",
+    )
+    p.add_argument(
+        "--shape",
+        default="2b",
+        choices=["2b", *PRESETS],
+        help="the model's layer shape: 2b (the Qwen3-1.7B block, 28 layers) or a preset's "
+        "(Qwen3-8B ...: megatron-rl-fp8 plan --time lists them); with --layers",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="layers (default: the shape's own). One GPU holds about 16 bytes per parameter "
+        "(bf16 weights, fp32 main weights, gradients, Adam): qwen3-8b fits with 8-16 layers",
     )
     p.add_argument("--rows", type=int, help="sequences per step (default 8; smoke 4)")
     p.add_argument(
@@ -378,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the results (a list) to this JSON file")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if args.layers < 0:
+        p.error(f"--layers {args.layers}: give a positive number of layers (0: the shape's own)")
+    if (args.cpu_smoke or args.cpu_small) and (args.shape != "2b" or args.layers):
+        p.error("--shape / --layers set the GPU model; --cpu-smoke and --cpu-small have their own")
     try:
         args.fp8 = parse_fp8(args.fp8 if args.fp8 is not None else args.fp8_recipe)
     except ValueError as e:

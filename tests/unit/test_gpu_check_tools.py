@@ -143,6 +143,32 @@ def test_actor_flops_match_qwen3_published_sizes():
     assert fpt == pytest.approx(6 * (params - embedding) + 12 * 28 * 2048 * 16 * 128, rel=1e-3)
 
 
+def test_actor_shapes_of_larger_models_with_fewer_layers(capsys):
+    """``--shape`` / ``--layers``: a preset's layers (the GEMM shapes of an 8B or 32B model), as
+    deep as one GPU holds. At full depth the parameter count is the model card's: Qwen3-8B 8.2B,
+    Qwen3-32B 32.8B (untied output layers)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_actor
+    finally:
+        sys.path.pop(0)
+    mc = bench_actor.model_config(False, 2048, shape="qwen3-8b", layers=8)
+    assert (mc.num_layers, mc.hidden_size, mc.ffn_hidden_size) == (8, 4096, 12288)
+    full = {"qwen3-8b": 8.19e9, "qwen3-32b": 32.76e9}
+    for shape, card in full.items():
+        _, params = bench_actor.flops_per_token(
+            bench_actor.model_config(False, 2048, shape=shape), 2048
+        )
+        assert params == pytest.approx(card, rel=0.005), shape
+    for argv, msg in (
+        (["--shape", "qwen3-8b", "--cpu-smoke"], "--cpu-smoke and --cpu-small have their own"),
+        (["--layers", "-1"], "--layers -1: give a positive number"),
+    ):
+        with pytest.raises(SystemExit):
+            bench_actor.main(argv)
+        assert msg in capsys.readouterr().err
+
+
 @cpu_only
 def test_gpu_check_stops_clearly_without_a_gpu(tmp_path):
     env_python = {"PYTHON": sys.executable}
