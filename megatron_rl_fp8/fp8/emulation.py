@@ -248,6 +248,9 @@ class FP8Linear:
     first/last layers, the LM head). One per layer: a Megatron linear wrapper owns it."""
 
     _function: type[torch.autograd.Function]
+    gathers_sequence = False
+    """Whether a call may pass ``sp_group``: the linear then all-gathers a sequence-parallel
+    input itself and keeps only this rank's part for its backward (the torch backend)."""
 
     def __init__(self, config: FP8Config, *, enabled: bool = True):
         self.config = config
@@ -260,15 +263,28 @@ class FP8Linear:
         self.grad_state = make()
 
     def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        sp_group=None,
     ) -> torch.Tensor:
+        """``sp_group`` (where ``gathers_sequence``): x is this rank's part of a sequence split
+        along dim 0 over that process group; the output covers the whole sequence."""
+        if sp_group is not None and not (self.enabled and self.gathers_sequence):
+            raise ValueError(
+                f"{self!r} does not gather a sequence-parallel input: all-gather it first"
+            )
         if not self.enabled:
             return F.linear(x, weight, bias)
         if x.shape[-1] != weight.shape[1]:
             raise ValueError(
                 f"x has {x.shape[-1]} features but weight is {tuple(weight.shape)} ([out, in])"
             )
-        return self._function.apply(x, weight, bias, self)
+        if sp_group is None:
+            return self._function.apply(x, weight, bias, self)
+        return self._function.apply(x, weight, bias, self, sp_group)
 
 
 class FP8LinearEmulator(FP8Linear):

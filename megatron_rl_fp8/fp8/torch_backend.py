@@ -55,8 +55,10 @@ with the same codes and scales.
 
 Tensor and pipeline parallelism: each rank quantizes its own weight shard and its own activations,
 so every scale (tensorwise included) is per local shard, as in the emulation. Under sequence
-parallelism the linear receives the all-gathered input (``models/fp8.py``), so its scales are
-those of the whole sequence, as without it.
+parallelism (``sp_group``) the linear all-gathers its sequence-split input itself and quantizes
+the whole sequence, so its codes and scales are those it has without it; for its backward it keeps
+only this rank's rows (tensorwise: their FP8 codes, 1 byte per element, half what Megatron's own
+GEMM keeps; other recipes: the input in its dtype, as Megatron) and gathers them again for wgrad.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_rl_fp8.fp8.config import FP8Config
@@ -234,14 +237,39 @@ def fp8_mm(
     )
 
 
+def _gather_rows(t: torch.Tensor, group, rows: int | None = None) -> torch.Tensor:
+    """Every rank's ``t`` stacked along dim 0 in rank order (the sequence-parallel all-gather),
+    zero rows appended up to ``rows``; FP8 codes travel as bytes (a zero byte is FP8 +0)."""
+    src = t.contiguous()
+    wire = src.view(torch.uint8) if src.element_size() == 1 else src
+    n = dist.get_world_size(group) * wire.shape[0]
+    out = torch.zeros((rows or n, *wire.shape[1:]), dtype=wire.dtype, device=wire.device)
+    dist.all_gather_into_tensor(out[:n], wire, group=group)
+    return out.view(src.dtype)
+
+
+def _reduce_scatter_rows(t: torch.Tensor, group) -> torch.Tensor:
+    """This rank's block of dim 0 of the sum of every rank's ``t`` (the sequence-parallel
+    reduce-scatter of the input gradient)."""
+    out = t.new_empty((t.shape[0] // dist.get_world_size(group), *t.shape[1:]))
+    dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
+    return out
+
+
 class _ScaledMMLinearFn(torch.autograd.Function):
-    """y = x @ W^T + b with all three GEMMs on FP8 codes (see the module docstring)."""
+    """y = x @ W^T + b with all three GEMMs on FP8 codes (see the module docstring). With
+    ``sp_group``, x is this rank's part of a sequence split along dim 0: it is all-gathered before
+    quantization, only this rank's part is kept for the backward (as FP8 codes under tensorwise
+    scaling, gathered again there), and the input gradient is reduce-scattered back."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, linear: FP8LinearTorch):  # noqa: D102
+    def forward(ctx, x, weight, bias, linear: FP8LinearTorch, sp_group=None):  # noqa: D102
         cfg = linear.config
         recipe = cfg.recipe
         k = x.shape[-1]
+        x_local = x
+        if sp_group is not None:
+            x = _gather_rows(x, sp_group)
         x2 = x.reshape(-1, k)
         t, n = x2.shape[0], weight.shape[0]
         sx = sw = None
@@ -257,12 +285,19 @@ class _ScaledMMLinearFn(torch.autograd.Function):
         ctx.shapes = (x.shape, t, n, k)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.per_tensor = recipe in _PER_TENSOR
+        ctx.sp_group = sp_group
+        ctx.padded_rows = qx.codes.shape[0]
         if ctx.per_tensor:
             # One scale per tensor holds along every dim: the backward GEMMs reuse the forward
             # codes (and, under delayed scaling, the forward scales), as TE does.
-            ctx.save_for_backward(qx.codes, qx.scale_inv, qw.codes, qw.scale_inv, weight)
+            x8 = qx.codes
+            if sp_group is not None:  # this rank's rows, a copy (a view would keep them all)
+                mine = x_local.numel() // k
+                start = dist.get_rank(sp_group) * mine
+                x8 = x8[start : start + mine].clone()
+            ctx.save_for_backward(x8, qx.scale_inv, qw.codes, qw.scale_inv, weight)
         else:
-            ctx.save_for_backward(x2.detach(), weight)
+            ctx.save_for_backward(x_local.reshape(-1, k).detach(), weight)
         return y.reshape(*x.shape[:-1], n)
 
     @staticmethod
@@ -275,8 +310,11 @@ class _ScaledMMLinearFn(torch.autograd.Function):
         g2 = grad_out.reshape(-1, n)
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dx = dw = db = None
+        group = ctx.sp_group
         if ctx.per_tensor:
             x8, sx, w8, sw, weight = ctx.saved_tensors
+            if group is not None and need_dw:
+                x8 = _gather_rows(x8, group, rows=ctx.padded_rows)
             sg = None
             if recipe == "tensorwise_delayed":
                 sg = linear.grad_state.scale_inv_then_update(g2.float(), gfmt)
@@ -293,6 +331,8 @@ class _ScaledMMLinearFn(torch.autograd.Function):
                 dw = fp8_mm(transpose_operand(qg), xt)[:n, :k]
         else:
             x2, weight = ctx.saved_tensors
+            if group is not None and need_dw:
+                x2 = _gather_rows(x2, group)
             if need_dx:  # contraction over N: dy along its rows, W^T [K, N]
                 qg = linear.quantize(g2, recipe, "grad_output", gfmt)
                 dx = fp8_mm(qg, linear.weight_operand(weight, "dgrad"))[:t, :k]
@@ -304,9 +344,11 @@ class _ScaledMMLinearFn(torch.autograd.Function):
             db = g2.float().sum(dim=0).to(b_dtype)
         if dx is not None:
             dx = dx.to(x_dtype).reshape(x_shape)
+            if group is not None:
+                dx = _reduce_scatter_rows(dx, group)
         if dw is not None:
             dw = dw.to(w_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 class FP8LinearTorch(FP8Linear):
@@ -318,6 +360,7 @@ class FP8LinearTorch(FP8Linear):
     """
 
     _function = _ScaledMMLinearFn
+    gathers_sequence = True
 
     def __init__(self, config: FP8Config, *, enabled: bool = True):
         if config.enabled:

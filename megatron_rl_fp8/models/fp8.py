@@ -54,11 +54,9 @@ class _EmulatedGemm:
     sequence parallelism: the same operands, so the same codes and scales (a tensorwise amax is
     over the gathered tensor, as TE's is over its all-gathered input).
 
-    Memory under sequence parallelism: the FP8 linear keeps the gathered input for its backward
-    (the torch backend's tensorwise recipes as FP8 codes, 1 byte per element; its other recipes
-    and the emulation in the input's dtype), where Megatron's own GEMM keeps the local shard and
-    gathers it again in the backward. At TP=2 the tensorwise codes cost what Megatron's bf16
-    shard does; above, TP / 2 times as much for the QKV and FC1 inputs.
+    Memory under sequence parallelism: the torch backend gathers the input itself and keeps only
+    this rank's part for its backward (``gathers_sequence``), as Megatron's own GEMM does; the
+    emulation keeps the gathered input (it is for numerics, not memory).
     """
 
     def __init__(self, module: torch.nn.Module, emulator):
@@ -89,9 +87,13 @@ class _EmulatedGemm:
                 **kwargs,
             )
         from megatron.core.tensor_parallel import mappings
+        from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
         if sequence_parallel:  # Megatron never sets allreduce_dgrad with it
-            input = mappings.gather_from_sequence_parallel_region(input, group=tp_group)
+            group = get_tensor_model_parallel_group_if_none(tp_group)
+            if self.emulator.gathers_sequence:  # keeps only this rank's part for the backward
+                return self.emulator(input, weight, bias, sp_group=group)
+            input = mappings.gather_from_sequence_parallel_region(input, group=group)
         elif allreduce_dgrad:
             input = mappings.copy_to_tensor_model_parallel_region(input, group=tp_group)
         return self.emulator(input, weight, bias)

@@ -224,3 +224,55 @@ def _torch_backend_gaps(actor):
         gap(after["torch"], before["torch"]),
         ok,
     )
+
+
+def _sp_linear_body(rank, world):
+    """One torch-backend linear, sequence-parallel over the two ranks, against the same linear on
+    the whole sequence in this process; and what each keeps for its backward."""
+    import torch.distributed as dist
+
+    from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(12, 2, 64, generator=gen).bfloat16()  # [sequence, batch, hidden]
+    w = (torch.randn(48, 64, generator=gen) * 0.1).bfloat16()
+    dy = torch.randn(12, 2, 48, generator=gen).bfloat16()
+    out = {}
+    for recipe in ("tensorwise_current", "rowwise"):
+        runs = []
+        for sp in (True, False):
+            xi = (x.chunk(world)[rank] if sp else x).clone().requires_grad_(True)
+            wi = w.clone().requires_grad_(True)
+            saved = []
+
+            def pack(t, saved=saved):
+                saved.append((tuple(t.shape), t.dtype))
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = FP8LinearTorch(FP8Config(recipe=recipe))(
+                    xi, wi, sp_group=dist.group.WORLD if sp else None
+                )
+            y.backward(dy)
+            runs.append((y.detach(), xi.grad, wi.grad, saved))
+        out[recipe] = runs
+    return out
+
+
+def test_torch_backend_gathers_a_sequence_parallel_input_and_keeps_its_own_rows():
+    """Both ranks hold the same weight and output gradient, so the reduce-scattered input
+    gradient is twice this rank's rows of the whole sequence's (an exact doubling); output and
+    wgrad are the whole-sequence linear's bit for bit (the same gathered codes). For its
+    backward the SP linear keeps this rank's 12 of the 24 token rows: FP8 codes under
+    tensorwise scaling, the bf16 input under rowwise."""
+    for rank, got in enumerate(run_distributed(_sp_linear_body, world_size=2)):
+        for recipe, ((y, dx, dw, saved), (y_ref, dx_ref, dw_ref, saved_ref)) in got.items():
+            assert torch.equal(y, y_ref) and torch.equal(dw, dw_ref), recipe
+            assert torch.equal(dx, 2 * dx_ref.chunk(2)[rank]), recipe
+            if recipe == "tensorwise_current":  # the whole sequence's codes, rows padded to 16
+                kept, whole = torch.float8_e4m3fn, (32, 64)
+            else:
+                kept, whole = torch.bfloat16, (24, 64)
+            assert ((12, 64), kept) in saved and (whole, kept) not in saved, saved
+            assert (whole, kept) in saved_ref, saved_ref
