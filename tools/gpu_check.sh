@@ -18,17 +18,21 @@
 #   6. bench_actor  one-GPU actor step at a 2.0B Qwen3 shape: tokens/s, MFU, peak memory, in
 #                   BF16 and with tensorwise FP8 on the torch backend, its casts eager and
 #                   compiled (fp8.compile_casts) (skipped where it cannot run)
+#   7. calib_share  tools/bench_calibration.py --no-collective --models tiny: the whole calibration
+#                   cost (BF16 shadow forwards included) as a share of the full-FP8 step at
+#                   intervals 1 / 5 / 20, and where a plain step's time goes (the trainer's timers)
 # then a summary table (also DIR/summary.md). Exit status 1 if any step failed.
 #
 # Interpreter: $PYTHON if set, else .venv/bin/python if it exists, else python3. The repository
 # is put on PYTHONPATH, so a plain python with the dependencies importable (e.g.
-# PYTHONPATH=/deps:$PWD, no install) works as well as the venv. Designed to finish in under 8
-# minutes on one H200 (GPU_CHECK_BUDGET_S, default 450 s, caps the steps together).
+# PYTHONPATH=/deps:$PWD, no install) works as well as the venv. Designed to finish in under 10
+# minutes on one H200 (GPU_CHECK_BUDGET_S, default 540 s, caps the steps together; the steps
+# past it are reported as not run).
 set -u -o pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT_DIR=${GPU_CHECK_OUT:-gpu_check_out}
-BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
 
 usage() { sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
@@ -152,7 +156,7 @@ record versions "${GPU:-no GPU}; torch ${TORCH:-?}"
 if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
     # tests/gpu/test_trainer_gpu.py runs the tiny job in bf16 and full FP8 through the CLI: steps
     # 3 and 4 below run the same jobs (checking the same things, outputs kept), so not twice.
-    step gpu_tests 180 "$PYTHON" -m pytest -q -s -rs -m gpu tests/gpu \
+    step gpu_tests 240 "$PYTHON" -m pytest -q -s -rs -m gpu tests/gpu \
         --ignore=tests/gpu/test_trainer_gpu.py
     detail=$(grep -E '^[0-9]+ (passed|failed|skipped|error)|^=+ .*(passed|failed|skipped|error)' \
         "$STEP_LOG" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ *$//')
@@ -266,6 +270,22 @@ PY
 )
 record bench_actor "${detail:-$(last_line "$STEP_LOG")}"
 grep '^|' "$STEP_LOG" >"$OUT_DIR/bench_actor.md" 2>/dev/null
+
+# -- 7. calibration's share of the step, per-phase timers -------------------------------------------
+step calib_share 150 "$PYTHON" tools/bench_calibration.py --no-collective --models tiny --steps 7 \
+    --json "$OUT_DIR/bench_calibration.json"
+detail=$("$PYTHON" - "$OUT_DIR/bench_calibration.json" <<'PY' 2>/dev/null
+import json, sys
+r = json.load(open(sys.argv[1]))["share"]["tiny"]
+phases = ", ".join(f"{k.split('/')[1].removesuffix('_time_s')} {r[k]:.2f}"
+                   for k in ("perf/rollout_time_s", "perf/logprob_time_s", "perf/update_time_s",
+                             "perf/sync_time_s", "perf/other_time_s"))
+print(f"tiny full FP8: shadow {1e3 * r['shadow_s']:.0f} ms on a {r['plain_s']:.2f} s plain step "
+      f"({phases} s); share at interval 1 / 5 / 20: {r['share_1']:.1%} / {r['share_5']:.1%} / "
+      f"{r['share_20']:.1%}")
+PY
+)
+record calib_share "${detail:-$(last_line "$STEP_LOG")}"
 
 # -- summary -----------------------------------------------------------------------------------
 {
