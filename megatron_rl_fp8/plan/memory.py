@@ -21,6 +21,8 @@ activations    what the backward needs of each micro-batch (:func:`layer_activat
                (:func:`forward_working_bytes`).
 logits         the log-prob path's copies of the [tokens, V/TP] logits (:class:`LogitsCost`).
 KL reference   the frozen reference's weights (``loss.kl_coef > 0``), sharded like the actor's.
+FP8 weight     the FP8 copies of the FP8 linears' weights (:func:`fp8_weight_copy_bytes`): the
+               forward's and the transposed one for the backward, 1 byte per element each.
 SGLang         ``rollout.sglang.mem_fraction_static`` x GPU memory, on a GPU a colocated
                engine shares with a trainer rank (``rollout.placement=colocated``).
 allowance      ``RUNTIME_ALLOWANCE_GB`` (CUDA context, libraries, allocator fragmentation).
@@ -36,8 +38,9 @@ then); the logprob pass peaks inside a layer or at the loss. A micro-batch is
 rollout.max_new_tokens`` tokens (or ``train.max_tokens_per_gpu`` tokens under a token budget).
 
 Not counted: communication buffers (NCCL, pipeline p2p, the distributed optimizer's all-gather
-buckets), Transformer Engine's FP8 weight caches and its 1-byte FP8 copies of saved activations
-(FP8 runs are counted as bf16), Adam's temporaries where it is torch's foreach Adam rather than
+buckets), the 1-byte FP8 copies of saved activations (FP8 activations are counted as bf16; the
+torch backend's tensorwise recipes keep the QKV / FC1 / projection / FC2 inputs as FP8 codes
+instead, so this overestimates them), Adam's temporaries where it is torch's foreach Adam rather than
 TE's / apex's fused one (one fp32 copy of the parameters, at the step, when activations are
 freed), the rollout batch itself (a few [rows, S] tensors).
 """
@@ -52,6 +55,7 @@ from megatron_rl_fp8.config_utils import ConfigError
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.config import RunConfig
+    from megatron_rl_fp8.fp8.config import FP8Config
     from megatron_rl_fp8.models.config import ModelConfig
 
 GB = 1e9  # GB here are 10^9 bytes, as tools/bench_actor.py reports torch.cuda.max_memory_allocated
@@ -286,6 +290,46 @@ def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> float:
     if stage == pp - 1:
         n += m.hidden_size + (vocab if not m.tie_word_embeddings or pp > 1 else 0)
     return n
+
+
+def fp8_linear_params(m: ModelConfig, fp8: FP8Config, tp: int, pp: int, stage: int) -> float:
+    """Weight elements of the FP8 linears on one GPU of pipeline ``stage``: the four linears of
+    each of its layers that runs FP8 (BF16 first / last layers are global positions), and the
+    output layer on the last stage when it runs FP8 (``keep_lm_head_bf16: false``)."""
+    if not fp8.enabled:
+        return 0.0
+    h, q, g, f, _ = _widths(m)
+    per_layer = (h * (q + 2 * g) + q * h + 2 * f * h + f * h) / tp
+    per_stage = m.num_layers // pp
+    first = stage * per_stage + 1
+    layers = range(first, first + per_stage)
+    n = per_layer * sum(fp8.layer_uses_fp8(i, m.num_layers) for i in layers)
+    if stage == pp - 1 and not fp8.keep_lm_head_bf16:
+        n += m.padded_vocab_size(tp) * h / tp
+    return n
+
+
+def fp8_weight_copy_bytes(fp8: FP8Config, *, spec: Spec, device: Device) -> tuple[float, float]:
+    """Bytes per FP8-linear weight element held as FP8 copies, (update, logprobs).
+
+    Both FP8 backends of a GPU run quantize each weight once per forward / backward schedule
+    and keep it: the forward's [N, K] codes and the backward's transposed [K, N] codes, 1 byte
+    each. Transformer Engine (the ``te`` spec under ``fp8.backend: auto``) keeps both in its
+    weight workspaces across steps (read from its code, not measured here): 2 and 2. The torch
+    backend (``fp8/torch_backend.py``) keeps them inside one schedule: 2 in the update, 1 in the
+    no-grad logprob pass (no transposed copy), none under ``tensorwise_delayed`` (its weight
+    scale moves with every call, so nothing is cached; one linear's copy at a time). The
+    emulation, and every CPU run, keeps none (its quantize-dequantize copy lives for one GEMM)."""
+    if not fp8.enabled or device == "cpu" or fp8.backend == "emulate":
+        return 0.0, 0.0
+    from megatron_rl_fp8.fp8.config import BACKEND_RECIPES  # the fp8 package imports torch
+
+    backend = fp8.backend
+    if backend == "auto":
+        backend = "te" if spec == "te" and fp8.recipe in BACKEND_RECIPES["te"] else "torch"
+    if backend == "te":
+        return 2.0, 2.0
+    return (0.0, 0.0) if fp8.recipe == "tensorwise_delayed" else (2.0, 1.0)
 
 
 def param_bytes(m: ModelConfig, device: Device) -> int:
@@ -532,6 +576,7 @@ def estimate(
     n_micro = _micro_batches(cfg, lay.dp)
     sglang, sglang_note = _sglang_share(cfg, world)
     allowance = 0.0 if cpu else RUNTIME_ALLOWANCE_GB * GB
+    fp8_copies = fp8_weight_copy_bytes(cfg.fp8, spec=spec, device=world.device)
 
     best = None
     for stage in range(lay.pp):
@@ -553,6 +598,8 @@ def estimate(
         else:
             logprobs = (acts.buffer + acts.forward, 0.0)
         ref = params * a if cfg.loss.kl_coef > 0 else 0.0
+        fp8_params = fp8_linear_params(m, cfg.fp8, lay.tp, lay.pp, stage)
+        fp8_update, fp8_logprobs = (fp8_params * b for b in fp8_copies)
         rows = (
             Component("weights", params * a, params * a),
             Component("gradients", params * 4, params * 4),
@@ -560,6 +607,7 @@ def estimate(
             Component("activations", update[0], logprobs[0]),
             Component("logits", update[1], logprobs[1]),
             Component("KL reference", ref, ref),
+            Component("FP8 weight copies", fp8_update, fp8_logprobs),
             Component("SGLang", sglang, sglang),
             Component("allowance", allowance, allowance),
         )

@@ -337,7 +337,8 @@ def predict(
     ``gpu``, for ``precision``: ``bf16``, ``fp8-rollout`` (FP8 engines, BF16 trainer) or ``fp8``
     (both; the trainer's recipe is ``recipe`` or ``fp8.recipe``, blockwise if that is bf16).
     ``fill``: mean response length / ``rollout.max_new_tokens``. Memory is the planner's
-    :func:`~megatron_rl_fp8.plan.memory.estimate` for the same layout and ``spec``."""
+    :func:`~megatron_rl_fp8.plan.memory.estimate` for the same layout and ``spec``, with the
+    trainer's FP8 as ``precision`` has it (its FP8 weight copies only under ``fp8``)."""
     if precision not in PRECISIONS:
         raise ConfigError(f"--precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
     if not 0 < fill <= 1:
@@ -345,15 +346,16 @@ def predict(
     m, t, r = cfg.model, cfg.train, cfg.rollout
     lay = layout or Layout.from_config(cfg, world.size)
     fleet = fleet or Fleet.from_config(cfg)
-    memory = estimate(cfg, world, layout=lay, spec=spec)
+    fp8_rollout = precision != "bf16"
+    fp8_train = precision == "fp8"
+    recipe = recipe or (cfg.fp8.recipe if cfg.fp8.recipe != "bf16" else "blockwise")
+    trainer_fp8 = dataclasses.replace(cfg.fp8, recipe=recipe if fp8_train else "bf16")
+    memory = estimate(dataclasses.replace(cfg, fp8=trainer_fp8), world, layout=lay, spec=spec)
     if fleet.placement == "colocated" and fleet.engines * fleet.tp > world.size:
         raise ConfigError(
             f"rollout.sglang.num_engines ({fleet.engines}) x tp_size ({fleet.tp}) colocated "
             f"engines need more than the {world.size} trainer GPUs"
         )
-    fp8_rollout = precision != "bf16"
-    fp8_train = precision == "fp8"
-    recipe = recipe or (cfg.fp8.recipe if cfg.fp8.recipe != "bf16" else "blockwise")
     speed = eff.fp8_speedup(recipe) if fp8_train else 1.0
 
     prompts = t.prompts_per_step

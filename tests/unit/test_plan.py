@@ -11,7 +11,7 @@ from megatron_rl_fp8 import cli
 from megatron_rl_fp8.config import EXAMPLES_DIR, RunConfig
 from megatron_rl_fp8.config_utils import from_dict
 from megatron_rl_fp8.plan import UNCHUNKED_LOGPROBS, Layout, World, alternatives, estimate
-from megatron_rl_fp8.plan.memory import GB, layer_activation_bytes, layer_params
+from megatron_rl_fp8.plan.memory import GB, fp8_linear_params, layer_activation_bytes, layer_params
 
 # qwen3 (QK-norm), hidden 64, 4 query heads / 2 KV groups of 16, SwiGLU 128, vocab 256 (no
 # padding at TP 1 or 2), untied output layer, bf16.
@@ -281,3 +281,70 @@ def test_the_estimate_imports_neither_torch_nor_megatron():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# -- FP8 weight copies --------------------------------------------------------------------------
+SMALL_LINEARS = 36864  # one SMALL layer's four linear weights (see SMALL_PARAMS)
+
+
+@pytest.mark.parametrize(
+    "fp8, spec, update, logprobs",
+    [
+        # No TE (local spec): the torch backend, forward + transposed copies in the update,
+        # the forward's only in the no-grad pass.
+        ({"recipe": "blockwise"}, "local", 2, 1),
+        # TE keeps both copies in its workspaces across steps.
+        ({"recipe": "blockwise"}, "te", 2, 2),
+        ({"recipe": "rowwise"}, "te", 2, 1),  # TE has no rowwise: auto takes torch
+        ({"recipe": "tensorwise_delayed"}, "local", 0, 0),  # the torch backend caches nothing
+        ({"recipe": "blockwise", "backend": "emulate"}, "te", 0, 0),
+        ({"recipe": "bf16"}, "te", 0, 0),
+    ],
+)
+def test_fp8_weight_copies_by_backend(fp8, spec, update, logprobs):
+    e = estimate(make_cfg(fp8=fp8), World(gpus_per_node=1), spec=spec)
+    assert row(e, "FP8 weight copies") == 2 * SMALL_LINEARS * update
+    assert row(e, "FP8 weight copies", "logprobs") == 2 * SMALL_LINEARS * logprobs
+    cpu = estimate(make_cfg(fp8=fp8), World(gpus_per_node=1, device="cpu"))
+    assert row(cpu, "FP8 weight copies") == 0  # CPU runs emulate
+
+
+def test_fp8_weight_copies_follow_the_layers_each_gpu_holds():
+    """BF16 edge layers hold none; TP splits the linears; a pipeline stage counts its own layers
+    and the last one an FP8 output layer."""
+    plain = make_cfg(fp8={"recipe": "blockwise"})
+    one = World(gpus_per_node=1)
+    edges = estimate(make_cfg(fp8={"recipe": "blockwise", "bf16_first_layers": 1}), one, spec="te")
+    assert row(edges, "FP8 weight copies") == 2 * SMALL_LINEARS
+    tp2 = estimate(plain, World(gpus_per_node=2), layout=Layout(tp=2), spec="te")
+    assert row(tp2, "FP8 weight copies") == 2 * SMALL_LINEARS  # two layers, half of each
+    head = make_cfg(fp8={"recipe": "blockwise", "keep_lm_head_bf16": False, "backend": "torch"})
+    pp2 = estimate(head, World(gpus_per_node=2), layout=Layout(pp=2), spec="local")
+    assert pp2.stage == 0  # the worst stage (two micro-batches in flight): its one layer
+    assert row(pp2, "FP8 weight copies") == 2 * SMALL_LINEARS
+    # The last stage: its layer and the 256 x 64 output layer.
+    assert fp8_linear_params(head.model, head.fp8, 1, 2, 1) == SMALL_LINEARS + 256 * 64
+
+
+def test_fp8_weight_copies_are_what_the_torch_backend_caches():
+    """The torch backend's cache inside one forward / backward schedule holds 2 bytes per weight
+    element (forward and transposed codes; shapes aligned to 16, so no padding), 1 after a
+    no-grad forward: the planner's numbers for it."""
+    import torch
+
+    from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
+
+    def cached_bytes(linear):
+        return sum(op.codes.numel() * op.codes.element_size() for _, op in linear._cache.values())
+
+    for recipe in ("tensorwise_current", "rowwise"):
+        linear = FP8LinearTorch(FP8Config(recipe=recipe))
+        w = torch.randn(96, 64, requires_grad=True)
+        x = torch.randn(32, 64, requires_grad=True)
+        with linear.weight_cache():
+            linear(x, w).sum().backward()
+            assert cached_bytes(linear) == 2 * w.numel(), recipe
+        with linear.weight_cache(), torch.no_grad():
+            linear(x, w)
+            assert cached_bytes(linear) == w.numel(), recipe
