@@ -3,7 +3,8 @@
 One row per (model, linear, method): TFLOP/s (2*M*N*K per GEMM, median of timed runs), the
 ratio to the BF16 GEMM of the same shape, and the largest error against the float32 product of
 the dequantized FP8 operands, as a share of the largest output (a check that the call's scales
-mean what we think, not a precision study). M = 8192 tokens; (N, K) of each linear from the
+mean what we think, not a precision study). M = 8192 tokens (``--tokens``: a list, e.g. 1024,8192,
+for the small micro-batches where FP8's fixed costs weigh more); (N, K) of each linear from the
 models' public configs:
 
 =========  ======  =====  ====  =======  ===============================================
@@ -33,6 +34,7 @@ itself can be tested anywhere.
 
     python tools/bench_gemm.py                    # on a GPU node
     python tools/bench_gemm.py --json out.json    # also write the rows as JSON
+    python tools/bench_gemm.py --tokens 1024,2048,8192
     python tools/bench_gemm.py --cpu-smoke
 """
 
@@ -160,13 +162,14 @@ def _fp8_gemm(
     raise ValueError(f"unknown method {method!r}")
 
 
-def run(cpu_smoke: bool, iters: int, warmup: int) -> list[dict]:
+def run(cpu_smoke: bool, iters: int, warmup: int, tokens: list[int] | None = None) -> list[dict]:
+    """Rows for every token count in ``tokens`` (default: 8192; the smoke test's 256)."""
     device = torch.device("cpu" if cpu_smoke else "cuda")
     if not cpu_smoke and not torch.cuda.is_available():
         raise SystemExit(
             "no CUDA GPU: bench_gemm measures GPU GEMMs (use --cpu-smoke to test the script on CPU)"
         )
-    shapes, m = (SMOKE_SHAPES, SMOKE_M) if cpu_smoke else (SHAPES, M_TOKENS)
+    shapes, default_m = (SMOKE_SHAPES, SMOKE_M) if cpu_smoke else (SHAPES, M_TOKENS)
     fp8_reason = None
     if cpu_smoke:
         fp8_reason = "no CUDA (--cpu-smoke)"
@@ -177,7 +180,9 @@ def run(cpu_smoke: bool, iters: int, warmup: int) -> list[dict]:
     g = torch.Generator(device=device).manual_seed(0)
     rows = []
     with torch.no_grad():
-        for model, linears in shapes.items():
+        for model, linears, m in (
+            (model, linears, m) for m in tokens or [default_m] for model, linears in shapes.items()
+        ):
             for linear, (n, k) in linears.items():
                 x = torch.randn(m, k, device=device, generator=g)
                 w = torch.randn(n, k, device=device, generator=g) * 0.02
@@ -253,12 +258,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--iters", type=int, default=20, help="timed runs per GEMM (median)")
     p.add_argument("--warmup", type=int, default=5, help="untimed runs first")
+    p.add_argument(
+        "--tokens",
+        default="",
+        help="comma-separated GEMM M (tokens) to run, e.g. 1024,8192 (default: 8192; smoke 256)",
+    )
     p.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
+    try:
+        tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    except ValueError:
+        p.error(f"--tokens {args.tokens!r}: give comma-separated integers, e.g. 1024,8192")
+    if any(t < 16 or t % 16 for t in tokens):
+        p.error(f"--tokens {args.tokens!r}: each must be a positive multiple of 16 (FP8 GEMMs)")
     iters, warmup = (2, 1) if args.cpu_smoke else (args.iters, args.warmup)
     if torch.cuda.is_available() and not args.cpu_smoke:
         print(f"# GEMM throughput on {torch.cuda.get_device_name()} (torch {torch.__version__})\n")
-    rows = run(args.cpu_smoke, iters, warmup)
+    rows = run(args.cpu_smoke, iters, warmup, tokens)
     print(markdown(rows))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,8 @@
 #                   is in [1, 1.1) and the step-5 checkpoint exists, as tests/gpu/test_trainer_gpu.py)
 #      tiny_fp8_emulate  step 4 again with fp8.backend=emulate (when step 4 ran another backend):
 #                   the real FP8 GEMMs against their emulation, token_mult_prob_error side by side
-#   5. bench_gemm   GEMM TFLOP/s: BF16 vs FP8 tensorwise / rowwise / blockwise, Qwen3-8B/32B shapes
+#   5. bench_gemm   GEMM TFLOP/s: BF16 vs FP8 tensorwise / rowwise / blockwise, Qwen3-8B/32B shapes,
+#                   at M = 8192 and 1024 tokens
 #   6. bench_actor  one-GPU actor step at a 2.0B Qwen3 shape: tokens/s, MFU, peak memory, in
 #                   BF16 and with tensorwise FP8 on the torch backend, its casts eager and
 #                   compiled (fp8.compile_casts) (skipped where it cannot run)
@@ -236,20 +237,25 @@ else
 fi
 
 # -- 5, 6. benchmarks --------------------------------------------------------------------------
-step bench_gemm 120 "$PYTHON" tools/bench_gemm.py --json "$OUT_DIR/bench_gemm.json"
+step bench_gemm 120 "$PYTHON" tools/bench_gemm.py --tokens 1024,8192 \
+    --json "$OUT_DIR/bench_gemm.json"
 detail=$("$PYTHON" - "$OUT_DIR/bench_gemm.json" <<'PY' 2>/dev/null
 import json, sys
-rows = json.load(open(sys.argv[1]))["rows"]
+all_rows = json.load(open(sys.argv[1]))["rows"]
 out = []
-for method in dict.fromkeys(r["method"] for r in rows):
-    ok = [r for r in rows if r["method"] == method and r["tflops"] is not None]
-    if not ok:
-        out.append(f"{method} {next(r['status'] for r in rows if r['method'] == method)}")
-    elif method == "bf16":
-        out.append(f"bf16 {min(r['tflops'] for r in ok):.0f}-{max(r['tflops'] for r in ok):.0f} TFLOP/s")
-    else:
-        out.append(f"{method.removeprefix('fp8_')} x{min(r['vs_bf16'] for r in ok):.2f}-"
-                   f"{max(r['vs_bf16'] for r in ok):.2f}")
+for m in sorted({r["M"] for r in all_rows}, reverse=True):
+    rows = [r for r in all_rows if r["M"] == m]
+    part = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        ok = [r for r in rows if r["method"] == method and r["tflops"] is not None]
+        if not ok:
+            part.append(f"{method} {next(r['status'] for r in rows if r['method'] == method)}")
+        elif method == "bf16":
+            part.append(f"bf16 {min(r['tflops'] for r in ok):.0f}-{max(r['tflops'] for r in ok):.0f} TFLOP/s")
+        else:
+            part.append(f"{method.removeprefix('fp8_')} x{min(r['vs_bf16'] for r in ok):.2f}-"
+                        f"{max(r['vs_bf16'] for r in ok):.2f}")
+    out.append(f"M {m}: " + ", ".join(part))
 print("; ".join(out))
 PY
 )

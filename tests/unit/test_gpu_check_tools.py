@@ -45,6 +45,8 @@ def test_bench_gemm_cpu_smoke(tmp_path):
             sys.executable,
             "tools/bench_gemm.py",
             "--cpu-smoke",
+            "--tokens",
+            "64,128",
             "--json",
             str(tmp_path / "gemm.json"),
         ]
@@ -52,7 +54,9 @@ def test_bench_gemm_cpu_smoke(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = json.loads((tmp_path / "gemm.json").read_text())["rows"]
     table = _table_rows(out.stdout)
-    assert len(table) == len(rows) == 2 * 6  # two shapes x (bf16, fp32, four FP8 methods)
+    # two token counts x two shapes x (bf16, fp32, four FP8 methods)
+    assert len(table) == len(rows) == 2 * 2 * 6
+    assert sorted({r["M"] for r in rows}) == [64, 128]
     for r in rows:
         assert r["M"] * r["N"] * r["K"] > 0
         if r["method"] in ("bf16", "fp32"):
@@ -61,6 +65,11 @@ def test_bench_gemm_cpu_smoke(tmp_path):
             assert r["method"] in bench_gemm.FP8_METHODS
             assert r["status"].startswith("unavailable") and r["tflops"] is None
     assert {r["vs_bf16"] for r in rows if r["method"] == "bf16"} == {1.0}
+    bad = _run([sys.executable, "tools/bench_gemm.py", "--cpu-smoke", "--tokens", "100"])
+    assert (
+        bad.returncode == 2
+        and "--tokens '100': each must be a positive multiple of 16" in bad.stderr
+    )
     # The GPU shapes are the models' published linear shapes (see the module docstring).
     assert bench_gemm.SHAPES["Qwen3-8B"]["qkv"] == ((32 + 2 * 8) * 128, 4096)
     assert bench_gemm.SHAPES["Qwen3-32B"]["o"] == (5120, 64 * 128)
