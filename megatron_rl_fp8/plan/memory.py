@@ -40,8 +40,8 @@ rollout.max_new_tokens`` tokens (or ``train.max_tokens_per_gpu`` tokens under a 
 Not counted: communication buffers (NCCL, pipeline p2p, the distributed optimizer's all-gather
 buckets), the 1-byte FP8 copies of saved activations (FP8 activations are counted as bf16; the
 torch backend's tensorwise recipes keep the QKV / FC1 / projection / FC2 inputs as FP8 codes
-instead, so this overestimates them), Adam's temporaries where it is torch's foreach Adam rather than
-TE's / apex's fused one (one fp32 copy of the parameters, at the step, when activations are
+instead, so this overestimates them), Adam's temporaries where it is torch's foreach Adam rather
+than TE's / apex's fused one (one fp32 copy of the parameters, at the step, when activations are
 freed), the rollout batch itself (a few [rows, S] tensors).
 """
 

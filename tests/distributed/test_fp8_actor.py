@@ -166,7 +166,8 @@ def tp_runs():
 def test_tp2_fp8_step_matches_tp1(tp_runs):
     """MXFP8's 32-element scale groups fall inside the TP shards here (every split dim is a
     multiple of 32), so TP=2 quantizes exactly the groups TP=1 does and must agree up to fp32
-    reduction order. (With the column-parallel dgrad all-reduce removed the grad norm drops 6.5 -> 4.6.)"""
+    reduction order. (With the column-parallel dgrad all-reduce removed the grad norm drops
+    6.5 -> 4.6.)"""
     (loss1, gn1, ok1), (loss2, gn2, ok2) = (run[False, "emulate"] for run in tp_runs)
     assert ok1 and ok2
     assert loss2 == pytest.approx(loss1, rel=1e-5)
