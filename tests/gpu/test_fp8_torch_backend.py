@@ -69,7 +69,9 @@ def test_torch_backend_gemms_match_emulation(recipe, fmt, shape):
 
 
 @needs_fp8_gpu
-@pytest.mark.parametrize("recipe", ["tensorwise_current", "rowwise", "blockwise"])
+@pytest.mark.parametrize(
+    "recipe", ["tensorwise_current", "tensorwise_delayed", "rowwise", "blockwise"]
+)
 def test_compiled_casts_are_the_eager_casts_on_the_gpu(recipe):
     """``fp8.compile_casts``: Triton's fused cast gives the eager kernels' codes and scales, and
     the linear the same outputs and gradients, bit for bit (the CPU suite checks inductor's C++)."""
