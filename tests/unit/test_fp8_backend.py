@@ -433,11 +433,12 @@ def test_compile_casts_is_for_the_torch_backend_only():
     not (shutil.which("g++") or shutil.which("clang++")),
     reason="torch.compile on the CPU builds C++: no g++ or clang++ here",
 )
-@pytest.mark.parametrize("recipe", ["tensorwise_current", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise_current", "tensorwise_delayed", "rowwise"])
 def test_compiled_casts_give_the_eager_codes_and_gradients(recipe):
-    """Inductor's fused cast (CPU C++ here, Triton on a GPU) against the eager kernels: the same
-    forward output and the same dgrad / wgrad, bit for bit, at two ragged token counts (dynamic
-    shapes: the second needs no new compile)."""
+    """Inductor's fused cast (CPU C++ here, Triton on a GPU) against the eager kernels (delayed
+    scaling: a given scale instead of the amax, a graph of its own): the same forward output and
+    the same dgrad / wgrad, bit for bit, at two ragged token counts (dynamic shapes: the second
+    needs no new compile)."""
     cfg = dict(recipe=recipe, format="hybrid")
     eager = FP8LinearTorch(FP8Config(**cfg))
     compiled = FP8LinearTorch(FP8Config(**cfg, compile_casts=True))
