@@ -296,11 +296,13 @@ class Actor:
     def describe(self) -> str:
         """One line for the run log: size, dtype, device, layout and FP8 path of this rank."""
         n = sum(p.numel() for p in self.module.parameters())
-        fp8 = (
-            "off"
-            if not self.fp8.enabled
-            else f"{self.fp8.recipe} ({_BACKEND_WORDS[self.fp8_backend]})"
-        )
+        fp8 = "off"
+        if self.fp8.enabled:
+            words = _BACKEND_WORDS[self.fp8_backend]
+            if self.fp8.compile_casts:  # only the torch backend has casts of its own to compile
+                on = self.fp8_backend == "torch"
+                words += ", casts compiled" if on else ", fp8.compile_casts unused"
+            fp8 = f"{self.fp8.recipe} ({words})"
         g, p = self.groups, self.parallel
         dtype = str(self.config.params_dtype).removeprefix("torch.")
         layout = f"TP={g.tp_size} PP={g.pp_size} DP={g.dp_size}"

@@ -39,9 +39,12 @@ def _placement_body(rank, world):
         "edges": dict(recipe="blockwise", bf16_first_layers=1, bf16_last_layers=1),
         "lm_head": dict(recipe="tensorwise_current", keep_lm_head_bf16=False),
         "off": dict(recipe="bf16"),
+        # auto resolves to the emulation on a CPU: nothing to compile, and the log says so
+        "compiled": dict(recipe="blockwise", compile_casts=True),
     }.items():
         actor, _ = _actor(kw)
         out[label] = sorted(n for n, _, _ in emulated_linears(actor.module))
+        out[f"{label} describe"] = actor.describe()
         parallel.destroy()
     return out
 
@@ -52,6 +55,8 @@ def test_which_linears_run_fp8():
     assert got["edges"] == [n for n in got["all"] if n.startswith("decoder.layers.1.")]
     assert "output_layer" in got["lm_head"] and len(got["lm_head"]) == 13
     assert got["off"] == []
+    assert got["all describe"].endswith("FP8 blockwise (emulated)")
+    assert got["compiled describe"].endswith("FP8 blockwise (emulated, fp8.compile_casts unused)")
 
 
 def _exactness_body(rank, world):
