@@ -269,11 +269,18 @@ def _widths(m: ModelConfig) -> tuple[int, int, int, int, int]:
     return m.hidden_size, n * d, m.num_query_groups * d, m.ffn_hidden_size, n
 
 
+def layer_linear_weights(m: ModelConfig) -> int:
+    """Weights of one transformer layer's four linears (QKV, output projection, gate + up, down),
+    whole (not split by TP), without biases."""
+    h, q, g, f, _ = _widths(m)
+    return h * (q + 2 * g) + q * h + 2 * f * h + f * h
+
+
 def layer_params(m: ModelConfig, tp: int) -> float:
     """Parameters of one transformer layer on one TP rank: the four linears split by TP, the
     norms (and Qwen3's QK-norms) replicated."""
-    h, q, g, f, _ = _widths(m)
-    linear = h * (q + 2 * g) + q * h + 2 * f * h + f * h
+    h, q, g, _, _ = _widths(m)
+    linear = layer_linear_weights(m)
     bias = (q + 2 * g) if m.qkv_bias else 0
     norms = 2 * h + (2 * m.kv_channels if m.qk_layernorm else 0)
     return (linear + bias) / tp + norms
@@ -298,14 +305,13 @@ def fp8_linear_params(m: ModelConfig, fp8: FP8Config, tp: int, pp: int, stage: i
     output layer on the last stage when it runs FP8 (``keep_lm_head_bf16: false``)."""
     if not fp8.enabled:
         return 0.0
-    h, q, g, f, _ = _widths(m)
-    per_layer = (h * (q + 2 * g) + q * h + 2 * f * h + f * h) / tp
+    per_layer = layer_linear_weights(m) / tp
     per_stage = m.num_layers // pp
     first = stage * per_stage + 1
     layers = range(first, first + per_stage)
     n = per_layer * sum(fp8.layer_uses_fp8(i, m.num_layers) for i in layers)
     if stage == pp - 1 and not fp8.keep_lm_head_bf16:
-        n += m.padded_vocab_size(tp) * h / tp
+        n += m.padded_vocab_size(tp) * m.hidden_size / tp
     return n
 
 

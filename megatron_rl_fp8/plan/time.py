@@ -45,7 +45,15 @@ from typing import TYPE_CHECKING, Literal
 
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.plan.hardware import GPU, GPUS
-from megatron_rl_fp8.plan.memory import Estimate, Layout, Spec, World, estimate, stage_params
+from megatron_rl_fp8.plan.memory import (
+    Estimate,
+    Layout,
+    Spec,
+    World,
+    estimate,
+    layer_linear_weights,
+    stage_params,
+)
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.config import RunConfig
@@ -145,10 +153,7 @@ REFERENCE_GPU = GPUS["H200"]  # where the efficiencies were measured
 # -- FLOPs: tools/bench_actor.py's convention ------------------------------------------------------
 def linear_weights(m: ModelConfig) -> float:
     """Weights of every linear GEMM, the output layer included (not the embedding, a lookup)."""
-    d, f = m.hidden_size, m.ffn_hidden_size
-    q, g = m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
-    per_layer = d * (q + 2 * g) + q * d + d * 2 * f + f * d
-    return m.num_layers * per_layer + d * m.padded_vocab_size()
+    return m.num_layers * layer_linear_weights(m) + m.hidden_size * m.padded_vocab_size()
 
 
 def train_flops_per_token(m: ModelConfig, seq: float) -> tuple[float, float]:
