@@ -86,9 +86,9 @@ class _EmulatedGemm:
                 tp_group=tp_group,
                 **kwargs,
             )
-        from megatron.core.tensor_parallel import mappings
-        from megatron.core.utils import get_tensor_model_parallel_group_if_none
-
+        if sequence_parallel or allreduce_dgrad:  # TP > 1 only: TP = 1 imports nothing here
+            from megatron.core.tensor_parallel import mappings
+            from megatron.core.utils import get_tensor_model_parallel_group_if_none
         if sequence_parallel:  # Megatron never sets allreduce_dgrad with it
             group = get_tensor_model_parallel_group_if_none(tp_group)
             if self.emulator.gathers_sequence:  # keeps only this rank's part for the backward
