@@ -122,10 +122,13 @@ class DelayedScalingState:
         self.history[self.num_updates % self.history_len] = amax
         self.num_updates += 1
 
-    def scale_inv_then_update(self, t: torch.Tensor, fmt: str) -> torch.Tensor:
+    def scale_inv_then_update(
+        self, t: torch.Tensor, fmt: str, *, amax: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Scale for quantizing ``t`` now (from history; t's own amax on the first step), then
-        record t's amax, in TE's order."""
-        amax_now = t.detach().abs().amax().float()
+        record t's amax, in TE's order. ``amax`` stands for t's where it is known already (the
+        amax of a sequence-split tensor, reduced over the ranks that hold its parts)."""
+        amax_now = t.detach().abs().amax().float() if amax is None else amax.float()
         s = self.scale_inv(fmt)
         if s is None:
             s = compute_scale_inv(amax_now * (2.0**self.margin), fmt)

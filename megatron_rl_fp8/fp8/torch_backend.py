@@ -55,10 +55,13 @@ with the same codes and scales.
 
 Tensor and pipeline parallelism: each rank quantizes its own weight shard and its own activations,
 so every scale (tensorwise included) is per local shard, as in the emulation. Under sequence
-parallelism (``sp_group``) the linear all-gathers its sequence-split input itself and quantizes
-the whole sequence, so its codes and scales are those it has without it; for its backward it keeps
-only this rank's rows (tensorwise: their FP8 codes, 1 byte per element, half what Megatron's own
-GEMM keeps; other recipes: the input in its dtype, as Megatron) and gathers them again for wgrad.
+parallelism (``sp_group``) the linear all-gathers its sequence-split input itself, as FP8 (as TE
+does): each rank quantizes its own rows with the scales the whole sequence gives them (per
+tensor: the amax all-reduced over the group first, one float; per row or 1x128 group: their
+own), and the codes (1 byte per element instead of 2 for a bf16 input) and row scales are
+gathered: the codes and scales the linear has without SP, bit for bit. For its backward it keeps
+only this rank's rows (tensorwise: their FP8 codes, half what Megatron's own GEMM keeps; other
+recipes: the input in its dtype, as Megatron) and gathers them again for wgrad.
 """
 
 from __future__ import annotations
@@ -237,15 +240,42 @@ def fp8_mm(
     )
 
 
-def _gather_rows(t: torch.Tensor, group, rows: int | None = None) -> torch.Tensor:
+def _gather_rows(t: torch.Tensor, group, rows: int | None = None, fill: float = 0) -> torch.Tensor:
     """Every rank's ``t`` stacked along dim 0 in rank order (the sequence-parallel all-gather),
-    zero rows appended up to ``rows``; FP8 codes travel as bytes (a zero byte is FP8 +0)."""
+    rows of ``fill`` appended up to ``rows``; FP8 codes travel as bytes (a zero byte is FP8 +0)."""
     src = t.contiguous()
     wire = src.view(torch.uint8) if src.element_size() == 1 else src
     n = dist.get_world_size(group) * wire.shape[0]
-    out = torch.zeros((rows or n, *wire.shape[1:]), dtype=wire.dtype, device=wire.device)
+    out = torch.full((rows or n, *wire.shape[1:]), fill, dtype=wire.dtype, device=wire.device)
     dist.all_gather_into_tensor(out[:n], wire, group=group)
     return out.view(src.dtype)
+
+
+def _gathered_input(
+    linear: FP8LinearTorch, x2: torch.Tensor, group
+) -> tuple[FP8Operand, torch.Tensor]:
+    """The fprop operand of a sequence-split input, gathered as FP8: this rank's rows ``x2`` are
+    quantized with the scales the whole sequence gives them (per tensor: the amax all-reduced over
+    ``group`` first; per row or 1x128 group: their own) and every rank's codes and scales are
+    all-gathered: 1 byte per element on the wire instead of the input's 2 or 4, and the operand
+    the whole-sequence linear makes, bit for bit. Returns it and this rank's codes."""
+    recipe = linear.config.recipe
+    sx = None
+    if recipe in _PER_TENSOR:
+        amax = x2.detach().abs().amax().float()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        if recipe == "tensorwise_delayed":
+            sx = linear.input_state.scale_inv_then_update(x2, "e4m3", amax=amax)
+        else:
+            sx = compute_scale_inv(amax, "e4m3")
+    local = linear.quantize(x2, recipe, "input", "e4m3", scale_inv=sx)
+    m = x2.shape[0]
+    rows = -(-dist.get_world_size(group) * m // ALIGN) * ALIGN  # padded as the whole would be
+    codes = _gather_rows(local.codes[:m], group, rows=rows)
+    scale_inv = local.scale_inv
+    if local.granularity != "tensor":  # one scale per row or per 1x128 group of a row
+        scale_inv = _gather_rows(scale_inv[:m], group, rows=rows, fill=1.0)  # 1: zero rows' scale
+    return FP8Operand(codes, scale_inv, local.granularity), local.codes[:m]
 
 
 def _reduce_scatter_rows(t: torch.Tensor, group) -> torch.Tensor:
@@ -258,47 +288,48 @@ def _reduce_scatter_rows(t: torch.Tensor, group) -> torch.Tensor:
 
 class _ScaledMMLinearFn(torch.autograd.Function):
     """y = x @ W^T + b with all three GEMMs on FP8 codes (see the module docstring). With
-    ``sp_group``, x is this rank's part of a sequence split along dim 0: it is all-gathered before
-    quantization, only this rank's part is kept for the backward (as FP8 codes under tensorwise
-    scaling, gathered again there), and the input gradient is reduce-scattered back."""
+    ``sp_group``, x is this rank's part of a sequence split along dim 0: it is quantized and
+    all-gathered as FP8, only this rank's part is kept for the backward (as FP8 codes under
+    tensorwise scaling, gathered again there), and the input gradient is reduce-scattered back."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, linear: FP8LinearTorch, sp_group=None):  # noqa: D102
         cfg = linear.config
         recipe = cfg.recipe
         k = x.shape[-1]
-        x_local = x
-        if sp_group is not None:
-            x = _gather_rows(x, sp_group)
         x2 = x.reshape(-1, k)
-        t, n = x2.shape[0], weight.shape[0]
-        sx = sw = None
+        world = 1 if sp_group is None else dist.get_world_size(sp_group)
+        x_shape = (x.shape[0] * world, *x.shape[1:])  # the whole sequence's
+        t, n = x2.shape[0] * world, weight.shape[0]
+        sw = None
         if recipe == "tensorwise_delayed":
-            sx = linear.input_state.scale_inv_then_update(x2, "e4m3")
             sw = linear.weight_state.scale_inv_then_update(weight, "e4m3")
-        qx = linear.quantize(x2, recipe, "input", "e4m3", scale_inv=sx)
+        if sp_group is not None:
+            qx, x8 = _gathered_input(linear, x2, sp_group)
+        else:
+            sx = None
+            if recipe == "tensorwise_delayed":
+                sx = linear.input_state.scale_inv_then_update(x2, "e4m3")
+            qx = linear.quantize(x2, recipe, "input", "e4m3", scale_inv=sx)
+            x8 = qx.codes
         qw = linear.weight_operand(weight, "fprop", scale_inv=sw)
         y = fp8_mm(qx, qw, fast_accum=cfg.accum_fast_fprop)[:t, :n].to(x.dtype)
         if bias is not None:
             y = y + bias.detach().to(x.dtype)
         ctx.linear = linear
-        ctx.shapes = (x.shape, t, n, k)
+        ctx.shapes = (x_shape, t, n, k)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.per_tensor = recipe in _PER_TENSOR
         ctx.sp_group = sp_group
         ctx.padded_rows = qx.codes.shape[0]
         if ctx.per_tensor:
             # One scale per tensor holds along every dim: the backward GEMMs reuse the forward
-            # codes (and, under delayed scaling, the forward scales), as TE does.
-            x8 = qx.codes
-            if sp_group is not None:  # this rank's rows, a copy (a view would keep them all)
-                mine = x_local.numel() // k
-                start = dist.get_rank(sp_group) * mine
-                x8 = x8[start : start + mine].clone()
+            # codes (and, under delayed scaling, the forward scales), as TE does; under SP only
+            # this rank's rows.
             ctx.save_for_backward(x8, qx.scale_inv, qw.codes, qw.scale_inv, weight)
         else:
-            ctx.save_for_backward(x_local.reshape(-1, k).detach(), weight)
-        return y.reshape(*x.shape[:-1], n)
+            ctx.save_for_backward(x2.detach(), weight)
+        return y.reshape(*x_shape[:-1], n)
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: D102

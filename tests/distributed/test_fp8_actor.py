@@ -245,40 +245,58 @@ def _sp_linear_body(rank, world):
     w = (torch.randn(48, 64, generator=gen) * 0.1).bfloat16()
     dy = torch.randn(12, 2, 48, generator=gen).bfloat16()
     out = {}
-    for recipe in ("tensorwise_current", "rowwise"):
+    real_gather = dist.all_gather_into_tensor
+    for recipe in ("tensorwise_current", "tensorwise_delayed", "rowwise"):
         runs = []
         for sp in (True, False):
             xi = (x.chunk(world)[rank] if sp else x).clone().requires_grad_(True)
             wi = w.clone().requires_grad_(True)
-            saved = []
+            saved, wire = [], []
 
             def pack(t, saved=saved):
                 saved.append((tuple(t.shape), t.dtype))
                 return t
 
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                y = FP8LinearTorch(FP8Config(recipe=recipe))(
-                    xi, wi, sp_group=dist.group.WORLD if sp else None
-                )
+            def gather(out, t, group=None, wire=wire):  # the real all-gather, its input noted
+                wire.append((tuple(t.shape), t.dtype))
+                return real_gather(out, t, group=group)
+
+            linear = FP8LinearTorch(FP8Config(recipe=recipe))
+            dist.all_gather_into_tensor = gather
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    y = linear(xi, wi, sp_group=dist.group.WORLD if sp else None)
+            finally:
+                dist.all_gather_into_tensor = real_gather
             y.backward(dy)
-            runs.append((y.detach(), xi.grad, wi.grad, saved))
+            amax = linear.input_state.amax() if recipe == "tensorwise_delayed" else None
+            runs.append((y.detach(), xi.grad, wi.grad, saved, wire, amax))
         out[recipe] = runs
     return out
 
 
 def test_torch_backend_gathers_a_sequence_parallel_input_and_keeps_its_own_rows():
-    """Both ranks hold the same weight and output gradient, so the reduce-scattered input
-    gradient is twice this rank's rows of the whole sequence's (an exact doubling); output and
-    wgrad are the whole-sequence linear's bit for bit (the same gathered codes). For its
-    backward the SP linear keeps this rank's 12 of the 24 token rows: FP8 codes under
-    tensorwise scaling, the bf16 input under rowwise."""
+    """Each rank quantizes its 12 of the 24 token rows (6 positions x batch 2) with the whole sequence's
+    scales and the forward all-gathers FP8 codes (bytes), plus the row scales under rowwise,
+    never the bf16 input. Both ranks hold the same weight and output gradient, so the
+    reduce-scattered input gradient is twice this rank's rows of the whole sequence's (an exact
+    doubling); output and wgrad are the whole-sequence linear's bit for bit (the same codes);
+    delayed scaling records the whole sequence's amax. For its backward the SP linear keeps this
+    rank's rows: FP8 codes under tensorwise scaling, the bf16 input under rowwise."""
     for rank, got in enumerate(run_distributed(_sp_linear_body, world_size=2)):
-        for recipe, ((y, dx, dw, saved), (y_ref, dx_ref, dw_ref, saved_ref)) in got.items():
+        for recipe, (sp_run, ref_run) in got.items():
+            y, dx, dw, saved, wire, amax = sp_run
+            y_ref, dx_ref, dw_ref, saved_ref, wire_ref, amax_ref = ref_run
             assert torch.equal(y, y_ref) and torch.equal(dw, dw_ref), recipe
             assert torch.equal(dx, 2 * dx_ref.chunk(2)[rank]), recipe
-            if recipe == "tensorwise_current":  # the whole sequence's codes, rows padded to 16
-                kept, whole = torch.float8_e4m3fn, (32, 64)
-            else:
+            assert amax is None or torch.equal(amax, amax_ref), recipe
+            assert wire_ref == [], wire_ref  # no gather without SP
+            assert wire[0] == ((12, 64), torch.uint8), (recipe, wire)
+            if recipe == "rowwise":
+                assert wire[1:] == [((12, 1), torch.float32)], wire
                 kept, whole = torch.bfloat16, (24, 64)
+            else:  # the whole sequence's codes, rows padded to 16
+                assert wire[1:] == [], wire
+                kept, whole = torch.float8_e4m3fn, (32, 64)
             assert ((12, 64), kept) in saved and (whole, kept) not in saved, saved
             assert (whole, kept) in saved_ref, saved_ref
