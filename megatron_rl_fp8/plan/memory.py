@@ -38,9 +38,9 @@ then); the logprob pass peaks inside a layer or at the loss. A micro-batch is
 rollout.max_new_tokens`` tokens (or ``train.max_tokens_per_gpu`` tokens under a token budget).
 
 Not counted: communication buffers (NCCL, pipeline p2p, the distributed optimizer's all-gather
-buckets), the 1-byte FP8 copies of saved activations (FP8 activations are counted as bf16; the
-torch backend's tensorwise recipes keep the QKV / FC1 / projection / FC2 inputs as FP8 codes
-instead, so this overestimates them), Adam's temporaries where it is torch's foreach Adam rather
+buckets), Transformer Engine's FP8 copies of saved linear inputs (counted as bf16: an
+overestimate; the torch backend's tensorwise recipes, whose layout is known, are counted at 1
+byte per element), Adam's temporaries where it is torch's foreach Adam rather
 than TE's / apex's fused one (one fp32 copy of the parameters, at the step, when activations are
 freed), the rollout batch itself (a few [rows, S] tensors).
 """
@@ -299,17 +299,21 @@ def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> float:
     return n
 
 
+def stage_fp8_layers(m: ModelConfig, fp8: FP8Config, pp: int, stage: int) -> list[bool]:
+    """Whether each of pipeline ``stage``'s transformer layers, in order, runs FP8 (the BF16
+    first / last layers are global positions)."""
+    per_stage = m.num_layers // pp
+    first = stage * per_stage + 1
+    return [fp8.layer_uses_fp8(i, m.num_layers) for i in range(first, first + per_stage)]
+
+
 def fp8_linear_params(m: ModelConfig, fp8: FP8Config, tp: int, pp: int, stage: int) -> float:
     """Weight elements of the FP8 linears on one GPU of pipeline ``stage``: the four linears of
     each of its layers that runs FP8 (BF16 first / last layers are global positions), and the
     output layer on the last stage when it runs FP8 (``keep_lm_head_bf16: false``)."""
     if not fp8.enabled:
         return 0.0
-    per_layer = layer_linear_weights(m) / tp
-    per_stage = m.num_layers // pp
-    first = stage * per_stage + 1
-    layers = range(first, first + per_stage)
-    n = per_layer * sum(fp8.layer_uses_fp8(i, m.num_layers) for i in layers)
+    n = layer_linear_weights(m) / tp * sum(stage_fp8_layers(m, fp8, pp, stage))
     if stage == pp - 1 and not fp8.keep_lm_head_bf16:
         n += m.padded_vocab_size(tp) * m.hidden_size / tp
     return n
@@ -326,16 +330,32 @@ def fp8_weight_copy_bytes(fp8: FP8Config, *, spec: Spec, device: Device) -> tupl
     no-grad logprob pass (no transposed copy), none under ``tensorwise_delayed`` (its weight
     scale moves with every call, so nothing is cached; one linear's copy at a time). The
     emulation, and every CPU run, keeps none (its quantize-dequantize copy lives for one GEMM)."""
-    if not fp8.enabled or device == "cpu" or fp8.backend == "emulate":
+    backend = gpu_fp8_backend(fp8, spec=spec, device=device)
+    if backend is None:
         return 0.0, 0.0
-    from megatron_rl_fp8.fp8.config import BACKEND_RECIPES  # the fp8 package imports torch
-
-    backend = fp8.backend
-    if backend == "auto":
-        backend = "te" if spec == "te" and fp8.recipe in BACKEND_RECIPES["te"] else "torch"
     if backend == "te":
         return 2.0, 2.0
     return (0.0, 0.0) if fp8.recipe == "tensorwise_delayed" else (2.0, 1.0)
+
+
+def gpu_fp8_backend(fp8: FP8Config, *, spec: Spec, device: Device) -> str | None:
+    """The backend running FP8 GEMMs on the GPU ('te' or 'torch'), as ``fp8.backend: auto``
+    picks it for ``spec``; None without FP8, on the CPU or under the emulation."""
+    if not fp8.enabled or device == "cpu" or fp8.backend == "emulate":
+        return None
+    if fp8.backend != "auto":
+        return fp8.backend
+    from megatron_rl_fp8.fp8.config import BACKEND_RECIPES  # the fp8 package imports torch
+
+    return "te" if spec == "te" and fp8.recipe in BACKEND_RECIPES["te"] else "torch"
+
+
+def saves_fp8_inputs(fp8: FP8Config, *, spec: Spec, device: Device) -> bool:
+    """Whether the FP8 linears keep their inputs for the backward as 1-byte FP8 codes: the torch
+    backend's tensorwise recipes (one scale per tensor serves the transposed wgrad GEMM too).
+    Transformer Engine keeps FP8 inputs as well, in layouts not read here: counted as bf16."""
+    tensorwise = fp8.recipe in ("tensorwise_delayed", "tensorwise_current")
+    return tensorwise and gpu_fp8_backend(fp8, spec=spec, device=device) == "torch"
 
 
 def param_bytes(m: ModelConfig, device: Device) -> int:
@@ -354,6 +374,7 @@ def layer_activation_bytes(
     spec: Spec,
     fused_swiglu: bool,
     selective: tuple[str, ...] = (),
+    fp8_inputs: bool = False,
 ) -> float:
     """Bytes one transformer layer keeps for its backward, per token of the micro-batch.
 
@@ -386,8 +407,10 @@ def layer_activation_bytes(
                             CPU: also SiLU's output and the up projection's copy)
           + a f             the FC2 input
 
-    (The paper's own count for GPT-3's layer, with dropout masks and GeLU, is
-    34 s b h + 5 a s^2 b in bf16.) Selective recomputation of ``core_attn`` keeps only its inputs
+    ``fp8_inputs``: the four linears keep their inputs as 1-byte FP8 codes (the torch backend's
+    tensorwise recipes, :func:`saves_fp8_inputs`) and no other operation keeps them: 1 instead of
+    a for the QKV, FC1, projection and FC2 inputs. (The paper's own count for GPT-3's layer, with
+    dropout masks and GeLU, is 34 s b h + 5 a s^2 b in bf16.) Selective recomputation of ``core_attn`` keeps only its inputs
     (local spec: Q and K after RoPE, a (q + g), and V, a view that keeps the QKV output alive; no
     s^2 term); of ``mlp``, drops SwiGLU's and FC2's terms; of ``layernorm``, the two linear
     inputs (norm outputs, recomputed). Context parallelism divides the tokens (the caller's
@@ -398,7 +421,8 @@ def layer_activation_bytes(
     gqa = m.num_attention_heads > m.num_query_groups
     local = spec == "local"
     norms = 2 * (8 * h if local else a * h)
-    linear_inputs = 0 if "layernorm" in selective else 2 * a * h
+    c = 1 if fp8_inputs else a  # bytes per element of a linear's saved input
+    linear_inputs = 0 if "layernorm" in selective else 2 * c * h
     # The QKV output stays alive while a view of it is saved: K as the K-norm's input (unless the
     # local spec's norm saves an fp32 copy of a bf16 K instead), or V (MHA, and the checkpoint of
     # a selectively recomputed core attention).
@@ -416,8 +440,8 @@ def layer_activation_bytes(
     else:
         attn = a * (q + 2 * g) + 4 * n
     qk += a * (q + 2 * g) if qkv_kept else 0
-    proj = a * q
-    mlp = 0 if "mlp" in selective else (2 if fused_swiglu else 4) * a * f + a * f
+    proj = c * q
+    mlp = 0 if "mlp" in selective else (2 if fused_swiglu else 4) * a * f + c * f
     outside = norms + linear_inputs
     return outside / (tp if sequence_parallel else 1) + (qk + attn + proj + mlp) / tp
 
@@ -512,8 +536,17 @@ class _Activations:
 
 
 def _activations(
-    m: ModelConfig, lay: Layout, *, a: int, spec: Spec, cpu: bool, tokens: float, seq: int
+    m: ModelConfig,
+    lay: Layout,
+    *,
+    a: int,
+    spec: Spec,
+    cpu: bool,
+    tokens: float,
+    seq: int,
+    fp8_inputs: list[bool],
 ) -> _Activations:
+    """``fp8_inputs``: per layer of the stage, in order, whether its linears keep FP8 inputs."""
     kwargs = dict(
         a=a,
         tp=lay.tp,
@@ -522,19 +555,27 @@ def _activations(
         spec=spec,
         fused_swiglu=not cpu,
     )
-    full = tokens * layer_activation_bytes(m, **kwargs)
+
+    def per_layer(**extra) -> list[float]:  # kept bytes of each of the stage's layers
+        full, fp8 = (
+            tokens * layer_activation_bytes(m, **kwargs, **extra, fp8_inputs=f)
+            for f in (False, True)
+        )
+        return [fp8 if f else full for f in fp8_inputs]
+
+    full = per_layer()
     layer_input = tokens * a * m.hidden_size / (lay.tp if lay.sequence_parallel else 1)
-    layers = m.num_layers // lay.pp
+    layers = len(full)
     n = min(lay.recompute_num_layers, layers)
     if lay.recompute == "full" and lay.recompute_method == "uniform":  # chunks of n layers
-        kept, working = math.ceil(layers / n) * layer_input, n * full
-    elif lay.recompute == "full":  # block: the first n layers of the stage
-        kept, working = n * layer_input + (layers - n) * full, full
+        chunks = range(0, layers, n)
+        kept, working = len(chunks) * layer_input, max(sum(full[i : i + n]) for i in chunks)
+    elif lay.recompute == "full":  # block: the first n layers of the stage, one at a time
+        kept, working = n * layer_input + sum(full[n:]), max(full[:n])
     elif lay.recompute == "selective":
-        selective = tokens * layer_activation_bytes(m, selective=lay.recompute_modules, **kwargs)
-        kept, working = layers * selective, 0.0
+        kept, working = sum(per_layer(selective=lay.recompute_modules)), 0.0
     else:
-        kept, working = layers * full, 0.0
+        kept, working = sum(full), 0.0
     heads = m.num_attention_heads / lay.tp
     return _Activations(
         kept=kept,
@@ -571,7 +612,6 @@ def estimate(
     a = param_bytes(m, world.device)
     tokens, seq = micro_batch_tokens(cfg)
     rank_tokens = tokens / lay.cp
-    acts = _activations(m, lay, a=a, spec=spec, cpu=cpu, tokens=rank_tokens, seq=seq)
     vocab = m.padded_vocab_size(lay.tp) / lay.tp
     lg = {ph: _logits_bytes(logits, ph, tokens=rank_tokens, vocab=vocab, a=a) for ph in PHASES}
     # Bytes per parameter: fp32 main weights (a bf16 model only) and Adam's two moments, sharded
@@ -583,10 +623,22 @@ def estimate(
     sglang, sglang_note = _sglang_share(cfg, world)
     allowance = 0.0 if cpu else RUNTIME_ALLOWANCE_GB * GB
     fp8_copies = fp8_weight_copy_bytes(cfg.fp8, spec=spec, device=world.device)
+    fp8_codes = saves_fp8_inputs(cfg.fp8, spec=spec, device=world.device)
 
     best = None
     for stage in range(lay.pp):
         params = stage_params(m, lay.tp, lay.pp, stage)
+        fp8_layers = stage_fp8_layers(m, cfg.fp8, lay.pp, stage)
+        acts = _activations(
+            m,
+            lay,
+            a=a,
+            spec=spec,
+            cpu=cpu,
+            tokens=rank_tokens,
+            seq=seq,
+            fp8_inputs=[fp8_codes and f for f in fp8_layers],
+        )
         last = stage == lay.pp - 1
         in_flight = lay.pp - stage if n_micro is None else min(lay.pp - stage, n_micro)
         stored = in_flight * acts.kept + (acts.head if last else 0.0) + acts.buffer

@@ -300,3 +300,54 @@ def test_torch_backend_gathers_a_sequence_parallel_input_and_keeps_its_own_rows(
                 kept, whole = torch.float8_e4m3fn, (32, 64)
             assert ((12, 64), kept) in saved and (whole, kept) not in saved, saved
             assert (whole, kept) in saved_ref, saved_ref
+
+
+def _saved_bytes_body(rank, world):
+    """Bytes the actor's first layer saves for its backward with the torch backend's linears
+    (real FP8 codes on the CPU), rowwise vs tensorwise, and what the planner predicts."""
+    import sys
+    from pathlib import Path
+
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
+    from megatron_rl_fp8.models.fp8 import emulated_linears
+    from megatron_rl_fp8.plan.memory import layer_activation_bytes
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    try:
+        from validate_plan import FirstLayerSaved
+    finally:
+        sys.path.pop(0)
+    ids = torch.randint(4, 53, (4, 16), generator=torch.Generator().manual_seed(2))
+    batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "loss_mask": torch.ones(4, 16)}
+    out = {}
+    for recipe in ("rowwise", "tensorwise_current"):
+        actor, _ = _actor(dict(recipe=recipe))
+        gemms = [gemm for name, _, gemm in emulated_linears(actor.module)]
+        for gemm in gemms:
+            gemm.emulator = FP8LinearTorch(actor.fp8)
+        saved = FirstLayerSaved(actor.module)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            actor.train_step(batch, 4, lambda mb, lp: (-(lp * mb["loss_mask"]).sum() / 64, {}))
+        out[recipe] = saved.nbytes
+        kw = dict(a=4, tp=1, sequence_parallel=False, seq=16, spec="local", fused_swiglu=False)
+        out["predicted " + recipe] = 64 * layer_activation_bytes(
+            actor.model_cfg, **kw, fp8_inputs=recipe == "tensorwise_current"
+        )
+        parallel.destroy()
+    return out
+
+
+def test_torch_backend_tensorwise_keeps_one_byte_per_linear_input_as_planned():
+    """The planner's ``fp8_inputs`` term against the real actor (fp32 on the CPU, 64 tokens):
+    under tensorwise scaling the torch backend's four linears of a layer keep their inputs as
+    FP8 codes and nothing else keeps them, so the layer saves 3 bytes less per element of the
+    QKV, FC1, projection and FC2 inputs than under rowwise (which keeps them in fp32), less the
+    tensorwise weight codes it saves instead of referencing the weights (147456 bytes: QKV
+    256 x 128, projection 128 x 128, FC1 512 x 128, FC2 128 x 256) and its eight 4-byte scales."""
+    (got,) = run_distributed(_saved_bytes_body, world_size=1)
+    weight_codes = 256 * 128 + 128 * 128 + 512 * 128 + 128 * 256 + 8 * 4
+    measured = got["rowwise"] - (got["tensorwise_current"] - weight_codes)
+    predicted = got["predicted rowwise"] - got["predicted tensorwise_current"]
+    assert predicted == 64 * 3 * (2 * 128 + 128 + 256)
+    assert measured == predicted

@@ -326,6 +326,41 @@ def test_fp8_weight_copies_follow_the_layers_each_gpu_holds():
     assert fp8_linear_params(head.model, head.fp8, 1, 2, 1) == SMALL_LINEARS + 256 * 64
 
 
+# One SMALL layer's four linear inputs per token: QKV and FC1 64 each, projection 64, FC2 128.
+SMALL_LINEAR_INPUTS = 2 * 64 + 64 + 128
+MICRO_BATCH_TOKENS = 2 * 256
+
+
+def test_torch_backend_tensorwise_inputs_are_planned_at_one_byte():
+    """The torch backend's tensorwise recipes keep the linears' inputs as FP8 codes (measured
+    against the real actor in tests/distributed/test_fp8_actor.py): 1 byte instead of bf16's 2
+    per element, on the FP8 layers only; TE (counted as bf16), other recipes and the CPU's
+    emulation unchanged."""
+    one = World(gpus_per_node=1)
+
+    def acts(spec="local", world=one, layout=None, **fp8):
+        return row(estimate(make_cfg(fp8=fp8), world, layout=layout, spec=spec), "activations")
+
+    saved = MICRO_BATCH_TOKENS * SMALL_LINEAR_INPUTS  # one byte of each, per FP8 layer
+    for recipe in ("tensorwise_current", "tensorwise_delayed"):
+        assert acts(recipe=recipe) == acts(recipe="rowwise") - 2 * saved
+        if recipe == "tensorwise_current":  # Megatron forbids BF16 edge layers under delayed
+            assert acts(recipe=recipe, bf16_first_layers=1) == acts(recipe="rowwise") - saved
+        assert acts("te", recipe=recipe) == acts("te", recipe="rowwise")  # auto: TE
+        cpu = World(gpus_per_node=1, device="cpu")
+        assert acts(world=cpu, recipe=recipe) == acts(world=cpu, recipe="rowwise")
+    assert acts("te", recipe="tensorwise_current", backend="torch") < acts("te", recipe="rowwise")
+    # Full recompute, one layer per chunk: the layers' inputs are kept, one layer recomputed at
+    # a time: an FP8 layer's is the smaller, a BF16 first layer's sets the peak.
+    full = Layout(recompute="full", recompute_num_layers=1)
+    assert (
+        acts(layout=full, recipe="tensorwise_current")
+        == acts(layout=full, recipe="rowwise") - saved
+    )
+    edge = acts(layout=full, recipe="tensorwise_current", bf16_first_layers=1)
+    assert edge == acts(layout=full, recipe="rowwise")
+
+
 def test_fp8_weight_copies_are_what_the_torch_backend_caches():
     """The torch backend's cache inside one forward / backward schedule holds 2 bytes per weight
     element (forward and transposed codes; shapes aligned to 16, so no padding), 1 after a
