@@ -2,7 +2,8 @@
 
     rollout + reward (sampling.py)  -> GRPO/DAPO advantages (loss/)  -> batch (batch.py)
     -> old logprobs + clipped policy updates, calibrated under FP8 (update.py, calibrator.py)
-    -> weight sync Megatron -> HF -> engine (sync/)  -> evaluation  -> metrics  -> checkpoint
+    -> weight sync Megatron -> HF -> engine (engine_link.py, sync/)  -> evaluation  -> metrics
+    -> checkpoint
 
 Roles: global rank 0 is the *driver*: it owns the rollout engine and the logs. It builds the
 rollout batch and scatters each data-parallel rank its slice of rows, as tensors. Before the first
@@ -12,12 +13,9 @@ step: resume from the run's own checkpoint, or the SFT warm start (warm_start.py
 
 from __future__ import annotations
 
-import collections
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -34,16 +32,12 @@ from megatron_rl_fp8.models.fp8 import weight_quantization_errors
 from megatron_rl_fp8.models.hf_mapping import hf_config_with_tokens
 from megatron_rl_fp8.models.pretrained import load_converted, load_hf_weights
 from megatron_rl_fp8.rollout import build_engine
-from megatron_rl_fp8.rollout.sglang.errors import RolloutLost, SyncFailed
-from megatron_rl_fp8.rollout.sglang.sender import WeightSender
-from megatron_rl_fp8.sync.buckets import export_for_rollout
-from megatron_rl_fp8.sync.gather import iter_full_params
-from megatron_rl_fp8.sync.timing import SyncTimes, timed
 from megatron_rl_fp8.trainer import checkpoint, run_dir
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.batch import build_rl_batch, order_for_updates
 from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
 from megatron_rl_fp8.trainer.collectives import broadcast_object, scatter_rows
+from megatron_rl_fp8.trainer.engine_link import EngineLink
 from megatron_rl_fp8.trainer.guard import GuardStop, StabilityGuard, event_metrics
 from megatron_rl_fp8.trainer.offload import TrainerOffload
 from megatron_rl_fp8.trainer.preemption import PreemptionSignal
@@ -52,8 +46,6 @@ from megatron_rl_fp8.trainer.sampling import Sampler
 from megatron_rl_fp8.trainer.update import PolicyUpdate
 from megatron_rl_fp8.trainer.warm_start import warm_start
 from megatron_rl_fp8.utils.fs import atomic_write_text
-
-T = TypeVar("T")
 
 
 class Trainer:
@@ -115,17 +107,12 @@ class Trainer:
             cfg, self.actor, self.groups, self.calibrator, self.reference
         )
         self.engine = None
-        self.fleet = cfg.rollout.engine == "sglang"  # synced by each stage's sending rank
-        self.colocated = cfg.rollout.placement == "colocated"
         # Colocated: the trainer's state waits in host memory while the engines generate.
         self.offload = (
             TrainerOffload(self.actor, self.reference, keep_grads=False)
-            if self.colocated and cfg.rollout.offload_trainer
+            if cfg.rollout.placement == "colocated" and cfg.rollout.offload_trainer
             else None
         )
-        self.weight_sender = None  # a pipeline stage's sending rank's side of a fleet sync
-        self.synced_version = -1
-        self.sync_times = SyncTimes()  # the last sync's parts (the driver's; sync/timing.py)
         if self.is_driver:
             tok = self.tokenizer
             self.engine = build_engine(
@@ -137,8 +124,7 @@ class Trainer:
                 device=self.groups.device,
                 dtype=self.actor.config.params_dtype,
             )
-            if self.fleet:
-                self.weight_sender = self.engine.sender
+        self.engines = EngineLink(cfg, self.groups, self.actor, self.engine, self.offload)
         self.sampler = Sampler(
             cfg, self.groups, self.engine, self.tokenizer, self.train_data, self.val_data
         )
@@ -154,109 +140,6 @@ class Trainer:
         self.useful_tokens = 0.0
         self.started = 0.0
         self.clock = StepClock()  # the step windows of the perf/ breakdown (metrics/step_time.py)
-
-    def sync_weights(self, version: int) -> float:
-        """Megatron shards -> full tensors -> the export path (``sync.buckets.export_for_rollout``:
-        HF names, rollout FP8, buckets) -> engine. Collective over the DP-rank-0 replica (its
-        CP-rank-0 ranks: the other CP ranks hold the same weights), and a barrier for the rest.
-
-        SGLang engines are fed by each pipeline stage's sending rank (:meth:`_push_to_fleet`);
-        the in-process engine gets everything through the driver. A sync that the engines could
-        not complete (``SyncFailed``: an engine died during it and was relaunched) runs again:
-        the engines' weights are unknown, the trainer's are not. Colocated engines get their
-        weights' memory back before it (their KV cache before they generate).
-
-        Returns its seconds; ``self.sync_times`` gets its parts on the driver (every attempt's;
-        the rest of the time is barriers and the colocated memory calls)."""
-        t0 = time.perf_counter()
-        self.sync_times = times = SyncTimes()
-        if self.colocated and self.is_driver:
-            self.engine.resume_memory(("weights",))
-        for attempt in range(1, self.cfg.rollout.sglang.max_restarts + 2):
-            push = self._push_to_fleet if self.fleet else self._push_to_driver
-            failure = push(version, times)
-            failure = broadcast_object(failure, self.groups.driver_rank)  # also the barrier
-            if failure is None:
-                break
-            print_rank0(f"sync: {failure} (attempt {attempt})")
-        else:
-            raise SyncFailed(f"weight sync to version {version} failed on every attempt")
-        self.synced_version = version
-        return time.perf_counter() - t0
-
-    def _push_to_driver(self, version: int, times: SyncTimes) -> None:
-        """Every stage's full tensors to the driver, which feeds its engine. In-process: nothing
-        is transferred, and the engine's load is its update_weights less the stream it pulls."""
-        if self.groups.dp_rank == 0 and self.groups.cp_rank == 0:
-            full = iter_full_params(
-                self.actor.model,
-                tp_group=self.groups.tp,
-                pp_group=self.groups.pp,
-                dst_global_rank=self.groups.driver_rank,
-            )
-            options = self.engine.export_options if self.is_driver else {}
-            buckets = export_for_rollout(
-                timed(full, times, "gather"), self.cfg.model, self.cfg.rollout.fp8, **options
-            )
-            if self.is_driver:
-                exported = times.export
-                t0 = time.perf_counter()
-                self.engine.update_weights(timed(buckets, times, "export"), version=version)
-                times.load += time.perf_counter() - t0 - (times.export - exported)
-            else:
-                # Drive the gather's collectives; non-driver ranks receive nothing.
-                collections.deque(buckets, maxlen=0)
-
-    def _push_to_fleet(self, version: int, times: SyncTimes) -> str | None:
-        """One fleet sync: the driver begins it; each pipeline stage's sending rank (its TP-rank-0
-        rank of the DP-rank-0 / CP-rank-0 replica) gathers its stage's TP shards and broadcasts
-        its own buckets to every engine, one stage after the other (NCCL groups sharing engines
-        must not interleave); the driver ends it. Returns the failure to retry on, or None.
-        ``times`` gets every sender's parts (stages push one after the other, so they add up)
-        and the begin / end calls as engine load."""
-        g = self.groups
-        t0 = time.perf_counter()
-        plan = self.engine.begin_sync(version) if self.is_driver else None
-        begin = time.perf_counter() - t0
-        plan = broadcast_object(plan, g.driver_rank)
-        error = None
-        mine = SyncTimes()
-        replica = g.dp_rank == 0 and g.cp_rank == 0
-        sender = dist.get_process_group_ranks(g.tp)[0] if g.tp is not None else g.rank
-        for stage in range(g.pp_size):
-            if replica and stage == g.pp_rank:
-                full = iter_full_params(self.actor.model, tp_group=g.tp, dst_global_rank=sender)
-                buckets = export_for_rollout(
-                    timed(full, mine, "gather"),
-                    self.cfg.model,
-                    self.cfg.rollout.fp8,
-                    **plan.export_options,
-                )
-                if g.rank == sender:
-                    if self.weight_sender is None:
-                        self.weight_sender = WeightSender()
-                    error = self.weight_sender.push(plan, timed(buckets, mine, "export"))
-                    mine.transfer += self.weight_sender.times.transfer
-                    mine.load += self.weight_sender.times.load
-                else:
-                    collections.deque(buckets, maxlen=0)  # the TP gather's collectives
-                    mine = SyncTimes()  # a sender's TP peers: the same gather, not added again
-            dist.barrier()
-        # One gather carries every sender's failure and its parts' seconds.
-        reports = [None] * dist.get_world_size()
-        dist.all_gather_object(reports, (error, mine))
-        if self.is_driver:
-            for _, part in reports:
-                times.add(part)
-            times.load += begin
-            t0 = time.perf_counter()
-            try:
-                self.engine.end_sync(plan, [e for e, _ in reports])
-            except SyncFailed as e:
-                return str(e)
-            finally:
-                times.load += time.perf_counter() - t0
-        return None
 
     def fp8_weight_errors(self) -> dict:
         """Per-layer relative FP8 quantization error of the actor's weights (collective; the
@@ -279,56 +162,8 @@ class Trainer:
         Colocated engines keep their weights after it: the next rollout needs them, and no
         update comes in between."""
         fp8_errors = self.fp8_weight_errors()
-        scores = self.generation(self.sampler.evaluate, release=("kv_cache",))
+        scores = self.engines.generation(self.sampler.evaluate, release=("kv_cache",))
         return {**scores, **fp8_errors} if self.is_driver else {}
-
-    def generation(self, phase: Callable[[], T], *, release: tuple[str, ...]) -> T:
-        """``phase()``, a phase that generates on the engines (the rollout, an evaluation).
-        Collective.
-
-        Colocated placement: before it the trainer's weights, gradients and optimizer state go
-        to host memory (``rollout.offload_trainer``) and the engines take back their KV cache;
-        after it the engines give back ``release`` (released weights need a sync before the
-        next generation) and the trainer's state returns. When the engines lost the synced weights during it
-        (``RolloutLost``, raised on every rank alike: engines died and were relaunched on
-        placeholders), the engines are synced again and ``phase`` runs again."""
-        for attempt in range(1, self.cfg.rollout.sglang.max_restarts + 2):
-            self._engines_turn()
-            try:
-                result = phase()
-            except RolloutLost as e:
-                self._trainers_turn(("weights", "kv_cache"))
-                print_rank0(f"rollout: {e} (attempt {attempt}); syncing the engines again")
-                self.sync_weights(version=self.synced_version)
-                continue
-            except BaseException:
-                if self.offload is not None:  # on this rank alone: an empty storage read crashes
-                    self.offload.reload()
-                raise
-            self._trainers_turn(release)
-            return result
-        raise RolloutLost(
-            f"the engines lost the synced weights in {attempt} attempts "
-            f"(rollout.sglang.max_restarts={self.cfg.rollout.sglang.max_restarts})"
-        )
-
-    def _engines_turn(self) -> None:
-        if not self.colocated:
-            return
-        if self.offload is not None:
-            self.offload.offload()
-            dist.barrier()  # every GPU's trainer memory is free before the engines take theirs
-        if self.is_driver:
-            self.engine.resume_memory(("kv_cache",))
-
-    def _trainers_turn(self, release: tuple[str, ...]) -> None:
-        if not self.colocated:
-            return
-        if self.is_driver:
-            self.engine.release_memory(release)
-        dist.barrier()  # every GPU's engine memory is free before any rank takes its state back
-        if self.offload is not None:
-            self.offload.reload()
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save(self) -> None:
@@ -475,7 +310,7 @@ class Trainer:
             f"{self.guard.rollbacks} of {self.cfg.guard.max_rollbacks}); learning rate now "
             f"{self.actor.lr:.4g} (the schedule's, times {self.guard.lr_scale:.4g})"
         )
-        self.sync_weights(version=self.step)
+        self.engines.sync(version=self.step)
 
     def load_start_weights(self) -> None:
         """A fresh run's weights: ``model.load`` (converted) or ``model.hf_checkpoint``, else the
@@ -518,13 +353,13 @@ class Trainer:
             first = warm_start(
                 self.cfg, self.actor, self.groups, self.tokenizer, self.train_data.records
             )
-            self.sync_weights(version=0)
+            self.engines.sync(version=0)
             first.update(self.evaluate())
             self.logger.log(0, first)
             if self.is_driver:
                 print_step(0, first)
         else:
-            self.sync_weights(version=self.step)
+            self.engines.sync(version=self.step)
         if self.reference is not None:  # the RL-start policy, known only now
             self.reference.load_weights(cfg, self.actor, resumed=resumed)
 
@@ -586,7 +421,7 @@ class Trainer:
         its metrics (driver; ``{}`` elsewhere), or None when the guard rolled back."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        completions, rewards, rollout_stats = self.generation(
+        completions, rewards, rollout_stats = self.engines.generation(
             lambda: self.sampler.rollout(self.step), release=("weights", "kv_cache")
         )
         batch = None
@@ -607,12 +442,12 @@ class Trainer:
                 metrics.update(self.offload.metrics())
         if self.guard_step(metrics) == "rollback":
             return None
-        sync_time = self.sync_weights(version=self.step)
+        sync_time = self.engines.sync(version=self.step)
         if self.is_driver:
             metrics.update(self.pending_metrics)
             self.pending_metrics = {}
             metrics["perf/sync_time_s"] = sync_time
-            metrics.update(self.sync_times.metrics())
+            metrics.update(self.engines.times.metrics())
             # Tokens that carried gradient per second of the training phases (rollout to sync:
             # evaluations and checkpoints excluded), and of this process's run (time lost to
             # rolled-back steps and dynamic-sampling refills counts against it).
@@ -636,10 +471,7 @@ class Trainer:
 
     def close(self) -> None:
         self.sampler.close()
-        if self.engine is not None:
-            self.engine.shutdown()  # its sender too
-        elif self.weight_sender is not None:
-            self.weight_sender.close()
+        self.engines.close()
         if self.lock is not None:
             self.lock.release()
         self.logger.close()

@@ -30,7 +30,7 @@ segfault on the CPU; on the GPU an illegal memory access, which poisons the CUDA
 Both calls are idempotent (a second ``offload`` or a ``reload`` with nothing offloaded does
 nothing), and neither is collective.
 
-**How the loop calls it**: ``Trainer.generation`` (``trainer/loop.py``), around the rollout and
+**How the loop calls it**: ``EngineLink.generation`` (``trainer/engine_link.py``), around the rollout and
 every evaluation, on every rank, with ``rollout.offload_trainer``. The window is the engines'
 generation and nothing else: the weight push, the reference's copy of the actor, the stability
 guard and checkpoints all read the trainer's state, so they stay outside it. In order: every rank

@@ -31,7 +31,7 @@ def _body(rank, world, overrides):
                 real(iter(buckets), version=version)
 
             trainer.engine.update_weights = capture
-        trainer.sync_weights(version=1)
+        trainer.engines.sync(version=1)
         g = trainer.groups
         full = iter_full_params(
             trainer.actor.model, tp_group=g.tp, pp_group=g.pp, dst_global_rank=g.driver_rank

@@ -220,7 +220,7 @@ class _Recorder(KillServerAt):
     ],
 )
 def test_engine_killed_during_a_sync_is_relaunched_and_the_sync_runs_again(one, spec):
-    # What the trainer does (trainer/loop.py sync_weights): a SyncFailed sync is run again.
+    # What the trainer does (trainer/engine_link.py EngineLink.sync): a SyncFailed sync is run again.
     version = one.weight_version() + 1
     sd, pgid, before = _weights(seed=version), _pgid(one), one.stats["restarts"]
     one.fault_hook = hook = _Recorder(one, spec)

@@ -58,7 +58,7 @@ def fleet(sglang_py, tmp_path_factory):
     )
     fl = SGLangFleet(cfg, _hf_cfg(), pad_token_id=0, eos_token_id=EOS)
     yield fl
-    groups = [e.proc.pid for e in fl.engines if e.proc is not None] + [fl._router.pid]
+    groups = [e.proc.pid for e in fl.engines if e.proc is not None] + [fl.router.proc.pid]
     fl.shutdown()
     assert all(server_group_pids(g) == [] for g in groups)
     assert not list(Path(work).rglob("*.safetensors"))  # no weight copy, ever
@@ -144,14 +144,14 @@ def test_colocated_memory_calls_come_in_order_and_guard_sync_and_rollout(fleet):
 
 def test_a_router_that_died_is_relaunched_in_front_of_the_engines(fleet):
     sd = _sync(fleet, 16, 6)
-    old = fleet._router
+    old = fleet.router.proc
     os.killpg(old.pid, signal.SIGKILL)
     old.wait()
     got = fleet.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
     _assert_same(got, _reference(sd, 6))  # the failed requests were retried through a new router
-    assert fleet.stats["router_restarts"] == 1 and fleet._router is not old
+    assert fleet.stats["router_restarts"] == 1 and fleet.router.proc is not old
     assert server_group_pids(old.pid) == []
-    assert set(fleet._router_workers()) == {e.url for e in fleet.engines}
+    assert set(fleet.router.workers()) == {e.url for e in fleet.engines}
 
 
 def test_engine_hung_mid_rollout_is_replaced_and_resynced(fleet):
@@ -179,11 +179,11 @@ def test_engine_hung_mid_rollout_is_replaced_and_resynced(fleet):
     assert fleet.stats["restarts"] == restarts + 1 == fleet.metrics()["rollout/engine_restarts"]
     assert fleet.stats["retried_requests"] >= 1
     assert hung.url != old_url and not hung.in_router  # relaunched, not yet synced
-    assert old_url not in fleet._router_workers()
+    assert old_url not in fleet.router.workers()
     assert fleet.metrics()["rollout/engines_serving"] == 1
     sd = _sync(fleet, 15, 5)  # waits for the relaunched engine, re-forms the group
     ref = _reference(sd, 5)
     for eng in fleet.engines:
         _assert_same(_greedy(eng.url, 5), ref)
-    assert set(fleet._router_workers()) == {e.url for e in fleet.engines}
+    assert set(fleet.router.workers()) == {e.url for e in fleet.engines}
     assert fleet.metrics()["rollout/engines_serving"] == 2

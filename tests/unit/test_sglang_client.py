@@ -497,7 +497,7 @@ def test_attached_fleet_launches_nothing_and_drops_an_engine_that_is_gone(tmp_pa
 
     fleet = _attached(tmp_path, startup_timeout_s=1.5)
     try:
-        assert fleet.router_url == "" and fleet.engines[0].proc is None
+        assert fleet.router.url == "" and fleet.engines[0].proc is None
         with pytest.raises(SGLangServerError, match="no synced weights"):
             fleet.generate([[1]], n=1, max_new_tokens=2, temperature=1.0)
         t0 = time.monotonic()

@@ -9,7 +9,7 @@ injection, testing only), ``fleet`` (:class:`SGLangFleet`: the engines' life, sy
 recovery; its docstring tells the whole story).
 
 How it fits the trainer: :class:`SGLangFleet` implements the same ``RolloutEngine`` protocol as the
-in-process ``LocalEngine``; the trainer's ``sync_weights`` has each pipeline stage's sending rank
+in-process ``LocalEngine``; the trainer's ``EngineLink.sync`` has each pipeline stage's sending rank
 push the buckets of ``sync.buckets.export_for_rollout`` (HF names; FP8 codes + ``_scale_inv``
 when ``rollout.fp8`` is on, or their values in the serving dtype where the engine has no FP8
 GEMMs: ``export_options``) between the driver's ``begin_sync`` and ``end_sync``, and its rollout

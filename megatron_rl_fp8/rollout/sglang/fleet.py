@@ -76,16 +76,14 @@ from megatron_rl_fp8.rollout.sglang.process import (
     _kill_group,
     engine_export_options,
     launch_guarded_server,
-    launch_logged,
     log_tail,
     pick_port,
     resolve_python,
     resolve_work_dir,
-    router_command,
-    server_env,
     serving,
     wait_healthy,
 )
+from megatron_rl_fp8.rollout.sglang.router import Router
 from megatron_rl_fp8.rollout.sglang.sender import SyncPlan, WeightSender
 from megatron_rl_fp8.rollout.sglang.transports import write_model_config
 from megatron_rl_fp8.sync.buckets import Bucket
@@ -166,9 +164,7 @@ class SGLangFleet:
         )
         n = len(self.cfg.engine_urls) or self.cfg.num_engines
         self.engines = [_Engine(i) for i in range(n)]
-        self._router: subprocess.Popen | None = None
-        self.router_url = self.cfg.router_url
-        self._router_launches = 0
+        self.router = Router(self.cfg, python=self.python, work_dir=self.work_dir)
         self.sender = WeightSender()  # this process's side of a sync
         self._members: list[_Engine] = []  # the engines of the sync in progress
         self._sync_started = 0.0
@@ -197,7 +193,7 @@ class SGLangFleet:
                     self._launch(eng)
                 for eng in self.engines:
                     self._wait_or_relaunch(eng)
-            if not self.router_url and len(self.engines) > 1:
+            if not self.router.url and len(self.engines) > 1:
                 self._launch_router()
         except BaseException:
             self.shutdown()
@@ -348,70 +344,33 @@ class SGLangFleet:
 
     # -- router ----------------------------------------------------------------------------------
     def _launch_router(self) -> None:
-        self._router_launches += 1
-        port = pick_port()
         serving = [e.url for e in self.engines if e.alive()]
-        log = self.work_dir / f"router-{self._router_launches}.log"
-        cmd = router_command(
-            self.cfg, python=self.python, port=port, worker_urls=serving, metrics_port=pick_port()
-        )
-        self._router = launch_logged(
-            cmd, python=self.python, env=server_env(self.cfg, "cpu"), log_path=log
-        )
-        self.router_url = f"http://{self.cfg.host}:{port}"
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
-        while True:
-            if self._router.poll() is not None:
-                raise SGLangServerError(f"sglang-router exited during startup; see {log}")
-            try:
-                if len(self._router_workers()) == len(serving):
-                    break
-            except SGLangServerError:
-                pass  # not listening yet: poll again until the deadline
-            if time.monotonic() > deadline:
-                raise SGLangServerError(
-                    f"sglang-router not ready after rollout.sglang.startup_timeout_s="
-                    f"{self.cfg.startup_timeout_s}s; see {log}"
-                )
-            time.sleep(0.3)
+        self.router.launch(serving)
         for eng in self.engines:
             eng.in_router = eng.url in serving
 
-    def _router_workers(self) -> dict[str, str]:
-        """url -> worker id, as the router lists them."""
-        out = Http(self.router_url).call("/workers", timeout=30)
-        return {w["url"]: w["id"] for w in (out or {}).get("workers", [])}
-
     def _router_remove(self, eng: _Engine) -> None:
-        if not eng.in_router or not self.router_url:
+        if not eng.in_router or not self.router.url:
             return
         eng.in_router = False
         try:
-            wid = self._router_workers().get(eng.url)
-            if wid is not None:
-                Http(self.router_url).call(f"/workers/{wid}", timeout=30, method="DELETE")
+            self.router.remove(eng.url)
         except SGLangServerError:
             self._check_router()
 
     def _router_add(self, eng: _Engine) -> None:
-        if eng.in_router or not self.router_url:
+        if eng.in_router or not self.router.url:
             return
-        Http(self.router_url).call("/workers", {"url": eng.url}, timeout=30)
-        deadline = time.monotonic() + 60
-        while eng.url not in self._router_workers():
-            if time.monotonic() > deadline:
-                raise _ServerGone(f"sglang-router did not take worker {eng.url} within 60 s")
-            time.sleep(0.2)
+        self.router.add(eng.url)
         eng.in_router = True
 
     def _check_router(self) -> None:
         """Relaunch a router this fleet launched and that has died."""
-        if self._router is None or self._router.poll() is None:
-            return
-        self.stats["router_restarts"] += 1
-        print("[sglang] sglang-router died; relaunching it", file=sys.stderr, flush=True)
-        _kill_group(self._router)
-        self._launch_router()
+        if self.router.died():
+            self.stats["router_restarts"] += 1
+            print("[sglang] sglang-router died; relaunching it", file=sys.stderr, flush=True)
+            self.router.kill()
+            self._launch_router()
 
     # -- weights ---------------------------------------------------------------------------------
     @property
@@ -596,7 +555,7 @@ class SGLangFleet:
         if self._version < 0:
             raise SGLangServerError(
                 "the SGLang fleet holds no synced weights; call update_weights (the trainer's "
-                "sync_weights) before generate"
+                "EngineLink.sync) before generate"
             )
         rows = [p for p in prompts for _ in range(n)]
         requests = dict(
@@ -624,7 +583,7 @@ class SGLangFleet:
             # A router spreads the requests over every engine serving; without one they all go
             # to one engine.
             engines = sum(e.version == self._version and e.alive() for e in self.engines)
-            answered = self._send(pending, rows, engines=engines if self.router_url else 1)
+            answered = self._send(pending, rows, engines=engines if self.router.url else 1)
             done.update(answered)
             # After failed requests, also ask every live engine for /health: a hung one is
             # replaced like a dead one.
@@ -639,8 +598,8 @@ class SGLangFleet:
         return [done[i] for i in range(len(rows))]
 
     def _target(self) -> str:
-        if self.router_url:
-            return self.router_url
+        if self.router.url:
+            return self.router.url
         serving = [e for e in self._up() if e.version == self._version]
         if not serving:
             raise SGLangServerError("no SGLang engine serves the synced weights")
@@ -740,9 +699,7 @@ class SGLangFleet:
 
     def shutdown(self) -> None:
         self.sender.close()
-        if self._router is not None:
-            _kill_group(self._router)
-            self._router = None
+        self.router.kill()
         for eng in self.engines:
             if eng.proc is not None:
                 _kill_group(eng.proc)

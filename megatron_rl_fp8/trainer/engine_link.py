@@ -1,0 +1,219 @@
+"""The trainer's side of the rollout engines: weight syncs into them, and the GPU memory handed
+back and forth around each generation when they share the trainer's GPUs (colocated).
+
+    sync(version)        Megatron shards -> full tensors -> export (HF names, rollout FP8,
+                         buckets) -> the engines: through the driver (in-process engine) or from
+                         each pipeline stage's sending rank (SGLang fleet); retried on SyncFailed
+    generation(phase)    trainer state to host memory, engines' KV cache back, phase(), and the
+                         reverse; a rollout whose engines lost the weights is synced and rerun
+
+Every method is collective over all ranks; the driver (global rank 0) owns the engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch.distributed as dist
+
+from megatron_rl_fp8.config import RunConfig
+from megatron_rl_fp8.metrics.logger import print_rank0
+from megatron_rl_fp8.parallel import Groups
+from megatron_rl_fp8.rollout.sglang.errors import RolloutLost, SyncFailed
+from megatron_rl_fp8.rollout.sglang.sender import WeightSender
+from megatron_rl_fp8.sync.buckets import export_for_rollout
+from megatron_rl_fp8.sync.gather import iter_full_params
+from megatron_rl_fp8.sync.timing import SyncTimes, timed
+from megatron_rl_fp8.trainer.actor import Actor
+from megatron_rl_fp8.trainer.collectives import broadcast_object
+from megatron_rl_fp8.trainer.offload import TrainerOffload
+
+T = TypeVar("T")
+
+
+class EngineLink:
+    """Syncs ``actor``'s weights into ``engine`` (the driver's; None on other ranks) and runs
+    generation phases on it, handing GPU memory over when colocated (``offload``: the trainer's
+    state to host memory, or None to keep it)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        groups: Groups,
+        actor: Actor,
+        engine,
+        offload: TrainerOffload | None,
+    ):
+        self.cfg = cfg
+        self.groups = groups
+        self.actor = actor
+        self.engine = engine
+        self.offload = offload
+        self.is_driver = groups.is_driver
+        self.fleet = cfg.rollout.engine == "sglang"  # synced by each stage's sending rank
+        self.colocated = cfg.rollout.placement == "colocated"
+        # A pipeline stage's sending rank's side of a fleet sync (the driver's is the fleet's).
+        self.weight_sender = engine.sender if self.is_driver and self.fleet else None
+        self.synced_version = -1
+        self.times = SyncTimes()  # the last sync's parts (the driver's; sync/timing.py)
+
+    def sync(self, version: int) -> float:
+        """Megatron shards -> full tensors -> the export path (``sync.buckets.export_for_rollout``:
+        HF names, rollout FP8, buckets) -> engine. Collective over the DP-rank-0 replica (its
+        CP-rank-0 ranks: the other CP ranks hold the same weights), and a barrier for the rest.
+
+        SGLang engines are fed by each pipeline stage's sending rank (:meth:`_push_to_fleet`);
+        the in-process engine gets everything through the driver. A sync that the engines could
+        not complete (``SyncFailed``: an engine died during it and was relaunched) runs again:
+        the engines' weights are unknown, the trainer's are not. Colocated engines get their
+        weights' memory back before it (their KV cache before they generate).
+
+        Returns its seconds; ``self.times`` gets its parts on the driver (every attempt's;
+        the rest of the time is barriers and the colocated memory calls)."""
+        t0 = time.perf_counter()
+        self.times = times = SyncTimes()
+        if self.colocated and self.is_driver:
+            self.engine.resume_memory(("weights",))
+        for attempt in range(1, self.cfg.rollout.sglang.max_restarts + 2):
+            push = self._push_to_fleet if self.fleet else self._push_to_driver
+            failure = push(version, times)
+            failure = broadcast_object(failure, self.groups.driver_rank)  # also the barrier
+            if failure is None:
+                break
+            print_rank0(f"sync: {failure} (attempt {attempt})")
+        else:
+            raise SyncFailed(f"weight sync to version {version} failed on every attempt")
+        self.synced_version = version
+        return time.perf_counter() - t0
+
+    def _push_to_driver(self, version: int, times: SyncTimes) -> None:
+        """Every stage's full tensors to the driver, which feeds its engine. In-process: nothing
+        is transferred, and the engine's load is its update_weights less the stream it pulls."""
+        if self.groups.dp_rank == 0 and self.groups.cp_rank == 0:
+            full = iter_full_params(
+                self.actor.model,
+                tp_group=self.groups.tp,
+                pp_group=self.groups.pp,
+                dst_global_rank=self.groups.driver_rank,
+            )
+            options = self.engine.export_options if self.is_driver else {}
+            buckets = export_for_rollout(
+                timed(full, times, "gather"), self.cfg.model, self.cfg.rollout.fp8, **options
+            )
+            if self.is_driver:
+                exported = times.export
+                t0 = time.perf_counter()
+                self.engine.update_weights(timed(buckets, times, "export"), version=version)
+                times.load += time.perf_counter() - t0 - (times.export - exported)
+            else:
+                # Drive the gather's collectives; non-driver ranks receive nothing.
+                collections.deque(buckets, maxlen=0)
+
+    def _push_to_fleet(self, version: int, times: SyncTimes) -> str | None:
+        """One fleet sync: the driver begins it; each pipeline stage's sending rank (its TP-rank-0
+        rank of the DP-rank-0 / CP-rank-0 replica) gathers its stage's TP shards and broadcasts
+        its own buckets to every engine, one stage after the other (NCCL groups sharing engines
+        must not interleave); the driver ends it. Returns the failure to retry on, or None.
+        ``times`` gets every sender's parts (stages push one after the other, so they add up)
+        and the begin / end calls as engine load."""
+        g = self.groups
+        t0 = time.perf_counter()
+        plan = self.engine.begin_sync(version) if self.is_driver else None
+        begin = time.perf_counter() - t0
+        plan = broadcast_object(plan, g.driver_rank)
+        error = None
+        mine = SyncTimes()
+        replica = g.dp_rank == 0 and g.cp_rank == 0
+        sender = dist.get_process_group_ranks(g.tp)[0] if g.tp is not None else g.rank
+        for stage in range(g.pp_size):
+            if replica and stage == g.pp_rank:
+                full = iter_full_params(self.actor.model, tp_group=g.tp, dst_global_rank=sender)
+                buckets = export_for_rollout(
+                    timed(full, mine, "gather"),
+                    self.cfg.model,
+                    self.cfg.rollout.fp8,
+                    **plan.export_options,
+                )
+                if g.rank == sender:
+                    if self.weight_sender is None:
+                        self.weight_sender = WeightSender()
+                    error = self.weight_sender.push(plan, timed(buckets, mine, "export"))
+                    mine.transfer += self.weight_sender.times.transfer
+                    mine.load += self.weight_sender.times.load
+                else:
+                    collections.deque(buckets, maxlen=0)  # the TP gather's collectives
+                    mine = SyncTimes()  # a sender's TP peers: the same gather, not added again
+            dist.barrier()
+        # One gather carries every sender's failure and its parts' seconds.
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, (error, mine))
+        if self.is_driver:
+            for _, part in reports:
+                times.add(part)
+            times.load += begin
+            t0 = time.perf_counter()
+            try:
+                self.engine.end_sync(plan, [e for e, _ in reports])
+            except SyncFailed as e:
+                return str(e)
+            finally:
+                times.load += time.perf_counter() - t0
+        return None
+
+    def generation(self, phase: Callable[[], T], *, release: tuple[str, ...]) -> T:
+        """``phase()``, a phase that generates on the engines (the rollout, an evaluation).
+        Collective.
+
+        Colocated placement: before it the trainer's weights, gradients and optimizer state go
+        to host memory (``rollout.offload_trainer``) and the engines take back their KV cache;
+        after it the engines give back ``release`` (released weights need a sync before the
+        next generation) and the trainer's state returns. When the engines lost the synced weights during it
+        (``RolloutLost``, raised on every rank alike: engines died and were relaunched on
+        placeholders), the engines are synced again and ``phase`` runs again."""
+        for attempt in range(1, self.cfg.rollout.sglang.max_restarts + 2):
+            self._engines_turn()
+            try:
+                result = phase()
+            except RolloutLost as e:
+                self._trainers_turn(("weights", "kv_cache"))
+                print_rank0(f"rollout: {e} (attempt {attempt}); syncing the engines again")
+                self.sync(version=self.synced_version)
+                continue
+            except BaseException:
+                if self.offload is not None:  # on this rank alone: an empty storage read crashes
+                    self.offload.reload()
+                raise
+            self._trainers_turn(release)
+            return result
+        raise RolloutLost(
+            f"the engines lost the synced weights in {attempt} attempts "
+            f"(rollout.sglang.max_restarts={self.cfg.rollout.sglang.max_restarts})"
+        )
+
+    def _engines_turn(self) -> None:
+        if not self.colocated:
+            return
+        if self.offload is not None:
+            self.offload.offload()
+            dist.barrier()  # every GPU's trainer memory is free before the engines take theirs
+        if self.is_driver:
+            self.engine.resume_memory(("kv_cache",))
+
+    def _trainers_turn(self, release: tuple[str, ...]) -> None:
+        if not self.colocated:
+            return
+        if self.is_driver:
+            self.engine.release_memory(release)
+        dist.barrier()  # every GPU's engine memory is free before any rank takes its state back
+        if self.offload is not None:
+            self.offload.reload()
+
+    def close(self) -> None:
+        """Shut the engine down (the driver; its sender too) or this rank's sender."""
+        if self.engine is not None:
+            self.engine.shutdown()
+        elif self.weight_sender is not None:
+            self.weight_sender.close()
