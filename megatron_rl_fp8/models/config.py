@@ -62,6 +62,20 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = field(
         128, help="Pad the vocab to a multiple of this times tensor_model_parallel_size."
     )
+    attention_backend: Literal["auto", "sdpa", "unfused"] = field(
+        "auto",
+        help="Core attention without Transformer Engine (the local spec): sdpa = torch's "
+        "scaled_dot_product_attention (flash / memory-efficient kernels, no s^2 scores kept), "
+        "unfused = Megatron's DotProductAttention. auto = sdpa on GPUs, unfused on the CPU. "
+        "TE's spec brings its own attention.",
+    )
+
+    def uses_sdpa(self, *, on_cpu: bool) -> bool:
+        """Whether the local spec's core attention is torch's SDPA (``attention_backend``;
+        ``auto``: on GPUs)."""
+        if self.attention_backend == "auto":
+            return not on_cpu
+        return self.attention_backend == "sdpa"
 
     def __post_init__(self):
         for name in ("hf_checkpoint", "load", "ref_checkpoint"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl_fp8.fp8.te import have_te
+from megatron_rl_fp8.models.attention import SDPAttention
 from megatron_rl_fp8.models.config import ModelConfig
 
 
@@ -36,16 +37,27 @@ class HeadRMSNorm:
         return torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
 
 
-def layer_spec(model: ModelConfig, *, use_te: bool | None = None, sequence_parallel: bool = False):
+def layer_spec(
+    model: ModelConfig,
+    *,
+    use_te: bool | None = None,
+    sequence_parallel: bool = False,
+    on_cpu: bool | None = None,
+):
     """The transformer-layer ModuleSpec: TE spec when TE + CUDA exist, local spec otherwise (with
-    the sequence-parallel norms above when ``sequence_parallel``)."""
+    the sequence-parallel norms above when ``sequence_parallel``, and :class:`SDPAttention` as
+    its core attention where ``model.uses_sdpa``)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    if on_cpu is None:
+        on_cpu = not torch.cuda.is_available()
     if use_te is None:
-        use_te = have_te() and torch.cuda.is_available()
+        use_te = have_te() and not on_cpu
     if use_te:
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
     spec = specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
+    if model.uses_sdpa(on_cpu=on_cpu):
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
     if sequence_parallel:
         layer = spec.submodules
         layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelRMSNorm

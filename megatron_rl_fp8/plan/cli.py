@@ -77,8 +77,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         choices=["te", "local"],
         default="te",
         help="Megatron layer spec: te = Transformer Engine, fused attention without the s^2 "
-        "scores (GPU clusters, the default); local = no TE, the [b, heads, s, s] attention "
-        "scores are stored.",
+        "scores (GPU clusters, the default); local = no TE, attention per "
+        "model.attention_backend (auto: torch's SDPA on GPUs, no s^2 scores; unfused: the "
+        "[b, heads, s, s] scores are stored).",
     )
     p.add_argument("--top", type=int, default=5, help="Alternative layouts to print (default 5).")
     return p

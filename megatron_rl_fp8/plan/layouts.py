@@ -3,8 +3,8 @@
 The search tries every TP that divides the query heads and the KV groups (at most one node's
 GPUs: TP's all-reduces want NVLink), every PP that divides the layers, CP in powers of two (TE spec
 only: Megatron's local attention has none), the distributed optimizer off and on, and recomputation none / selective (``core_attn``,
-local spec only: TE's attention keeps no s^2 scores, so it would save nothing) / full (uniform,
-one layer), with sequence parallelism whenever TP > 1 (it only saves memory). A layout must also
+with the local spec's unfused attention only: TE's and SDPA's keep no s^2 scores, so it would
+save nothing) / full (uniform, one layer), with sequence parallelism whenever TP > 1 (it only saves memory). A layout must also
 split the config's batch: each mini-batch's rows over the DP ranks, in whole micro-batches. Optimizer
 offload is not tried (the last resort), and the config's own setting is not carried over.
 
@@ -50,7 +50,9 @@ def candidate_layouts(cfg: RunConfig, world: World, spec: Spec) -> Iterator[Layo
         if t <= world.gpus_per_node and m.ffn_hidden_size % t == 0 and n % t == 0
     ]
     cps = [2**i for i in range(n.bit_length()) if spec == "te" or i == 0]
-    recomputes = ("none", "selective", "full") if spec == "local" else ("none", "full")
+    # Selective recompute drops the unfused attention's s^2 scores; fused attention keeps none.
+    scores = spec == "local" and not m.uses_sdpa(on_cpu=world.device == "cpu")
+    recomputes = ("none", "selective", "full") if scores else ("none", "full")
     for tp in tps:
         for pp in _divisors(m.num_layers):
             for cp in cps:

@@ -375,6 +375,7 @@ def layer_activation_bytes(
     fused_swiglu: bool,
     selective: tuple[str, ...] = (),
     fp8_inputs: bool = False,
+    sdpa: bool = False,
 ) -> float:
     """Bytes one transformer layer keeps for its backward, per token of the micro-batch.
 
@@ -407,7 +408,12 @@ def layer_activation_bytes(
                             CPU: also SiLU's output and the up projection's copy)
           + a f             the FC2 input
 
-    ``fp8_inputs``: the four linears keep their inputs as 1-byte FP8 codes (the torch backend's
+    ``sdpa`` (the local spec with ``model.attention_backend`` sdpa, ``models/attention.py``):
+    torch's fused attention keeps the fp32 log-sum-exp per query and head, 4 n, instead of the
+    s^2 scores; its output is the projection's input (one storage: the kernels write it
+    [b, s, heads, d]); measured on the CPU's flash kernel at the test shape, 2048 + 64 bytes per
+    token fewer than unfused in fp32 (the scores and the causal mask) and 32 more (the
+    statistics). ``fp8_inputs``: the four linears keep their inputs as 1-byte FP8 codes (the torch backend's
     tensorwise recipes, :func:`saves_fp8_inputs`) and no other operation keeps them: 1 instead of
     a for the QKV, FC1, projection and FC2 inputs. (The paper's own count for GPT-3's layer, with
     dropout masks and GeLU, is 34 s b h + 5 a s^2 b in bf16.) Selective recomputation of ``core_attn`` keeps only its inputs
@@ -433,7 +439,7 @@ def layer_activation_bytes(
     else:
         qk, qkv_kept = a * q * gqa + (a * (q + g) if local else 0), True
     if local and "core_attn" not in selective:
-        scores = (6 if a == 2 else 4) * n * seq
+        scores = 4 * n if sdpa else (6 if a == 2 else 4) * n * seq
         attn = a * q + (2 * a * q if gqa else a * g) + scores
     elif local:
         attn, qkv_kept = a * (q + g), True  # the checkpoint's inputs: Q, K after RoPE, and V
@@ -455,6 +461,7 @@ def forward_working_bytes(
     seq: int,
     spec: Spec,
     fused_swiglu: bool,
+    sdpa: bool = False,
 ) -> float:
     """Bytes per token alive at once inside one layer of a no-grad forward (the old-logprob
     pass), where nothing is kept for a backward: the residual stream (the layer's input and the
@@ -463,11 +470,14 @@ def forward_working_bytes(
     and the up projection's copy, 2 a f more). Attention, local spec: Q and the repeated K, V,
     3 a q, and the scores in the model dtype, their fp32 copy, the fp32 softmax and the bf16
     probabilities, 12 n s (8 n s in fp32, where the copy is the scores themselves); TE: Q, K,
-    V and the output, a (2q + 2g)."""
+    V and the output, a (2q + 2g); local spec with SDPA: Q, the repeated K, V and the output,
+    4 a q."""
     h, q, g, f, n = _widths(m)
     residual = 2 * a * h / (tp if sequence_parallel else 1)
     mlp = a * h + (3 if fused_swiglu else 5) * a * f / tp
-    if spec == "local":
+    if spec == "local" and sdpa:
+        attn = 4 * a * q / tp
+    elif spec == "local":
         attn = (3 * a * q + (12 if a == 2 else 8) * n * seq) / tp
     else:
         attn = a * (2 * q + 2 * g) / tp
@@ -545,8 +555,10 @@ def _activations(
     tokens: float,
     seq: int,
     fp8_inputs: list[bool],
+    sdpa: bool,
 ) -> _Activations:
-    """``fp8_inputs``: per layer of the stage, in order, whether its linears keep FP8 inputs."""
+    """``fp8_inputs``: per layer of the stage, in order, whether its linears keep FP8 inputs.
+    ``sdpa``: the local spec's attention is torch's fused one (no s^2 scores, no score buffer)."""
     kwargs = dict(
         a=a,
         tp=lay.tp,
@@ -554,6 +566,7 @@ def _activations(
         seq=seq,
         spec=spec,
         fused_swiglu=not cpu,
+        sdpa=sdpa,
     )
 
     def per_layer(**extra) -> list[float]:  # kept bytes of each of the stage's layers
@@ -581,7 +594,7 @@ def _activations(
         kept=kept,
         working=working,
         forward=tokens * forward_working_bytes(m, **kwargs),
-        buffer=tokens * a * heads * seq if spec == "local" else 0.0,
+        buffer=tokens * a * heads * seq if spec == "local" and not sdpa else 0.0,
         head=2 * layer_input,
     )
 
@@ -638,6 +651,7 @@ def estimate(
             tokens=rank_tokens,
             seq=seq,
             fp8_inputs=[fp8_codes and f for f in fp8_layers],
+            sdpa=spec == "local" and m.uses_sdpa(on_cpu=cpu),
         )
         last = stage == lay.pp - 1
         in_flight = lay.pp - stage if n_micro is None else min(lay.pp - stage, n_micro)

@@ -112,10 +112,18 @@ def test_sequence_and_context_parallelism_and_recompute_reduce_activations():
     assert acts(sequence_parallel=True) < acts()
     assert acts(cp=2, dp=1) < acts()
     assert acts(sequence_parallel=True, cp=2, dp=1) < acts(sequence_parallel=True)
-    # Local spec: the s^2 scores are stored, and selective recompute drops exactly them.
-    local = [acts("local", recompute=r) for r in ("none", "selective", "full")]
+    # Local spec, unfused attention: the s^2 scores are stored, and selective recompute drops
+    # exactly them; torch's SDPA (the GPU default) keeps none.
+    unfused = make_cfg({"num_layers": 8, "attention_backend": "unfused"})
+    local = [
+        row(
+            estimate(unfused, world, layout=Layout(tp=2, dp=2, recompute=r), spec="local"),
+            "activations",
+        )
+        for r in ("none", "selective", "full")
+    ]
     assert local[0] > local[1] > local[2]
-    assert acts("local") > acts()
+    assert local[0] > acts("local") > acts()
     assert acts(recompute="full") < acts()
     # Full recompute in chunks of two layers keeps fewer inputs but recomputes more at once.
     assert acts(recompute="full", recompute_num_layers=2) != acts(recompute="full")
@@ -218,6 +226,7 @@ def test_the_2b_gpu_reference_point():
         rollout={"max_new_tokens": 1024, "n_samples_per_prompt": 2},
         train={"prompts_per_step": 4, "micro_batch_size": 2},
     )
+    cfg.model.attention_backend = "unfused"  # measured before SDPA attention existed
     e = estimate(
         cfg, World(gpus_per_node=1, gpu_memory_gb=141), spec="local", logits=UNCHUNKED_LOGPROBS
     )
