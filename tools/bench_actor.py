@@ -17,7 +17,9 @@ An entry this machine cannot run is skipped with its reason. The
 there is none).
 
 ``--configs`` runs several configurations side by side in one process (``CONFIGS``): ``base``,
-``selective`` / ``recompute`` (Megatron's selective core-attention and full uniform 1-layer
+``unfused`` (Megatron's unfused attention instead of torch's SDPA, ``model.attention_backend``;
+the same on the CPU, where it is the default), ``selective`` / ``recompute`` (Megatron's
+selective core-attention and full uniform 1-layer
 activation recomputation), ``distopt`` (distributed optimizer with overlapped gradient
 reduction: it shards only over DP ranks, so run it under torchrun), ``budget``
 (``train.max_tokens_per_gpu`` = micro-batch x seq: packs short rows, with ``--varlen``), ``all``.
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -66,13 +69,15 @@ _FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recomp
 _DISTOPT = {"use_distributed_optimizer": True, "overlap_grad_reduce": True}
 CONFIGS = {
     "base": {},
+    "unfused": {"model": {"attention_backend": "unfused"}},
     "selective": {"memory": {"recompute_granularity": "selective"}},
     "recompute": {"memory": _FULL},
     "distopt": {"parallel": _DISTOPT},
     "budget": {"budget": True},
     "all": {"memory": _FULL, "parallel": _DISTOPT, "budget": True},
 }
-"""Name -> MemoryConfig / ParallelConfig fields and whether a token budget groups the rows."""
+"""Name -> ModelConfig / MemoryConfig / ParallelConfig fields and whether a token budget groups
+the rows."""
 
 
 def model_config(
@@ -234,7 +239,7 @@ def run(args) -> list[dict]:
             with profiler as prof:
                 t0 = time.perf_counter()
                 actor = Actor(
-                    mc,
+                    dataclasses.replace(mc, **spec.get("model", {})),
                     OptimConfig(),
                     groups,
                     fp8=fp8,

@@ -304,6 +304,7 @@ class Actor:
                 words += ", casts compiled" if on else ", fp8.compile_casts unused"
             fp8 = f"{self.fp8.recipe} ({words})"
         g, p = self.groups, self.parallel
+        cpu = g.device.type == "cpu"
         dtype = str(self.config.params_dtype).removeprefix("torch.")
         layout = f"TP={g.tp_size} PP={g.pp_size} DP={g.dp_size}"
         if g.cp_size > 1:
@@ -311,6 +312,7 @@ class Actor:
         features = [
             name
             for name, on in (
+                ("SDPA attention", not self.use_te and self.model_cfg.uses_sdpa(on_cpu=cpu)),
                 ("sequence parallel", p.sequence_parallel),
                 ("distributed optimizer", p.use_distributed_optimizer),
                 ("overlapped grad reduce", p.overlap_grad_reduce),

@@ -131,3 +131,24 @@ def test_the_planner_counts_what_sdpa_attention_keeps():
     predicted = got["predicted unfused"] - got["predicted sdpa"]
     assert predicted == 4 * 4 * 64 - 4 * 4
     assert got["unfused"] - got["sdpa"] == predicted + 64
+
+
+def _describe_body(rank, world):
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.trainer.actor import Actor
+    from megatron_rl_fp8.trainer.config import OptimConfig
+
+    out = []
+    for backend in ("auto", "sdpa"):
+        g = parallel.initialize(parallel.ParallelConfig(), seed=5)
+        out.append(
+            Actor(ModelConfig(**MODEL, attention_backend=backend), OptimConfig(), g).describe()
+        )
+        parallel.destroy()
+    return out
+
+
+def test_the_actor_log_line_names_sdpa_attention():
+    auto, sdpa = run_distributed(_describe_body, world_size=1)[0]
+    assert "SDPA" not in auto  # the CPU's default: Megatron's unfused attention
+    assert "(TP=1 PP=1 DP=1, SDPA attention)" in sdpa, sdpa
