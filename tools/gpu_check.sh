@@ -22,6 +22,8 @@
 #   7. calib_share  tools/bench_calibration.py --no-collective --models tiny: the whole calibration
 #                   cost (BF16 shadow forwards included) as a share of the full-FP8 step at
 #                   intervals 1 / 5 / 20, and where a plain step's time goes (the trainer's timers)
+#   8. attention    bench_actor's 2.0B bf16 step with torch's SDPA (model.attention_backend: auto)
+#                   and with Megatron's unfused attention: step time and peak memory
 # then a summary table (also DIR/summary.md). Exit status 1 if any step failed.
 #
 # Interpreter: $PYTHON if set, else .venv/bin/python if it exists, else python3. The repository
@@ -35,7 +37,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT_DIR=${GPU_CHECK_OUT:-gpu_check_out}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
 
-usage() { sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) [ $# -ge 2 ] || { echo "--out needs a directory" >&2; exit 2; }; OUT_DIR=$2; shift 2 ;;
@@ -292,6 +294,19 @@ print(f"tiny full FP8: shadow {1e3 * r['shadow_s']:.0f} ms on a {r['plain_s']:.2
 PY
 )
 record calib_share "${detail:-$(last_line "$STEP_LOG")}"
+
+# -- 8. attention: torch's SDPA (the local spec's GPU default) against Megatron's unfused ---------
+step attention 200 "$PYTHON" tools/bench_actor.py --configs base,unfused --fp8 bf16 \
+    --json "$OUT_DIR/bench_attention.json"
+detail=$("$PYTHON" - "$OUT_DIR/bench_attention.json" <<'PY' 2>/dev/null
+import json, sys
+rows = {r["config"]: r for r in json.load(open(sys.argv[1]))}
+s, u = rows["base"], rows["unfused"]
+print(f"2.0B bf16 step: SDPA {s['step_s']:.2f} s, peak {s['peak_mem_gb']:.1f} GB; unfused "
+      f"{u['step_s']:.2f} s, peak {u['peak_mem_gb']:.1f} GB (SDPA x{u['step_s'] / s['step_s']:.2f})")
+PY
+)
+record attention "${detail:-$(last_line "$STEP_LOG")}"
 
 # -- summary -----------------------------------------------------------------------------------
 {
