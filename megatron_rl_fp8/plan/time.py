@@ -77,8 +77,9 @@ class Efficiency:
     actor_step_s: float = 1.00
     """The measured trainer step the non-GEMM cost is fitted to: ``tools/bench_actor.py``, 2.03B
     Qwen3 shape, local spec (no TE), bf16, 8 x 2048 tokens, micro-batch 2, one H200: 1.00 s/step,
-    19.4% MFU (docs/gpu.md, gpu_check run of 2026-11-30). Local spec: with Transformer Engine the
-    non-GEMM share should shrink (not measured)."""
+    19.4% MFU (docs/gpu.md, gpu_check run of 2026-11-30). Local spec with Megatron's unfused
+    attention (torch's SDPA, the local spec's GPU default since 2026-12-01, and Transformer
+    Engine should shrink the non-GEMM share; not measured yet: gpu_check's ``attention`` step)."""
 
     fp8_linear_speedup: tuple[tuple[str, float], ...] = (
         ("tensorwise_delayed", 1.44),
