@@ -24,6 +24,11 @@ activation recomputation), ``distopt`` (distributed optimizer with overlapped gr
 reduction: it shards only over DP ranks, so run it under torchrun), ``budget``
 (``train.max_tokens_per_gpu`` = micro-batch x seq: packs short rows, with ``--varlen``), ``all``.
 
+``--profile N`` runs one more step per row under torch.profiler and prints where its device
+time goes: the N kernels with the most self time and each kind's share (GEMM, attention, norm,
+loss, optimizer, communication, other: ``KERNEL_KINDS``, by kernel name), the answer to "what do
+attention, norms and the loss cost next to the GEMMs" (issue 17). On the CPU: operators.
+
 Model: the Qwen3-1.7B block (28 layers, hidden 2048, 16 query / 8 KV heads of 128, SwiGLU 6144,
 vocab 151936) with an untied output layer, 2.03B parameters; ``--shape`` takes a larger model's
 layers instead (``megatron_rl_fp8/plan/presets.py``: qwen3-8b, qwen3-14b, qwen2.5-32b, qwen3-32b),
@@ -45,6 +50,7 @@ bytes in the second step from PyTorch's profiler (allocations since the build: t
     python tools/bench_actor.py --varlen --configs base,selective,recompute,budget
     python tools/bench_actor.py --fp8 bf16,torch:tensorwise_current,torch:rowwise,torch:blockwise
     python tools/bench_actor.py --shape qwen3-8b --layers 8 --fp8 bf16,torch:tensorwise_current
+    python tools/bench_actor.py --configs base,unfused --profile 15
     torchrun --nproc-per-node 8 tools/bench_actor.py --rows 64 --configs base,distopt,all --varlen
 """
 
@@ -271,6 +277,7 @@ def run(args) -> list[dict]:
             if on_gpu:
                 torch.cuda.reset_peak_memory_stats()
             seconds = statistics.median(step() for _ in range(args.steps))
+            profiled = profile_step(step, on_gpu, args.profile) if args.profile else None
             peak_mem = None if on_gpu else peak_bytes(prof, ["bench/step"])["bench/step"] / 1e9
             if on_gpu:
                 mem = torch.tensor([torch.cuda.max_memory_allocated() / 1e9], device=groups.device)
@@ -301,6 +308,7 @@ def run(args) -> list[dict]:
                     "peak_tflops": peak,
                     "mfu": achieved / (peak * groups.dp_size) if peak else None,
                     "peak_mem_gb": peak_mem,
+                    "profile": profiled,
                 }
             )
             del actor, step
@@ -310,6 +318,71 @@ def run(args) -> list[dict]:
     finally:
         parallel.destroy()
     return results
+
+
+# Where a step's device time goes, by kernel (GPU) or operator (CPU) name: the first pattern
+# that occurs in the lower-cased name wins. Norms, RoPE, the loss's elementwise work and casts
+# are "other" unless their kernels say so.
+KERNEL_KINDS = (
+    ("communication", ("nccl",)),
+    ("optimizer", ("multi_tensor", "adam", "_foreach")),
+    ("loss", ("log_softmax", "logsoftmax", "logsumexp", "cross_entropy", "nll")),
+    ("attention", ("flash", "fmha", "attention", "softmax", "baddbmm", "aten::bmm")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "aten::mm", "aten::addmm")),
+    ("norm", ("norm",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, pats in KERNEL_KINDS if any(p in low for p in pats)), "other")
+
+
+def profile_step(step, on_gpu: bool, top: int) -> dict:
+    """One ``step()`` under torch.profiler: the ``top`` kernels (GPU) or operators (CPU) by self
+    time, and each kind's share of the step's device (CPU: operator) time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        step()
+    if on_gpu:  # kernels (where a torch lists none as CUDA events: whatever has device time)
+        events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA] or [
+            e for e in prof.key_averages() if e.self_device_time_total > 0
+        ]
+        times = {e.key: e.self_device_time_total for e in events}
+    else:  # leaf work: aten operators' self time
+        times = {e.key: e.self_cpu_time_total for e in prof.key_averages() if "::" in e.key}
+    total = sum(times.values()) or 1.0
+    kinds: dict[str, float] = {}
+    for name, t in times.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + t / total
+    ranked = sorted(times.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "total_ms": total / 1e3,
+        "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "top": [
+            {"name": n[:120], "ms": t / 1e3, "share": t / total, "kind": kernel_kind(n)}
+            for n, t in ranked
+        ],
+    }
+
+
+def profile_markdown(r: dict) -> str:
+    prof = r["profile"]
+    kinds = ", ".join(f"{k} {v:.1%}" for k, v in prof["kinds"].items())
+    unit = "kernel" if r["device"] != "cpu" else "operator"
+    lines = [
+        f"{r['config']} / {r['fp8']}: one step's {prof['total_ms']:.1f} ms of {unit} time: {kinds}",
+        "",
+        f"| {unit} | kind | ms | share |",
+        "|---|---|---:|---:|",
+    ]
+    lines += [
+        f"| `{t['name']}` | {t['kind']} | {t['ms']:.2f} | {t['share']:.1%} |" for t in prof["top"]
+    ]
+    return "\n".join(lines)
 
 
 def _base(results: list[dict], r: dict) -> dict:
@@ -412,8 +485,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="rows of lengths spread over [seq/4, seq], right-padded (RL-like)",
     )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed steps, one more under torch.profiler: the N kernels (CPU: "
+        "operators) with the most self time and each kind's share (GEMM, attention, norm, loss, "
+        "optimizer, communication, other)",
+    )
     p.add_argument("--json", type=Path, help="also write the results (a list) to this JSON file")
     args = p.parse_args(argv)
+    if args.profile < 0:
+        p.error(f"--profile {args.profile}: give how many kernels to list (0: no profile)")
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if args.layers < 0:
         p.error(f"--layers {args.layers}: give a positive number of layers (0: the shape's own)")
@@ -438,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench_actor: no --fp8 entry can run on this machine (see above)")
     if int(os.environ.get("RANK", 0)) == 0:
         print(markdown(results))
+        for r in results:
+            if r["profile"]:
+                print("\n" + profile_markdown(r))
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(results, indent=1))

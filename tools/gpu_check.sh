@@ -264,7 +264,7 @@ PY
 record bench_gemm "${detail:-$(last_line "$STEP_LOG")}"
 grep '^|' "$STEP_LOG" >"$OUT_DIR/bench_gemm.md" 2>/dev/null
 
-step bench_actor 300 "$PYTHON" tools/bench_actor.py \
+step bench_actor 300 "$PYTHON" tools/bench_actor.py --profile 12 \
     --fp8 bf16,torch:tensorwise_current,torch:tensorwise_current+compile --json "$OUT_DIR/bench_actor.json"
 detail=$("$PYTHON" - "$OUT_DIR/bench_actor.json" <<'PY' 2>/dev/null
 import json, sys
@@ -277,7 +277,9 @@ print(f"{r['params_b']:.2f}B, {r['rows']}x{r['seq']} tokens: {r['step_s']:.2f} s
 PY
 )
 record bench_actor "${detail:-$(last_line "$STEP_LOG")}"
-grep '^|' "$STEP_LOG" >"$OUT_DIR/bench_actor.md" 2>/dev/null
+main_table() { awk '/^\| config /{t=1} t&&/^\|/{print} t&&!/^\|/{exit}' "$1"; }
+main_table "$STEP_LOG" >"$OUT_DIR/bench_actor.md" 2>/dev/null
+sed -n "/: one step's .* time: /,\$p" "$STEP_LOG" >"$OUT_DIR/bench_actor_profile.md" 2>/dev/null
 
 # -- 7. calibration's share of the step, per-phase timers -------------------------------------------
 step calib_share 150 "$PYTHON" tools/bench_calibration.py --no-collective --models tiny --steps 7 \
@@ -297,16 +299,19 @@ record calib_share "${detail:-$(last_line "$STEP_LOG")}"
 
 # -- 8. attention: torch's SDPA (the local spec's GPU default) against Megatron's unfused ---------
 step attention 200 "$PYTHON" tools/bench_actor.py --configs base,unfused --fp8 bf16 \
-    --json "$OUT_DIR/bench_attention.json"
+    --profile 12 --json "$OUT_DIR/bench_attention.json"
 detail=$("$PYTHON" - "$OUT_DIR/bench_attention.json" <<'PY' 2>/dev/null
 import json, sys
 rows = {r["config"]: r for r in json.load(open(sys.argv[1]))}
 s, u = rows["base"], rows["unfused"]
-print(f"2.0B bf16 step: SDPA {s['step_s']:.2f} s, peak {s['peak_mem_gb']:.1f} GB; unfused "
-      f"{u['step_s']:.2f} s, peak {u['peak_mem_gb']:.1f} GB (SDPA x{u['step_s'] / s['step_s']:.2f})")
+share = lambda r: r["profile"]["kinds"].get("attention", 0.0)  # noqa: E731
+print(f"2.0B bf16 step: SDPA {s['step_s']:.2f} s, peak {s['peak_mem_gb']:.1f} GB, attention "
+      f"{share(s):.0%} of kernel time; unfused {u['step_s']:.2f} s, peak {u['peak_mem_gb']:.1f} "
+      f"GB, attention {share(u):.0%} (SDPA x{u['step_s'] / s['step_s']:.2f})")
 PY
 )
 record attention "${detail:-$(last_line "$STEP_LOG")}"
+sed -n "/: one step's .* time: /,\$p" "$STEP_LOG" >"$OUT_DIR/attention_profile.md" 2>/dev/null
 
 # -- summary -----------------------------------------------------------------------------------
 {
@@ -322,6 +327,7 @@ record attention "${detail:-$(last_line "$STEP_LOG")}"
 } | tee "$OUT_DIR/summary.md"
 if [ -s "$OUT_DIR/bench_gemm.md" ]; then echo; cat "$OUT_DIR/bench_gemm.md"; fi
 if [ -s "$OUT_DIR/bench_actor.md" ]; then echo; cat "$OUT_DIR/bench_actor.md"; fi
+if [ -s "$OUT_DIR/bench_actor_profile.md" ]; then echo; cat "$OUT_DIR/bench_actor_profile.md"; fi
 
 for s in "${STATUSES[@]}"; do
     [ "$s" = ok ] || exit 1

@@ -86,12 +86,21 @@ def test_bench_actor_cpu_smoke(tmp_path):
             "base,budget",
             "--peak-tflops",
             "0.5",
+            "--profile",
+            "4",
             "--json",
             str(tmp_path / "actor.json"),
         ]
     )
     assert out.returncode == 0, out.stderr
     base, budget = json.loads((tmp_path / "actor.json").read_text())
+    # --profile: one more step's operators, the 4 largest listed, every kind's share adding up
+    prof = base["profile"]
+    assert len(prof["top"]) == 4 and prof["top"][0]["ms"] >= prof["top"][-1]["ms"] > 0
+    assert sum(prof["kinds"].values()) == pytest.approx(1.0) and "GEMM" in prof["kinds"]
+    assert (
+        "base / bf16: one step's" in out.stdout and "| operator | kind | ms | share |" in out.stdout
+    )
     assert (base["rows"], base["seq"], base["micro_batch"], base["layers"]) == (4, 16, 2, 2)
     # Lengths 4, 8, 12, 16 (--varlen): 40 real tokens, packed under a 32-token budget.
     assert base["real_tokens"] == budget["real_tokens"] == 40
@@ -100,7 +109,7 @@ def test_bench_actor_cpu_smoke(tmp_path):
     assert base["mfu"] == pytest.approx(base["model_tflops"] / 0.5)
     # Host tensors from the profiler: weights + fp32 grads + Adam of ~0.09M parameters, at least.
     assert base["peak_mem_gb"] > 0.09e6 * 16 / 1e9
-    rows = _table_rows(out.stdout)
+    rows = _table_rows(out.stdout.split("base / bf16: one step's")[0])  # before the profiles
     assert [r[0] for r in rows] == ["base", "budget"]
     assert rows[0][1] == "cpu x 1" and float(rows[0][6]) > 0 and rows[0][7] == "1.00x"
     assert "parameters on this rank" in out.stdout
@@ -193,6 +202,34 @@ def test_gpu_check_stops_clearly_without_a_gpu(tmp_path):
     assert "no CUDA GPU" in out.stdout
     assert "torch " in (tmp_path / "o" / "versions.txt").read_text()
     assert not (tmp_path / "o" / "runs").exists()  # stopped before the jobs
+
+
+def test_bench_actor_profile_kinds_from_kernel_names():
+    """GPU kernel names as the profiler reports them (H100/H200, torch 2.x) sorted into kinds."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_actor
+    finally:
+        sys.path.pop(0)
+    kinds = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1": "GEMM",
+        "nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNT": "GEMM",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits": (
+            "attention"
+        ),
+        "void (anonymous namespace)::cunn_SoftMaxForward<4, c10::BFloat16, float>": "attention",
+        "void cunn_SoftMaxForward<4, float, float, float, LogSoftMaxForwardEpilogue>": "loss",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": (
+            "communication"
+        ),
+        "void multi_tensor_apply_kernel<TensorListMetadata<4>, AdamFunctor<float>>": "optimizer",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float>": "norm",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": (
+            "other"
+        ),
+    }
+    for name, kind in kinds.items():
+        assert bench_actor.kernel_kind(name) == kind, name
 
 
 def test_bench_actor_fp8_entries_and_ratios_against_bf16():
