@@ -434,8 +434,8 @@ def layer_activation_bytes(
     # a selectively recomputed core attention).
     if not m.qk_layernorm:
         qk, qkv_kept = 0, not gqa
-    elif local and a == 2:
-        qk, qkv_kept = 8 * (q + g), False  # fp32 copies of Q and K, and their normalized values
+    elif local and a == 2:  # fp32 copies of Q and K, and their normalized values; MHA's V
+        qk, qkv_kept = 8 * (q + g), not gqa
     else:
         qk, qkv_kept = a * q * gqa + (a * (q + g) if local else 0), True
     if local and "core_attn" not in selective:
