@@ -36,11 +36,21 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]"],
+        # torchao: fp8.backend=torchao (its float8 training matmul), on GPUs without TE too.
+        "gpu": ["transformer-engine[pytorch]", "torchao>=0.18"],
         "sglang": ["sglang"],
         # accelerate: transformers needs it to read FP8 checkpoints (a conversion test does).
         # tensorboard, wandb: the logger tests write real event files and offline W&B runs.
-        "dev": ["pytest", "pytest-timeout", "accelerate", "ruff==0.17.6", "tensorboard", "wandb"],
+        # torchao: the torchao backend's CPU tests (its float8 matmul runs on CPU _scaled_mm).
+        "dev": [
+            "pytest",
+            "pytest-timeout",
+            "accelerate",
+            "ruff==0.17.6",
+            "tensorboard",
+            "wandb",
+            "torchao==0.18.0",
+        ],
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
     },

@@ -8,10 +8,11 @@ timed step. ``--varlen`` gives the rows lengths spread evenly from a quarter of 
 it (right-padded, as RL responses are); tokens/s then counts real tokens only.
 
 ``--fp8`` runs the step per FP8 backend and recipe, side by side with BF16: a comma-separated list
-of ``bf16``, ``RECIPE`` (``fp8.backend: auto``) or ``BACKEND:RECIPE`` (``te``, ``torch`` or
-``emulate``; see ``megatron_rl_fp8/fp8/backend.py``), e.g. ``bf16,torch:tensorwise_current,
-torch:rowwise,torch:blockwise``; a ``+compile`` suffix sets ``fp8.compile_casts`` (the torch
-backend's casts through ``torch.compile``; the compile happens in the warm-up steps, untimed).
+of ``bf16``, ``RECIPE`` (``fp8.backend: auto``) or ``BACKEND:RECIPE`` (``te``, ``torch``,
+``torchao`` or ``emulate``; see ``megatron_rl_fp8/fp8/backend.py``), e.g. ``bf16,
+torch:tensorwise_current,torch:rowwise,torchao:tensorwise_current``; a ``+compile`` suffix sets
+``fp8.compile_casts`` (the torch backend's casts, or torchao's whole call, through
+``torch.compile``; the compile happens in the warm-up steps, untimed).
 An entry this machine cannot run is skipped with its reason. The
 "vs base" columns compare each row with the ``bf16`` row of its configuration (the first row when
 there is none).

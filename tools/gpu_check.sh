@@ -18,7 +18,8 @@
 #                   at M = 8192 and 1024 tokens
 #   6. bench_actor  one-GPU actor step at a 2.0B Qwen3 shape: tokens/s, MFU, peak memory, in
 #                   BF16 and with tensorwise FP8 on the torch backend, its casts eager and
-#                   compiled (fp8.compile_casts) (skipped where it cannot run)
+#                   compiled (fp8.compile_casts), and through torchao compiled where torchao
+#                   imports (skipped where it cannot run)
 #   7. calib_share  tools/bench_calibration.py --no-collective --models tiny: the whole calibration
 #                   cost (BF16 shadow forwards included) as a share of the full-FP8 step at
 #                   intervals 1 / 5 / 20, and where a plain step's time goes (the trainer's timers)
@@ -37,7 +38,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT_DIR=${GPU_CHECK_OUT:-gpu_check_out}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
 
-usage() { sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) [ $# -ge 2 ] || { echo "--out needs a directory" >&2; exit 2; }; OUT_DIR=$2; shift 2 ;;
@@ -264,8 +265,12 @@ PY
 record bench_gemm "${detail:-$(last_line "$STEP_LOG")}"
 grep '^|' "$STEP_LOG" >"$OUT_DIR/bench_gemm.md" 2>/dev/null
 
-step bench_actor 300 "$PYTHON" tools/bench_actor.py --profile 12 \
-    --fp8 bf16,torch:tensorwise_current,torch:tensorwise_current+compile --json "$OUT_DIR/bench_actor.json"
+FP8_ENTRIES=bf16,torch:tensorwise_current,torch:tensorwise_current+compile
+if "$PYTHON" -c "import torchao" >/dev/null 2>&1; then  # torchao's own float8 path beside ours
+    FP8_ENTRIES=$FP8_ENTRIES,torchao:tensorwise_current+compile
+fi
+step bench_actor 330 "$PYTHON" tools/bench_actor.py --profile 12 --fp8 "$FP8_ENTRIES" \
+    --json "$OUT_DIR/bench_actor.json"
 detail=$("$PYTHON" - "$OUT_DIR/bench_actor.json" <<'PY' 2>/dev/null
 import json, sys
 rows = json.load(open(sys.argv[1]))

@@ -5,6 +5,9 @@ Three backends run the same recipes (``FP8Config.recipe``) and differ in what ex
 * ``te``: Transformer Engine's FP8 linears (Megatron's TE layer spec and ``fp8_autocast``).
 * ``torch``: Megatron's local linears with real FP8 GEMMs through ``torch._scaled_mm``
   (``torch_backend.py``); no TE needed, so it runs where TE cannot be installed.
+* ``torchao``: the same local linears through torchao's float8 training matmul
+  (``torchao_backend.py``; tensorwise and rowwise; ``pip install torchao``). Never chosen by
+  ``auto``: pick it to compare with the ``torch`` backend.
 * ``emulate``: quantize-dequantize in PyTorch (``emulation.py``); any device, slower than BF16.
 
 Both GPU backends need FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell);
@@ -82,6 +85,12 @@ def backend_problem(backend: str, recipe: str, capability: tuple[int, int] | Non
         return problem
     if backend == "te" and not have_te():
         return f"Transformer Engine is not installed (`{INSTALL_HINT}`)"
+    if backend == "torchao":
+        from megatron_rl_fp8.fp8.torchao_backend import INSTALL_HINT as AO_HINT
+        from megatron_rl_fp8.fp8.torchao_backend import have_torchao
+
+        if not have_torchao():
+            return f"torchao is not installed (`{AO_HINT}`)"
     if backend == "torch" and recipe == "blockwise" and not have_blockwise_scaled_mm():
         return (
             f"torch {torch.__version__} has no block-scaled torch.nn.functional.scaled_mm "
@@ -91,7 +100,7 @@ def backend_problem(backend: str, recipe: str, capability: tuple[int, int] | Non
 
 
 def resolve_backend(config: FP8Config, *, capability=...) -> str | None:
-    """The backend that runs ``config``'s FP8 GEMMs here: 'te', 'torch' or 'emulate'; None when
+    """The backend that runs ``config``'s FP8 GEMMs here: 'te', 'torch', 'torchao' or 'emulate'; None when
     FP8 is off (recipe 'bf16').
 
     ``capability``: the GPU's compute capability (None: no GPU); probed when not given. Raises a

@@ -24,21 +24,23 @@ AmaxComputeAlgo = Literal["max", "most_recent"]
 RolloutWeightQuant = Literal["bf16", "blockwise", "per_tensor"]
 RolloutQuantizer = Literal["modelopt", "builtin"]
 Accumulation = Literal["fp32", "hopper"]
-Backend = Literal["auto", "te", "torch", "emulate"]
+Backend = Literal["auto", "te", "torch", "torchao", "emulate"]
 
 BACKEND_RECIPES: dict[str, tuple[str, ...]] = {
     "te": ("tensorwise_delayed", "tensorwise_current", "blockwise", "mxfp8"),
     "torch": ("tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise"),
+    "torchao": ("tensorwise_current", "rowwise"),
     "emulate": ("tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise", "mxfp8"),
 }
 """Which FP8 recipes each backend can run. TE has no per-row recipe; the torch backend runs
 tensorwise / rowwise through ``torch._scaled_mm`` and blockwise through
 ``torch.nn.functional.scaled_mm`` (delayed scaling keeps its amax histories itself), but not MXFP8;
-the emulation runs all."""
+torchao's float8 training has dynamic tensorwise and rowwise scaling only; the emulation runs
+all."""
 
 
 def backends_for(recipe: str) -> list[str]:
-    """The backends (``te``, ``torch``, ``emulate``) that can run ``recipe``."""
+    """The backends (``te``, ``torch``, ``torchao``, ``emulate``) that can run ``recipe``."""
     return [b for b, recipes in BACKEND_RECIPES.items() if recipe in recipes]
 
 
@@ -104,9 +106,11 @@ class FP8Config:
         default="auto",
         help="What runs the FP8 GEMMs. 'te': Transformer Engine (GPU, TE installed). 'torch': "
         "real FP8 GEMMs through torch._scaled_mm on the local layer spec (GPU with FP8 tensor "
-        "cores, compute capability >= 8.9; no TE needed). 'emulate': quantize-dequantize in "
-        "PyTorch on any device (numerics, CI). 'auto': te where TE and an FP8 GPU exist and TE "
-        "has the recipe, else torch on an FP8 GPU, else emulate.",
+        "cores, compute capability >= 8.9; no TE needed). 'torchao': the same linears through "
+        "torchao's float8 training matmul (tensorwise_current / rowwise; pip install torchao). "
+        "'emulate': quantize-dequantize in PyTorch on any device (numerics, CI). 'auto': te "
+        "where TE and an FP8 GPU exist and TE has the recipe, else torch on an FP8 GPU, else "
+        "emulate (never torchao: choose it).",
     )
     compile_casts: bool = field(
         default=False,
@@ -205,8 +209,9 @@ class FP8Config:
             )
         if self.compile_casts and self.backend in ("te", "emulate"):
             raise ValueError(
-                f"FP8Config.compile_casts=True applies to backend 'torch' only (got "
-                f"backend={self.backend!r}); set it to false, or use backend 'torch' or 'auto'"
+                f"FP8Config.compile_casts=True applies to backends 'torch' and 'torchao' only (got "
+                f"backend={self.backend!r}); set it to false, or use backend 'torch', 'torchao' or "
+                "'auto'"
             )
         if self.enabled and self.backend != "auto":
             can = backends_for(self.recipe)

@@ -36,6 +36,10 @@ def _make_linear(fp8: FP8Config, backend: str):
         from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
 
         return FP8LinearTorch(fp8)
+    if backend == "torchao":
+        from megatron_rl_fp8.fp8.torchao_backend import FP8LinearTorchAO
+
+        return FP8LinearTorchAO(fp8)
     raise ValueError(
         f"backend={backend!r} has no FP8 linears to install (Transformer Engine's come with its "
         "layer spec); use 'torch' or 'emulate'"
@@ -101,7 +105,7 @@ class _EmulatedGemm:
 
 def emulated_linears(model) -> Iterator[tuple[str, torch.nn.Module, _EmulatedGemm]]:
     """(name, module, GEMM) for every linear of ``model`` whose FP8 this project runs (backend
-    'emulate' or 'torch'; ``gemm.emulator`` tells which)."""
+    'emulate', 'torch' or 'torchao'; ``gemm.emulator`` tells which)."""
     for name, module in model.named_modules():
         gemm = module.__dict__.get("_forward_impl")
         if isinstance(gemm, _EmulatedGemm):
@@ -109,7 +113,7 @@ def emulated_linears(model) -> Iterator[tuple[str, torch.nn.Module, _EmulatedGem
 
 
 def install_fp8_linears(model, fp8: FP8Config, num_layers: int, backend: str = "emulate") -> int:
-    """Route the FP8 linears of this pipeline stage through ``backend`` ('emulate' or 'torch');
+    """Route the FP8 linears of this pipeline stage through ``backend`` ('emulate', 'torch' or 'torchao');
     returns how many.
 
     ``num_layers`` is the model's total depth (BF16 first/last layers are global positions).

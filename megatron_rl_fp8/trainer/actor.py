@@ -197,6 +197,7 @@ def run_schedule(
 _BACKEND_WORDS = {
     "te": "Transformer Engine",
     "torch": "torch._scaled_mm",
+    "torchao": "torchao float8",
     "emulate": "emulated",
 }
 """How ``describe`` names each FP8 backend."""
@@ -258,7 +259,7 @@ class Actor:
             **memory.megatron_kwargs(),
         )
         module = build_gpt_model(model_cfg, self.config, use_te=use_te)
-        if self.fp8_backend in ("torch", "emulate"):
+        if self.fp8_backend in ("torch", "torchao", "emulate"):
             install_fp8_linears(module, self.fp8, model_cfg.num_layers, self.fp8_backend)
         if groups.device.type == "cuda":
             # As Megatron's get_model: weights are initialised on the host (so every TP layout
@@ -299,8 +300,8 @@ class Actor:
         fp8 = "off"
         if self.fp8.enabled:
             words = _BACKEND_WORDS[self.fp8_backend]
-            if self.fp8.compile_casts:  # only the torch backend has casts of its own to compile
-                on = self.fp8_backend == "torch"
+            if self.fp8.compile_casts:  # only torch / torchao have casts of their own to compile
+                on = self.fp8_backend in ("torch", "torchao")
                 words += ", casts compiled" if on else ", fp8.compile_casts unused"
             fp8 = f"{self.fp8.recipe} ({words})"
         g, p = self.groups, self.parallel

@@ -124,8 +124,9 @@ def _set_full_weights(actor, g):
             p.copy_(split_tp_shard(name, full, g.tp_rank, g.tp_size))
 
 
-# (recipe, FP8 linears): MXFP8 has no torch-backend GEMM; tensorwise runs real FP8 codes on CPU.
-TP_CASES = {"emulate": "mxfp8", "torch": "tensorwise_current"}
+# (recipe, FP8 linears): MXFP8 has no torch-backend GEMM; tensorwise runs real FP8 codes on CPU,
+# through this project's _scaled_mm backend and through torchao's float8 matmul.
+TP_CASES = {"emulate": "mxfp8", "torch": "tensorwise_current", "torchao": "tensorwise_current"}
 
 
 def _tp_step(tp, sp, backend):
@@ -134,9 +135,12 @@ def _tp_step(tp, sp, backend):
     from megatron_rl_fp8.models.fp8 import emulated_linears
 
     actor, g = _actor(dict(recipe=TP_CASES[backend]), tp=tp, sp=sp)
-    if backend == "torch":  # fp8.backend: torch needs an FP8 GPU; same linears, real FP8 codes
+    if backend != "emulate":  # torch / torchao need an FP8 GPU: same linears, real FP8 codes
+        from megatron_rl_fp8.fp8.torchao_backend import FP8LinearTorchAO
+
+        make = {"torch": FP8LinearTorch, "torchao": FP8LinearTorchAO}[backend]
         for _, _, gemm in emulated_linears(actor.module):
-            gemm.emulator = FP8LinearTorch(actor.fp8)
+            gemm.emulator = make(actor.fp8)
     _set_full_weights(actor, g)
     ids = torch.randint(4, 53, (4, 10), generator=torch.Generator().manual_seed(2))
     batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "loss_mask": torch.ones(4, 10)}
@@ -153,7 +157,9 @@ def _tp_body(rank, world, tp):
 
     layouts = [(False, "emulate")]
     if tp == 2:
-        layouts += [(True, "emulate"), (False, "torch"), (True, "torch")]
+        layouts += [
+            (sp, b) for b in TP_CASES for sp in (False, True) if (sp, b) != (False, "emulate")
+        ]
     out = {(sp, backend): _tp_step(tp, sp, backend) for sp, backend in layouts}
     parallel.destroy()
     return out

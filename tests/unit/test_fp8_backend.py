@@ -49,12 +49,13 @@ def test_backend_default_and_emulate_alias():
 
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
-@pytest.mark.parametrize("backend", ["te", "torch", "emulate"])
+@pytest.mark.parametrize("backend", ["te", "torch", "torchao", "emulate"])
 def test_recipe_backend_matrix_is_checked_at_config(recipe, backend):
     runs = recipe in BACKEND_RECIPES[backend]
     expected = {
         "te": recipe != "rowwise",
         "torch": recipe != "mxfp8",
+        "torchao": recipe in ("tensorwise_current", "rowwise"),
         "emulate": True,
     }[backend]
     assert runs == expected
@@ -66,7 +67,8 @@ def test_recipe_backend_matrix_is_checked_at_config(recipe, backend):
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"FP8Config.backend={backend!r}")
     assert "'emulate'" in msg and f"recipe={recipe!r}" in msg
-    can = " or ".join(repr(b) for b in ("te", "torch", "emulate") if recipe in BACKEND_RECIPES[b])
+    backends = ("te", "torch", "torchao", "emulate")
+    can = " or ".join(repr(b) for b in backends if recipe in BACKEND_RECIPES[b])
     assert msg.endswith(f"use backend {can} (or 'auto')")  # names the backends that can
 
 
@@ -199,13 +201,16 @@ def _within(name, got, want, tol):
     )
 
 
-def _check_against_emulation(recipe, fmt, dtype, *, tokens=(2, 15), k=40, n=24, calls=2):
+def _check_against_emulation(
+    recipe, fmt, dtype, *, tokens=(2, 15), k=40, n=24, calls=2, make=FP8LinearTorch
+):
     """Both sides multiply the same FP8 codes (same scales, same rounding; the blockwise test
     asserts the codes directly), so they differ only by rounding after the product p:
 
     * the emulation rounds p + bias once to ``dtype``;
-    * the torch backend rounds p to bfloat16 (the GEMM's output), adds the bias in that dtype
-      and rounds again when ``dtype`` is float32 -> bfloat16 -> float32 is exact.
+    * the torch backend (``make``; torchao's tensorwise too) rounds p to bfloat16 (the GEMM's
+      output; torchao's is the input's dtype), adds the bias in that dtype and rounds again
+      when ``dtype`` is float32 -> bfloat16 -> float32 is exact.
 
     With u = 2^-8 (bfloat16's unit roundoff) each rounding moves a value by at most u times its
     magnitude, so |y_torch - y_emu| <= u (|p| + 2 |y|) <= u (3 |y| + |bias|). Gradients have no
@@ -219,7 +224,7 @@ def _check_against_emulation(recipe, fmt, dtype, *, tokens=(2, 15), k=40, n=24, 
     g = torch.randn(*tokens, n, generator=gen).to(dtype)
     cfg = FP8Config(recipe=recipe, format=fmt)
     emu = _run(FP8LinearEmulator(cfg), x, w, b, g, calls)
-    got = _run(FP8LinearTorch(cfg), x, w, b, g, calls)
+    got = _run(make(cfg), x, w, b, g, calls)
     u = 2.0**-8
     y, dx, dw, db = emu
     _within("y", got[0], y, u * (3 * y.abs() + b.float().abs()) + 1e-4 * y.abs().max())
@@ -416,14 +421,17 @@ def test_install_torch_backend_and_full_precision_switch():
 
 
 # -- compiled casts (fp8.compile_casts) -----------------------------------------------------------
-def test_compile_casts_is_for_the_torch_backend_only():
+def test_compile_casts_is_for_the_torch_and_torchao_backends_only():
     FP8Config(recipe="rowwise", backend="torch", compile_casts=True)
+    FP8Config(recipe="rowwise", backend="torchao", compile_casts=True)
     FP8Config(recipe="rowwise", compile_casts=True)  # auto: applies where torch is picked
     for backend in ("te", "emulate"):
         with pytest.raises(ValueError) as e:
             FP8Config(recipe="tensorwise_current", backend=backend, compile_casts=True)
         msg = str(e.value)
-        assert msg.startswith("FP8Config.compile_casts=True applies to backend 'torch' only")
+        assert msg.startswith(
+            "FP8Config.compile_casts=True applies to backends 'torch' and 'torchao' only"
+        )
         assert f"(got backend={backend!r})" in msg and "\n" not in msg
     with pytest.raises(ValueError, match="FP8Config.compile_casts='yes' is not valid"):
         FP8Config(compile_casts="yes")

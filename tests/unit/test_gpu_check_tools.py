@@ -257,7 +257,9 @@ def test_bench_actor_fp8_entries_and_ratios_against_bf16():
     ]
     with pytest.raises(ValueError, match="the only suffix is '\\+compile'"):
         bench_actor.parse_fp8("torch:rowwise+fused")
-    with pytest.raises(ValueError, match="compile_casts=True applies to backend 'torch' only"):
+    with pytest.raises(
+        ValueError, match="compile_casts=True applies to backends 'torch' and 'torchao' only"
+    ):
         bench_actor.parse_fp8("emulate:rowwise+compile")
 
     def row(config, fp8, recipe, tokens_per_s):

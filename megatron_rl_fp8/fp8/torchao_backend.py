@@ -1,0 +1,127 @@
+"""The ``torchao`` FP8 backend: Megatron's local linears through torchao's float8 training matmul.
+
+torchao (``pip install torchao``, the ``[gpu]`` extra) is where the seed paper's FP8 training speed
+came from: ``torchao.float8``'s ``matmul_with_hp_or_float8_args`` is the autograd function inside
+its ``Float8Linear``. It takes the high-precision input and the transposed weight, casts each GEMM
+operand to float8 as its ``Float8LinearConfig`` says and runs the three GEMMs (fprop, dgrad,
+wgrad) through ``torch._scaled_mm``. This backend calls it from each Megatron linear in place of
+the emulation (same slot, same call as :class:`~megatron_rl_fp8.fp8.torch_backend.FP8LinearTorch`)::
+
+    recipe              torchao recipe   scales                                  grad_output
+    tensorwise_current  "tensorwise"     one per tensor, amax / fp8 max           e5m2 (hybrid) or e4m3
+    rowwise             "rowwise"        per row along the contraction dim,      e4m3
+                                         rounded up to powers of two (torchao's)
+
+Not run here: delayed scaling (torchao dropped it), blockwise and MXFP8 (not in its float8
+training configs); those are the ``torch`` backend's or TE's. Differences from the ``torch``
+backend, by design of torchao: the weight is cast again on every call (no cache across
+micro-batches), the backward keeps the bf16 input and weight and casts them again (no saved FP8
+codes), rowwise scales are powers of two (the emulation's are not: its codes differ, its
+error is of the same order). The inner dim of each GEMM is zero-padded to 16 by torchao
+(``pad_inner_dim``), so any token count runs. The forward GEMM uses fast accumulation when
+``fp8.accum_fast_fprop``, the two backward GEMMs never (torchao's defaults).
+
+``torch.compile`` fuses torchao's casts (its measured 1.44x on the H200 was compiled):
+``fp8.compile_casts`` compiles the whole call, casts and GEMMs together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+
+import torch
+
+from megatron_rl_fp8.fp8.config import FP8Config
+from megatron_rl_fp8.fp8.emulation import FP8Linear
+
+INSTALL_HINT = "pip install torchao (or the project's [gpu] extra)"
+
+TORCHAO_RECIPES = {"tensorwise_current": "tensorwise", "rowwise": "rowwise"}
+"""This project's recipe -> torchao's float8 recipe name."""
+
+
+def have_torchao() -> bool:
+    """Whether torchao is importable (without importing it)."""
+    try:
+        return importlib.util.find_spec("torchao") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _import():
+    try:
+        from torchao.float8.config import Float8LinearConfig
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+        from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+    except ImportError as e:
+        raise ImportError(f"fp8.backend=torchao needs torchao: {INSTALL_HINT} ({e})") from e
+    return Float8LinearConfig, matmul_with_hp_or_float8_args, LinearMMConfig, ScaledMMConfig
+
+
+def torchao_config(config: FP8Config):
+    """(torchao ``Float8LinearConfig``, ``LinearMMConfig``) for ``config``'s recipe and format."""
+    if config.recipe not in TORCHAO_RECIPES:
+        raise ValueError(
+            f"FP8Config.recipe={config.recipe!r} has no torchao float8 recipe; use "
+            f"{' or '.join(map(repr, TORCHAO_RECIPES))}, or backend 'torch' / 'emulate'"
+        )
+    Float8LinearConfig, _, LinearMMConfig, ScaledMMConfig = _import()
+    ao = Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[config.recipe])
+    grad_dtype = torch.float8_e5m2 if config.format == "hybrid" else torch.float8_e4m3fn
+    ao = dataclasses.replace(
+        ao,
+        cast_config_grad_output=dataclasses.replace(
+            ao.cast_config_grad_output, target_dtype=grad_dtype
+        ),
+        cast_config_grad_output_for_grad_weight=dataclasses.replace(
+            ao.cast_config_grad_output_for_grad_weight, target_dtype=grad_dtype
+        ),
+        pad_inner_dim=True,
+    )
+    gemm = lambda fast: ScaledMMConfig(False, fast, False, True)  # noqa: E731
+    mm = LinearMMConfig(gemm(config.accum_fast_fprop), gemm(False), gemm(False))
+    return ao, mm
+
+
+def _matmul(x2: torch.Tensor, weight_t: torch.Tensor, mm, ao) -> torch.Tensor:
+    _, matmul, _, _ = _import()
+    return matmul.apply(x2, weight_t, mm, ao)
+
+
+@functools.cache
+def _compiled_matmul():
+    return torch.compile(_matmul, dynamic=True)
+
+
+class _TorchAOCall:
+    """The ``_function`` of :class:`FP8LinearTorchAO`: torchao's autograd function does the work,
+    this only flattens the tokens and adds the bias."""
+
+    @staticmethod
+    def apply(x, weight, bias, linear: FP8LinearTorchAO):  # noqa: D102
+        k = x.shape[-1]
+        matmul = _compiled_matmul() if linear.config.compile_casts else _matmul
+        y = matmul(x.reshape(-1, k), weight.t(), linear.mm_config, linear.ao_config)
+        y = y.reshape(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias.to(y.dtype)
+
+
+class FP8LinearTorchAO(FP8Linear):
+    """Per-layer torchao float8 GEMMs: ``linear(x, weight, bias) -> y``, the sibling of the
+    emulator and the torch backend (same call, same config; ``enabled=False`` is ``F.linear``)."""
+
+    _function = _TorchAOCall
+
+    def __init__(self, config: FP8Config, *, enabled: bool = True):
+        super().__init__(config, enabled=enabled)
+        self.ao_config = self.mm_config = None
+        if config.enabled:
+            self.ao_config, self.mm_config = torchao_config(config)
+
+    def __repr__(self) -> str:
+        return (
+            f"FP8LinearTorchAO(recipe={self.config.recipe!r}, format={self.config.format!r}, "
+            f"enabled={self.enabled})"
+        )

@@ -1,0 +1,99 @@
+"""The ``torchao`` FP8 backend (``fp8/torchao_backend.py``): selection, and its numerics against
+the emulation on the CPU, where torchao's float8 matmul runs on CPU ``torch._scaled_mm``.
+
+* tensorwise: torchao's codes are the emulation's (same amax / fp8-max scales), so the torch
+  backend's derived bound holds (``test_fp8_backend._check_against_emulation``);
+* rowwise: torchao rounds its row scales up to powers of two, so its codes differ; its error
+  against the unquantized product is of the emulation's order (within a factor 1.5 either way
+  here: measured 0.95-1.10x at these shapes);
+* ``enabled=False`` (the BF16 shadow) is ``F.linear`` exactly.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_rl_fp8.fp8 import FP8Config, FP8LinearEmulator
+from megatron_rl_fp8.fp8 import backend as backend_mod
+from megatron_rl_fp8.fp8.backend import resolve_backend
+from tests.unit.test_fp8_backend import H200, _check_against_emulation, _run
+
+pytest.importorskip("torchao", reason="the torchao backend's tests need torchao (make install)")
+
+from megatron_rl_fp8.fp8 import torchao_backend  # noqa: E402
+from megatron_rl_fp8.fp8.torchao_backend import FP8LinearTorchAO  # noqa: E402
+
+
+def test_explicit_only_and_one_line_when_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(backend_mod, "have_te", lambda: False)
+    cfg = FP8Config(recipe="rowwise", backend="torchao")
+    assert resolve_backend(cfg, capability=H200) == "torchao"
+    # auto never takes it: the torch backend is the default without TE
+    assert resolve_backend(FP8Config(recipe="rowwise"), capability=H200) == "torch"
+    with pytest.raises(ValueError, match="no CUDA GPU is visible") as e:
+        resolve_backend(cfg, capability=None)
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(torchao_backend, "have_torchao", lambda: False)
+    with pytest.raises(ValueError, match=r"torchao is not installed \(`pip install torchao"):
+        resolve_backend(cfg, capability=H200)
+    with pytest.raises(ValueError, match="cannot run recipe='blockwise'.*'torch' or 'emulate'"):
+        FP8Config(recipe="blockwise", backend="torchao")
+    FP8Config(recipe="tensorwise_current", backend="torchao", compile_casts=True)  # allowed
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tensorwise_is_the_emulation_within_the_derived_bound(fmt, dtype):
+    _check_against_emulation("tensorwise_current", fmt, dtype, make=FP8LinearTorchAO, calls=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rowwise_error_is_of_the_emulations_order(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(30, 64, generator=gen).to(dtype)
+    w = (torch.randn(48, 64, generator=gen) * 0.1).to(dtype)
+    b = torch.randn(48, generator=gen).to(dtype)
+    g = torch.randn(30, 48, generator=gen).to(dtype)
+    cfg = FP8Config(recipe="rowwise")
+    emu = _run(FP8LinearEmulator(cfg), x, w, b, g)
+    ao = _run(FP8LinearTorchAO(cfg), x, w, b, g)
+    xx, ww = x.double().requires_grad_(), w.double().requires_grad_()
+    y = xx @ ww.t() + b.double()
+    y.backward(g.double())
+    exact = (y.detach(), xx.grad, ww.grad)
+    for name, a, e, ref in zip(("y", "dx", "dw"), ao, emu, exact):
+        err_ao = ((a.double() - ref).norm() / ref.norm()).item()
+        err_emu = ((e.double() - ref).norm() / ref.norm()).item()
+        assert 0.01 < err_ao and err_emu / 1.5 < err_ao < 1.5 * err_emu, (name, err_ao, err_emu)
+
+
+def test_disabled_is_plain_linear():
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(5, 32, generator=gen), torch.randn(16, 32, generator=gen), None
+    linear = FP8LinearTorchAO(FP8Config(recipe="tensorwise_current"), enabled=False)
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+    assert repr(linear).startswith("FP8LinearTorchAO(recipe='tensorwise_current'")
+
+
+@pytest.mark.skipif(
+    not (shutil.which("g++") or shutil.which("clang++")),
+    reason="torch.compile on the CPU builds C++: no g++ or clang++ here",
+)
+def test_compiled_call_gives_the_eager_results():
+    """``fp8.compile_casts`` compiles torchao's whole call (casts and GEMMs, dynamic shapes):
+    outputs and both gradients equal eager's bit for bit on the CPU, at two token counts."""
+    compiled = FP8LinearTorchAO(
+        FP8Config(recipe="tensorwise_current", backend="torchao", compile_casts=True)
+    )
+    eager = FP8LinearTorchAO(FP8Config(recipe="tensorwise_current", backend="torchao"))
+    gen = torch.Generator().manual_seed(2)
+    w, b = torch.randn(32, 64, generator=gen), torch.randn(32, generator=gen)
+    for tokens in (32, 48):
+        x = torch.randn(tokens, 64, generator=gen)
+        g = torch.randn(tokens, 32, generator=gen)
+        got, want = _run(compiled, x, w, b, g), _run(eager, x, w, b, g)
+        assert all(torch.equal(u, v) for u, v in zip(got, want)), tokens
