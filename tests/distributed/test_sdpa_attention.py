@@ -167,5 +167,6 @@ def _describe_body(rank, world):
 
 def test_the_actor_log_line_names_sdpa_attention():
     auto, sdpa = run_distributed(_describe_body, world_size=1)[0]
-    assert "SDPA" not in auto  # the CPU's default: Megatron's unfused attention
+    # auto: Megatron's unfused attention on the CPU (the suite hides CUDA), SDPA on a GPU
+    assert ("SDPA" in auto) == torch.cuda.is_available(), auto
     assert "(TP=1 PP=1 DP=1, SDPA attention)" in sdpa, sdpa
