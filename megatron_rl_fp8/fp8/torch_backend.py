@@ -72,7 +72,6 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_rl_fp8.fp8.config import FP8Config
@@ -243,6 +242,8 @@ def fp8_mm(
 def _gather_rows(t: torch.Tensor, group, rows: int | None = None, fill: float = 0) -> torch.Tensor:
     """Every rank's ``t`` stacked along dim 0 in rank order (the sequence-parallel all-gather),
     rows of ``fill`` appended up to ``rows``; FP8 codes travel as bytes (a zero byte is FP8 +0)."""
+    import torch.distributed as dist
+
     src = t.contiguous()
     wire = src.view(torch.uint8) if src.element_size() == 1 else src
     n = dist.get_world_size(group) * wire.shape[0]
@@ -259,6 +260,8 @@ def _gathered_input(
     ``group`` first; per row or 1x128 group: their own) and every rank's codes and scales are
     all-gathered: 1 byte per element on the wire instead of the input's 2 or 4, and the operand
     the whole-sequence linear makes, bit for bit. Returns it and this rank's codes."""
+    import torch.distributed as dist
+
     recipe = linear.config.recipe
     sx = None
     if recipe in _PER_TENSOR:
@@ -281,6 +284,8 @@ def _gathered_input(
 def _reduce_scatter_rows(t: torch.Tensor, group) -> torch.Tensor:
     """This rank's block of dim 0 of the sum of every rank's ``t`` (the sequence-parallel
     reduce-scatter of the input gradient)."""
+    import torch.distributed as dist
+
     out = t.new_empty((t.shape[0] // dist.get_world_size(group), *t.shape[1:]))
     dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
     return out
@@ -298,7 +303,7 @@ class _ScaledMMLinearFn(torch.autograd.Function):
         recipe = cfg.recipe
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
-        world = 1 if sp_group is None else dist.get_world_size(sp_group)
+        world = 1 if sp_group is None else torch.distributed.get_world_size(sp_group)
         x_shape = (x.shape[0] * world, *x.shape[1:])  # the whole sequence's
         t, n = x2.shape[0] * world, weight.shape[0]
         sw = None
