@@ -61,15 +61,22 @@ def _import():
 
 
 def torchao_config(config: FP8Config):
-    """(torchao ``Float8LinearConfig``, ``LinearMMConfig``) for ``config``'s recipe and format."""
+    """(torchao ``Float8LinearConfig``, ``LinearMMConfig``) for ``config``'s recipe and format:
+    the same two objects for every linear of a run (a compiled call guards on them: one graph
+    for all the layers, not one per linear)."""
     if config.recipe not in TORCHAO_RECIPES:
         raise ValueError(
             f"FP8Config.recipe={config.recipe!r} has no torchao float8 recipe; use "
             f"{' or '.join(map(repr, TORCHAO_RECIPES))}, or backend 'torch' / 'emulate'"
         )
+    return _configs(config.recipe, config.format, config.accum_fast_fprop)
+
+
+@functools.cache
+def _configs(recipe: str, fmt: str, fast_fprop: bool):
     Float8LinearConfig, _, LinearMMConfig, ScaledMMConfig = _import()
-    ao = Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[config.recipe])
-    grad_dtype = torch.float8_e5m2 if config.format == "hybrid" else torch.float8_e4m3fn
+    ao = Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe])
+    grad_dtype = torch.float8_e5m2 if fmt == "hybrid" else torch.float8_e4m3fn
     ao = dataclasses.replace(
         ao,
         cast_config_grad_output=dataclasses.replace(
@@ -81,7 +88,7 @@ def torchao_config(config: FP8Config):
         pad_inner_dim=True,
     )
     gemm = lambda fast: ScaledMMConfig(False, fast, False, True)  # noqa: E731
-    mm = LinearMMConfig(gemm(config.accum_fast_fprop), gemm(False), gemm(False))
+    mm = LinearMMConfig(gemm(fast_fprop), gemm(False), gemm(False))
     return ao, mm
 
 

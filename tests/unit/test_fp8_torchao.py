@@ -71,6 +71,17 @@ def test_rowwise_error_is_of_the_emulations_order(dtype):
         assert 0.01 < err_ao and err_emu / 1.5 < err_ao < 1.5 * err_emu, (name, err_ao, err_emu)
 
 
+def test_every_linear_shares_the_torchao_configs():
+    """A compiled call guards on the config objects: distinct ones per linear would compile a
+    graph per linear and pass Dynamo's limit within a layer or two."""
+    cfg = FP8Config(recipe="rowwise", format="e4m3")
+    a, b = FP8LinearTorchAO(cfg), FP8LinearTorchAO(FP8Config(recipe="rowwise", format="e4m3"))
+    assert a.ao_config is b.ao_config and a.mm_config is b.mm_config
+    assert FP8LinearTorchAO(FP8Config(recipe="rowwise", format="hybrid")).ao_config is not (
+        a.ao_config
+    )
+
+
 def test_disabled_is_plain_linear():
     gen = torch.Generator().manual_seed(1)
     x, w, b = torch.randn(5, 32, generator=gen), torch.randn(16, 32, generator=gen), None
