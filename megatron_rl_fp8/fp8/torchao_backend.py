@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 
 import torch
 
 from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.fp8.emulation import FP8Linear
+from megatron_rl_fp8.utils.imports import module_exists
 
 INSTALL_HINT = "pip install torchao (or the project's [gpu] extra)"
 
@@ -44,10 +44,7 @@ TORCHAO_RECIPES = {"tensorwise_current": "tensorwise", "rowwise": "rowwise"}
 
 def have_torchao() -> bool:
     """Whether torchao is importable (without importing it)."""
-    try:
-        return importlib.util.find_spec("torchao") is not None
-    except (ImportError, ValueError):
-        return False
+    return module_exists("torchao")
 
 
 def _import():

@@ -13,6 +13,7 @@ import torch
 from megatron_rl_fp8.fp8.te import have_te
 from megatron_rl_fp8.models.attention import SDPAttention
 from megatron_rl_fp8.models.config import ModelConfig
+from megatron_rl_fp8.utils.imports import module_exists
 
 
 class SequenceParallelRMSNorm:
@@ -76,15 +77,6 @@ def params_dtype(model: ModelConfig, *, on_cpu: bool) -> torch.dtype:
     return torch.bfloat16 if model.params_dtype == "bfloat16" else torch.float32
 
 
-def _module_exists(name: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def megatron_fusions(*, on_cpu: bool, use_te: bool) -> dict[str, bool]:
     """Megatron's fused kernels, each turned on where this install has its kernel.
 
@@ -113,9 +105,9 @@ def megatron_fusions(*, on_cpu: bool, use_te: bool) -> dict[str, bool]:
         bias_activation_fusion=True,
         bias_dropout_fusion=True,
         apply_rope_fusion=use_te,
-        gradient_accumulation_fusion=use_te or _module_exists("fused_weight_gradient_mlp_cuda"),
+        gradient_accumulation_fusion=use_te or module_exists("fused_weight_gradient_mlp_cuda"),
         masked_softmax_fusion=not use_te
-        and _module_exists("scaled_upper_triang_masked_softmax_cuda"),
+        and module_exists("scaled_upper_triang_masked_softmax_cuda"),
         persist_layer_norm=False,
     )
 
