@@ -358,7 +358,8 @@ def profile_step(step, on_gpu: bool, top: int) -> dict:
     total = sum(times.values()) or 1.0
     kinds: dict[str, float] = {}
     for name, t in times.items():
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + t / total
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + t / total
     ranked = sorted(times.items(), key=lambda kv: -kv[1])[:top]
     return {
         "total_ms": total / 1e3,

@@ -71,7 +71,8 @@ def torchao_config(config: FP8Config):
 
 @functools.cache
 def _configs(recipe: str, fmt: str, fast_fprop: bool):
-    Float8LinearConfig, _, LinearMMConfig, ScaledMMConfig = _import()
+    global _MATMUL
+    Float8LinearConfig, _MATMUL, LinearMMConfig, ScaledMMConfig = _import()
     ao = Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[recipe])
     grad_dtype = torch.float8_e5m2 if fmt == "hybrid" else torch.float8_e4m3fn
     ao = dataclasses.replace(
@@ -89,9 +90,11 @@ def _configs(recipe: str, fmt: str, fast_fprop: bool):
     return ao, mm
 
 
+_MATMUL = None  # torchao's matmul_with_hp_or_float8_args, set when the first config is built
+
+
 def _matmul(x2: torch.Tensor, weight_t: torch.Tensor, mm, ao) -> torch.Tensor:
-    _, matmul, _, _ = _import()
-    return matmul.apply(x2, weight_t, mm, ao)
+    return _MATMUL.apply(x2, weight_t, mm, ao)
 
 
 @functools.cache

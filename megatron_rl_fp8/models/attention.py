@@ -49,6 +49,8 @@ class SDPAttention(torch.nn.Module):
         cp_comm_type: str | None = None,
         pg_collection=None,
     ):
+        from megatron.core.transformer.enums import AttnMaskType
+
         super().__init__()
         if config.context_parallel_size != 1:
             raise ValueError(
@@ -62,6 +64,7 @@ class SDPAttention(torch.nn.Module):
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
         self.attn_mask_type = attn_mask_type
+        self._causal = AttnMaskType.causal
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
     def forward(
@@ -76,8 +79,6 @@ class SDPAttention(torch.nn.Module):
     ) -> torch.Tensor:
         """``attention_mask``: Megatron's (True where attention is masked out), or None for the
         causal mask of a causal layer."""
-        from megatron.core.transformer.enums import AttnMaskType
-
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("SDPAttention takes neither packed sequences nor an attention bias")
         s, b = query.shape[:2]
@@ -86,7 +87,7 @@ class SDPAttention(torch.nn.Module):
             k = k.repeat_interleave(self.heads // self.groups, dim=1)
             v = v.repeat_interleave(self.heads // self.groups, dim=1)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        causal = attention_mask is None and mask_type == AttnMaskType.causal
+        causal = attention_mask is None and mask_type == self._causal
         out = F.scaled_dot_product_attention(
             q,
             k,
