@@ -122,6 +122,23 @@ class DelayedScalingState:
         self.history[self.num_updates % self.history_len] = amax
         self.num_updates += 1
 
+    def state_dict(self) -> dict:
+        """The history and its position (a checkpoint carries them: without them a resumed run
+        would start its scales from the first step's amaxes again)."""
+        return {"history": self.history, "num_updates": self.num_updates}
+
+    def load_state_dict(self, state: dict, device: torch.device | str) -> None:
+        """Continue from ``state`` (:meth:`state_dict`), the history on ``device``, where the
+        tensors it scales live (a history elsewhere would be restarted by the next update)."""
+        history = state["history"]
+        if history is not None and history.shape != (self.history_len,):
+            raise ValueError(
+                f"amax history of length {history.shape[0]} does not fit "
+                f"amax_history_len={self.history_len}"
+            )
+        self.history = None if history is None else history.to(device, torch.float32)
+        self.num_updates = int(state["num_updates"])
+
     def scale_inv_then_update(
         self, t: torch.Tensor, fmt: str, *, amax: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -264,6 +281,11 @@ class FP8Linear:
         self.input_state = make()
         self.weight_state = make()
         self.grad_state = make()
+
+    def scaling_states(self) -> dict[str, DelayedScalingState]:
+        """The layer's delayed-scaling state per GEMM operand role."""
+        return {"input": self.input_state, "weight": self.weight_state,
+                "grad_output": self.grad_state}  # fmt: skip
 
     def __call__(
         self,

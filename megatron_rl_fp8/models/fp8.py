@@ -185,3 +185,27 @@ def weight_quantization_errors(model, fp8: FP8Config) -> dict[str, float]:
             key = "lm_head"
         out[key] = quantization_error(module.weight, fp8.recipe, role="weight")["rel_error"]
     return out
+
+
+def fp8_scaling_state(model) -> dict[str, dict]:
+    """The delayed-scaling amax histories of ``model``'s FP8 linears, by module name and operand
+    role (``tensorwise_delayed``; empty for recipes without history). This rank's own: each
+    linear scales its local shard from what it saw. TE keeps its own in its modules' extra state."""
+    state = {}
+    for name, _, gemm in emulated_linears(model):
+        roles = {r: s.state_dict() for r, s in gemm.emulator.scaling_states().items()}
+        if any(s["num_updates"] for s in roles.values()):
+            state[name] = roles
+    return state
+
+
+def load_fp8_scaling_state(model, state: dict[str, dict], device) -> None:
+    """Restore :func:`fp8_scaling_state` into the same model layout (the histories on
+    ``device``). A non-empty ``state`` whose linears are not the model's is a ValueError."""
+    gemms = {name: gemm for name, _, gemm in emulated_linears(model)}
+    if state and set(state) != set(gemms):
+        odd = sorted(set(gemms) ^ set(state))[0]
+        raise ValueError(f"FP8 scaling state does not match the model's FP8 linears ({odd})")
+    for name, roles in state.items():
+        for role, scaling in gemms[name].emulator.scaling_states().items():
+            scaling.load_state_dict(roles[role], device)

@@ -24,8 +24,15 @@ import torch
 from megatron_rl_fp8.fp8.backend import resolve_backend
 from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.fp8.te import have_te, megatron_fp8_kwargs
+from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.models.config import ModelConfig
-from megatron_rl_fp8.models.fp8 import fp8_weight_cache, full_precision, install_fp8_linears
+from megatron_rl_fp8.models.fp8 import (
+    fp8_scaling_state,
+    fp8_weight_cache,
+    full_precision,
+    install_fp8_linears,
+    load_fp8_scaling_state,
+)
 from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
 from megatron_rl_fp8.models.logprobs import token_logprobs, token_logprobs_and_entropy
 from megatron_rl_fp8.models.memory import MemoryConfig
@@ -558,6 +565,32 @@ class Actor:
                 self._restore_adam_step(loaded["optimizer"])
         else:
             self.params_changed()
+
+    def _layout(self) -> dict:
+        g = self.groups
+        return {k: getattr(g, k) for k in ("rank", "tp_rank", "tp_size", "pp_rank", "pp_size",
+                                           "dp_rank", "dp_size", "cp_rank", "cp_size")}  # fmt: skip
+
+    def rank_state(self) -> dict:
+        """What this rank alone holds, for its checkpoint file: the FP8 delayed-scaling amax
+        histories of its linears (empty for the other recipes and TE, whose modules keep their
+        own). Empty when there is nothing."""
+        scaling = fp8_scaling_state(self.module)
+        return {"layout": self._layout(), "fp8_scaling": scaling} if scaling else {}
+
+    def load_rank_state(self, state: dict | None) -> None:
+        """Restore :meth:`rank_state` from a checkpoint written at the same layout. From another
+        layout (or none) the histories start afresh, as they did before they were checkpointed,
+        and rank 0 says so."""
+        if not state:
+            return
+        if state["layout"] != self._layout():
+            print_rank0(
+                "checkpoint: FP8 delayed-scaling amax histories start afresh (written at "
+                f"another layout: {state['layout']})"
+            )
+            return
+        load_fp8_scaling_state(self.module, state["fp8_scaling"], self.groups.device)
 
     def params_changed(self) -> None:
         """The weights were written outside the optimizer (a pretrained start, a cached warm

@@ -8,6 +8,8 @@ Layout under ``<output_dir>/checkpoints``::
         .metadata, common.pt, metadata.json
                               the global index and common state (written by rank 0)
         trainer_state.json    step, dataset position, calibration state, ...
+        rank_state/<rank>.pt  what each rank holds that no other rank has (FP8 delayed-scaling
+                              amax histories); only when there is some
         manifest.json         every other file: size in bytes and crc32; written last
     latest                    text file naming the last complete checkpoint
 
@@ -53,6 +55,7 @@ import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megatron_rl_fp8.config_utils import ConfigError
@@ -61,6 +64,8 @@ from megatron_rl_fp8.utils.fs import atomic_write_text, fsync_dir
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
+RANK_STATE = "rank_state"
+"""Directory of the per-rank state files, and the key :func:`load` returns their content under."""
 MANIFEST_FORMAT = 1
 # zlib's crc32, streamed in 8 MiB chunks: in memory 2.1 GB/s on one core of the project's CPU
 # machine (sha1 1.5, sha256 1.4, md5 0.6, blake2b 0.6), ~1.6 GB/s reading a file from the page
@@ -121,8 +126,15 @@ def _describe(root: Path, files: Iterable[Path]) -> dict[str, dict]:
     }
 
 
-def save(ckpt_root: str | Path, name: str, sharded_state_dict: dict, trainer_state: dict) -> Path:
-    """Collective over all ranks. Returns the final directory (module docstring: the layout)."""
+def save(
+    ckpt_root: str | Path,
+    name: str,
+    sharded_state_dict: dict,
+    trainer_state: dict,
+    rank_state: dict | None = None,
+) -> Path:
+    """Collective over all ranks. Returns the final directory (module docstring: the layout).
+    ``rank_state``: this rank's own state (tensors and plain values), kept when not empty."""
     root = Path(ckpt_root)
     final = root / name
     tmp = root / (name + ".tmp")
@@ -136,7 +148,12 @@ def save(ckpt_root: str | Path, name: str, sharded_state_dict: dict, trainer_sta
     save_sharded(sharded_state_dict, tmp)
     # torch_dist names a rank's files __<rank>_<k>.distcp; this rank's are complete (the save is
     # synchronous), so it hashes them now, while their bytes are in its page cache.
-    mine = _describe(tmp, sorted(tmp.glob(f"__{rank}_*.distcp")))
+    mine = sorted(tmp.glob(f"__{rank}_*.distcp"))
+    if rank_state:
+        (tmp / RANK_STATE).mkdir(exist_ok=True)
+        torch.save(rank_state, tmp / RANK_STATE / f"{rank}.pt")
+        mine.append(tmp / RANK_STATE / f"{rank}.pt")
+    mine = _describe(tmp, mine)
     everyone = [None] * world if rank == 0 else None
     dist.gather_object(mine, everyone, dst=0)
     if rank == 0:
@@ -385,14 +402,18 @@ def latest(ckpt_root: str | Path) -> Path | None:
 # -- loading -------------------------------------------------------------------------------------
 def load(path: str | Path, sharded_state_dict: dict) -> tuple[dict, dict]:
     """(loaded state dict, trainer state). Collective over all ranks. Any failure to read is a
-    :class:`CheckpointError` naming the checkpoint and the underlying error."""
+    :class:`CheckpointError` naming the checkpoint and the underlying error. The loaded dict
+    has this rank's :func:`save` ``rank_state`` under :data:`RANK_STATE` where it has one."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
+    mine = path / RANK_STATE / f"{dist.get_rank()}.pt"
     try:
         loaded = dist_checkpointing.load(sharded_state_dict, str(path))
         state = json.loads((path / TRAINER_STATE).read_text())
+        if mine.exists():
+            loaded[RANK_STATE] = torch.load(mine, map_location="cpu", weights_only=True)
     # torch's CheckpointException is a BaseException: it carries every rank's error.
     except (Exception, CheckpointException) as e:
         raise CheckpointError(path, _reason(e)) from e

@@ -187,6 +187,7 @@ class Trainer:
             f"iter_{self.step:07d}",
             self.actor.sharded_state_dict(with_optimizer=True),
             state,
+            rank_state=self.actor.rank_state(),
         )
         self.guard.saved(self.step)
         if self.is_driver:
@@ -225,6 +226,7 @@ class Trainer:
 
     def _apply_restored(self, loaded: dict, state: dict) -> None:
         self.actor.load_sharded(loaded)
+        self.actor.load_rank_state(loaded.get(checkpoint.RANK_STATE))
         self.step = state["step"]
         self.train_data.load_state_dict(state["train_data"])
         if "calib" in state:

@@ -93,3 +93,82 @@ def test_resume_is_bit_exact_with_bf16_parameters(tmp_path):
     (out,) = run_distributed(_body, world_size=1, args=(str(tmp_path), "bfloat16"))
     _check(out)
     assert out[-1] == {torch.bfloat16}
+
+
+def _delayed_body(rank, world, ckpt_dir):
+    """DP=2, emulated tensorwise_delayed FP8: each rank's amax histories come from its own data,
+    so they differ between ranks and each rank's checkpoint file must bring back its own."""
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.models.config import ModelConfig
+    from megatron_rl_fp8.models.fp8 import fp8_scaling_state
+    from megatron_rl_fp8.trainer import checkpoint
+    from megatron_rl_fp8.trainer.actor import Actor
+    from megatron_rl_fp8.trainer.config import OptimConfig
+
+    g = parallel.initialize(parallel.ParallelConfig(), seed=1)
+    # Inputs of another scale on each rank: the histories' amaxes differ.
+    gen = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, 53, (4, 10), generator=gen)
+    batch = {"input_ids": ids, "labels": ids, "loss_mask": torch.ones(4, 10)}
+
+    def nll(mb, lp):
+        return -(lp * mb["loss_mask"]).sum() / 40.0, {}
+
+    fp8 = FP8Config(recipe="tensorwise_delayed", amax_history_len=4, backend="emulate")
+
+    def actor():
+        return Actor(ModelConfig(vocab_size=53), OptimConfig(lr=1e-2), g, fp8=fp8)
+
+    a = actor()
+    for _ in range(3):
+        a.train_step(batch, 2, nll)
+    state = a.rank_state()
+    checkpoint.save(ckpt_dir, "iter_0000003", a.sharded_state_dict(with_optimizer=True), {},
+                    rank_state=state)  # fmt: skip
+    files = sorted(p.name for p in (checkpoint.latest(ckpt_dir) / checkpoint.RANK_STATE).iterdir())
+
+    def restored(rank_state=True):
+        b = actor()
+        loaded, _ = checkpoint.load(
+            checkpoint.latest(ckpt_dir), b.sharded_state_dict(with_optimizer=True, is_loading=True)
+        )
+        b.load_sharded(loaded)
+        if rank_state:
+            b.load_rank_state(loaded[checkpoint.RANK_STATE])
+        return b
+
+    b, fresh = restored(), restored(rank_state=False)
+    elsewhere = actor()  # a checkpoint written at another layout restores nothing
+    moved = {**state, "layout": {**state["layout"], "dp_size": 4}}
+    elsewhere.load_rank_state(moved)
+    for _ in range(2):
+        for x in (a, b, fresh):
+            x.train_step(batch, 2, nll)
+
+    def equal(x, y):
+        return all(torch.equal(p, q) for p, q in zip(x.module.parameters(), y.module.parameters()))
+
+    histories = state["fp8_scaling"]
+    out = {
+        "files": files,
+        "linears": len(histories),
+        "updates": {r["num_updates"] for roles in histories.values() for r in roles.values()},
+        "history": next(iter(histories.values()))["input"]["history"],
+        "resumed": equal(a, b),
+        "afresh": equal(a, fresh),
+        "elsewhere": fp8_scaling_state(elsewhere.module),
+    }
+    parallel.destroy()
+    return out
+
+
+def test_fp8_delayed_scaling_histories_resume_per_rank(tmp_path):
+    outs = run_distributed(_delayed_body, world_size=2, args=(str(tmp_path),))
+    for out in outs:
+        assert out["files"] == ["0.pt", "1.pt"]
+        assert out["linears"] > 0 and out["updates"] == {6}  # 3 steps x 2 micro-batches
+        assert out["resumed"], "resumed with its histories: bit-exact"
+        assert not out["afresh"], "restarting the histories changes the next steps"
+        assert out["elsewhere"] == {}
+    assert not torch.equal(outs[0]["history"], outs[1]["history"])

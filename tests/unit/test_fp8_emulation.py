@@ -110,6 +110,23 @@ def test_delayed_scaling_state_history():
     assert recent.scale_inv("e4m3").item() == pytest.approx(1.0 * 4 / 448)  # 2^margin headroom
 
 
+def test_delayed_scaling_state_round_trip():
+    st = DelayedScalingState(history_len=3)
+    for a in [1.0, 4.0, 2.0, 0.5]:
+        st.update(torch.tensor(a))
+    back = DelayedScalingState(history_len=3)
+    back.load_state_dict(st.state_dict(), "cpu")
+    assert back.num_updates == 4 and torch.equal(back.history, st.history)
+    for s in (st, back):  # the same ring position: the next update evicts the same entry
+        s.update(torch.tensor(0.25))
+    assert torch.equal(back.history, st.history) and back.amax().item() == 2.0
+    empty = DelayedScalingState(history_len=3)
+    back.load_state_dict(empty.state_dict(), "cpu")
+    assert back.history is None and back.amax() is None
+    with pytest.raises(ValueError, match="amax_history_len=5"):
+        DelayedScalingState(history_len=5).load_state_dict(st.state_dict(), "cpu")
+
+
 def test_emulator_uses_history_not_current_amax():
     cfg = FP8Config(recipe="tensorwise_delayed", amax_history_len=4)
     em = FP8LinearEmulator(cfg)
