@@ -3,28 +3,30 @@
 #
 #   tools/gpu_check.sh [--out DIR]          (or: make gpu-check)
 #
-# Steps (each logged to DIR/<step>.log; a failed step does not stop the others):
+# Steps, most important first (each logged to DIR/<step>.log; a failed step does not stop the
+# others; the steps past the time budget are reported as not run):
 #   1. versions     python, torch, CUDA, GPU, megatron-core, modelopt, Transformer Engine, ...
 #                   (no CUDA GPU: says so and exits 2 right here)
-#   2. gpu_tests    pytest -m gpu tests/gpu   (FP8 GEMM vs the emulation's Hopper accumulation
-#                   model; TE training steps when TE is installed)
-#   3. tiny_bf16    the tiny job, full precision: examples/tiny_cpu.yaml, 5 RL steps, on the GPU
-#   4. tiny_fp8     the tiny job, full FP8 with calibrated clipping: examples/tiny_cpu_fp8.yaml
-#                   (3 and 4 pass when the job exits 0 and ran 5 steps on CUDA, token_mult_prob_error
-#                   is in [1, 1.1) and the step-5 checkpoint exists, as tests/gpu/test_trainer_gpu.py)
-#      tiny_fp8_emulate  step 4 again with fp8.backend=emulate (when step 4 ran another backend):
-#                   the real FP8 GEMMs against their emulation, token_mult_prob_error side by side
-#   5. bench_gemm   GEMM TFLOP/s: BF16 vs FP8 tensorwise / rowwise / blockwise, Qwen3-8B/32B shapes,
-#                   at M = 8192 and 1024 tokens
-#   6. bench_actor  one-GPU actor step at a 2.0B Qwen3 shape: tokens/s, MFU, peak memory, in
+#   2. bench_actor  one-GPU actor step at a 2.0B Qwen3 shape: tokens/s, MFU, peak memory, in
 #                   BF16 and with tensorwise FP8 on the torch backend, its casts eager and
 #                   compiled (fp8.compile_casts), and through torchao compiled where torchao
-#                   imports (skipped where it cannot run)
-#   7. calib_share  tools/bench_calibration.py --no-collective --models tiny: the whole calibration
+#                   imports (skipped where it cannot run); one profiled step each
+#   3. tiny_fp8     the tiny job, full FP8 with calibrated clipping: examples/tiny_cpu_fp8.yaml,
+#                   5 RL steps on the GPU (passes when the job exits 0 and ran 5 steps on CUDA,
+#                   token_mult_prob_error is in [1, 1.1) and the step-5 checkpoint exists, as
+#                   tests/gpu/test_trainer_gpu.py)
+#      tiny_fp8_emulate  the same with fp8.backend=emulate (when tiny_fp8 ran another backend):
+#                   the real FP8 GEMMs against their emulation, token_mult_prob_error side by side
+#   4. gpu_tests    pytest -m gpu tests/gpu   (FP8 GEMM vs the emulation's Hopper accumulation
+#                   model; the torch and torchao backends; TE training steps when TE is installed)
+#   5. bench_gemm   GEMM TFLOP/s: BF16 vs FP8 tensorwise / rowwise / blockwise, Qwen3-8B/32B shapes,
+#                   at M = 8192 and 1024 tokens
+#   6. attention    bench_actor's 2.0B bf16 step with torch's SDPA (model.attention_backend: auto)
+#                   and with Megatron's unfused attention: step time and peak memory
+#   7. tiny_bf16    the tiny job in full precision (examples/tiny_cpu.yaml), checked as tiny_fp8
+#   8. calib_share  tools/bench_calibration.py --no-collective --models tiny: the whole calibration
 #                   cost (BF16 shadow forwards included) as a share of the full-FP8 step at
 #                   intervals 1 / 5 / 20, and where a plain step's time goes (the trainer's timers)
-#   8. attention    bench_actor's 2.0B bf16 step with torch's SDPA (model.attention_backend: auto)
-#                   and with Megatron's unfused attention: step time and peak memory
 # then a summary table (also DIR/summary.md). Exit status 1 if any step failed.
 #
 # Interpreter: $PYTHON if set, else .venv/bin/python if it exists, else python3. The repository
@@ -38,7 +40,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT_DIR=${GPU_CHECK_OUT:-gpu_check_out}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
 
-usage() { sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) [ $# -ge 2 ] || { echo "--out needs a directory" >&2; exit 2; }; OUT_DIR=$2; shift 2 ;;
@@ -156,22 +158,29 @@ GPU=$(grep '^gpu ' "$STEP_LOG" | sed 's/^gpu *//')
 TORCH=$(grep '^torch ' "$STEP_LOG" | sed 's/^torch *//')
 record versions "${GPU:-no GPU}; torch ${TORCH:-?}"
 
-# -- 2. GPU tests ----------------------------------------------------------------------------
-if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
-    # tests/gpu/test_trainer_gpu.py runs the tiny job in bf16 and full FP8 through the CLI: steps
-    # 3 and 4 below run the same jobs (checking the same things, outputs kept), so not twice.
-    step gpu_tests 240 "$PYTHON" -m pytest -q -s -rs -m gpu tests/gpu \
-        --ignore=tests/gpu/test_trainer_gpu.py
-    detail=$(grep -E '^[0-9]+ (passed|failed|skipped|error)|^=+ .*(passed|failed|skipped|error)' \
-        "$STEP_LOG" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ *$//')
-    record gpu_tests "${detail:-$(last_line "$STEP_LOG")}"
-    grep -h '^_scaled_mm(' "$STEP_LOG" | sed 's/^/   /'
-else
-    STEP_RC=1 STEP_SECS=0
-    record gpu_tests "pytest is not importable by $PYTHON (pip install pytest)"
+# -- 2. the actor step at 2.0B: BF16 vs real FP8 GEMMs (issue 17's 1.3x target) ----------
+FP8_ENTRIES=bf16,torch:tensorwise_current,torch:tensorwise_current+compile
+if "$PYTHON" -c "import torchao" >/dev/null 2>&1; then  # torchao's own float8 path beside ours
+    FP8_ENTRIES=$FP8_ENTRIES,torchao:tensorwise_current+compile
 fi
+step bench_actor 330 "$PYTHON" tools/bench_actor.py --profile 12 --fp8 "$FP8_ENTRIES" \
+    --json "$OUT_DIR/bench_actor.json"
+detail=$("$PYTHON" - "$OUT_DIR/bench_actor.json" <<'PY' 2>/dev/null
+import json, sys
+rows = json.load(open(sys.argv[1]))
+r = rows[0]
+mfu = f"MFU {r['mfu']:.1%}" if r["mfu"] is not None else "MFU ? (no --peak-tflops for this GPU)"
+fp8 = "".join(f"; {o['fp8']} x{o['tokens_per_s'] / r['tokens_per_s']:.2f}" for o in rows[1:])
+print(f"{r['params_b']:.2f}B, {r['rows']}x{r['seq']} tokens: {r['step_s']:.2f} s/step, "
+      f"{r['tokens_per_s']:.0f} tokens/s, {mfu}, peak {r['peak_mem_gb']:.1f} GB{fp8}")
+PY
+)
+record bench_actor "${detail:-$(last_line "$STEP_LOG")}"
+main_table() { awk '/^\| config /{t=1} t&&/^\|/{print} t&&!/^\|/{exit}' "$1"; }
+main_table "$STEP_LOG" >"$OUT_DIR/bench_actor.md" 2>/dev/null
+sed -n "/: one step's .* time: /,\$p" "$STEP_LOG" >"$OUT_DIR/bench_actor_profile.md" 2>/dev/null
 
-# -- 3, 4. the tiny job in bf16 and in full FP8 ------------------------------------------------
+# -- 3. the tiny job in full FP8: real FP8 GEMMs and their emulation ----------------------
 # A fresh output dir each time: the trainer resumes from an existing one.
 rm -rf "$OUT_DIR/runs"
 summarize_run() {  # summarize_run RUN_DIR LOG STEPS: one line; exit 1 if the run looks wrong
@@ -211,12 +220,6 @@ PY
 }
 TINY_ARGS=(train.steps=5 sft.steps=50 train.eval_interval=5 train.save_interval=5
            "train.cache_dir=$OUT_DIR/cache")
-step tiny_bf16 120 "$PYTHON" -m megatron_rl_fp8 train examples/tiny_cpu.yaml "${TINY_ARGS[@]}" \
-    "train.output_dir=$OUT_DIR/runs/tiny_bf16"
-detail=$(summarize_run "$OUT_DIR/runs/tiny_bf16" "$STEP_LOG" 5) || [ "$STEP_RC" -ne 0 ] || STEP_RC=1
-[ "$STEP_RC" -eq 0 ] || detail="$(last_line "$STEP_LOG") | $detail"
-record tiny_bf16 "$detail"
-
 # Calibrate every 2 steps so the BF16 shadow pass runs within the 5 steps.
 step tiny_fp8 120 "$PYTHON" -m megatron_rl_fp8 train examples/tiny_cpu_fp8.yaml "${TINY_ARGS[@]}" \
     loss.calib.interval=2 "train.output_dir=$OUT_DIR/runs/tiny_fp8"
@@ -239,7 +242,22 @@ else
     record tiny_fp8_emulate "$detail"
 fi
 
-# -- 5, 6. benchmarks --------------------------------------------------------------------------
+# -- 4. GPU tests ----------------------------------------------------------------------------
+if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
+    # tests/gpu/test_trainer_gpu.py runs the tiny job in bf16 and full FP8 through the CLI: steps
+    # 3 and 7 run the same jobs (checking the same things, outputs kept), so not twice.
+    step gpu_tests 240 "$PYTHON" -m pytest -q -s -rs -m gpu tests/gpu \
+        --ignore=tests/gpu/test_trainer_gpu.py
+    detail=$(grep -E '^[0-9]+ (passed|failed|skipped|error)|^=+ .*(passed|failed|skipped|error)' \
+        "$STEP_LOG" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ *$//')
+    record gpu_tests "${detail:-$(last_line "$STEP_LOG")}"
+    grep -h '^_scaled_mm(' "$STEP_LOG" | sed 's/^/   /'
+else
+    STEP_RC=1 STEP_SECS=0
+    record gpu_tests "pytest is not importable by $PYTHON (pip install pytest)"
+fi
+
+# -- 5. GEMM table --------------------------------------------------------------------------
 step bench_gemm 120 "$PYTHON" tools/bench_gemm.py --tokens 1024,8192 \
     --json "$OUT_DIR/bench_gemm.json"
 detail=$("$PYTHON" - "$OUT_DIR/bench_gemm.json" <<'PY' 2>/dev/null
@@ -265,44 +283,7 @@ PY
 record bench_gemm "${detail:-$(last_line "$STEP_LOG")}"
 grep '^|' "$STEP_LOG" >"$OUT_DIR/bench_gemm.md" 2>/dev/null
 
-FP8_ENTRIES=bf16,torch:tensorwise_current,torch:tensorwise_current+compile
-if "$PYTHON" -c "import torchao" >/dev/null 2>&1; then  # torchao's own float8 path beside ours
-    FP8_ENTRIES=$FP8_ENTRIES,torchao:tensorwise_current+compile
-fi
-step bench_actor 330 "$PYTHON" tools/bench_actor.py --profile 12 --fp8 "$FP8_ENTRIES" \
-    --json "$OUT_DIR/bench_actor.json"
-detail=$("$PYTHON" - "$OUT_DIR/bench_actor.json" <<'PY' 2>/dev/null
-import json, sys
-rows = json.load(open(sys.argv[1]))
-r = rows[0]
-mfu = f"MFU {r['mfu']:.1%}" if r["mfu"] is not None else "MFU ? (no --peak-tflops for this GPU)"
-fp8 = "".join(f"; {o['fp8']} x{o['tokens_per_s'] / r['tokens_per_s']:.2f}" for o in rows[1:])
-print(f"{r['params_b']:.2f}B, {r['rows']}x{r['seq']} tokens: {r['step_s']:.2f} s/step, "
-      f"{r['tokens_per_s']:.0f} tokens/s, {mfu}, peak {r['peak_mem_gb']:.1f} GB{fp8}")
-PY
-)
-record bench_actor "${detail:-$(last_line "$STEP_LOG")}"
-main_table() { awk '/^\| config /{t=1} t&&/^\|/{print} t&&!/^\|/{exit}' "$1"; }
-main_table "$STEP_LOG" >"$OUT_DIR/bench_actor.md" 2>/dev/null
-sed -n "/: one step's .* time: /,\$p" "$STEP_LOG" >"$OUT_DIR/bench_actor_profile.md" 2>/dev/null
-
-# -- 7. calibration's share of the step, per-phase timers -------------------------------------------
-step calib_share 150 "$PYTHON" tools/bench_calibration.py --no-collective --models tiny --steps 7 \
-    --json "$OUT_DIR/bench_calibration.json"
-detail=$("$PYTHON" - "$OUT_DIR/bench_calibration.json" <<'PY' 2>/dev/null
-import json, sys
-r = json.load(open(sys.argv[1]))["share"]["tiny"]
-phases = ", ".join(f"{k.split('/')[1].removesuffix('_time_s')} {r[k]:.2f}"
-                   for k in ("perf/rollout_time_s", "perf/logprob_time_s", "perf/update_time_s",
-                             "perf/sync_time_s", "perf/other_time_s"))
-print(f"tiny full FP8: shadow {1e3 * r['shadow_s']:.0f} ms on a {r['plain_s']:.2f} s plain step "
-      f"({phases} s); share at interval 1 / 5 / 20: {r['share_1']:.1%} / {r['share_5']:.1%} / "
-      f"{r['share_20']:.1%}")
-PY
-)
-record calib_share "${detail:-$(last_line "$STEP_LOG")}"
-
-# -- 8. attention: torch's SDPA (the local spec's GPU default) against Megatron's unfused ---------
+# -- 6. attention: torch's SDPA (the local spec's GPU default) against Megatron's unfused ---------
 step attention 200 "$PYTHON" tools/bench_actor.py --configs base,unfused --fp8 bf16 \
     --profile 12 --json "$OUT_DIR/bench_attention.json"
 detail=$("$PYTHON" - "$OUT_DIR/bench_attention.json" <<'PY' 2>/dev/null
@@ -317,6 +298,29 @@ PY
 )
 record attention "${detail:-$(last_line "$STEP_LOG")}"
 sed -n "/: one step's .* time: /,\$p" "$STEP_LOG" >"$OUT_DIR/attention_profile.md" 2>/dev/null
+
+# -- 7. the tiny job in full precision ------------------------------------------------------
+step tiny_bf16 120 "$PYTHON" -m megatron_rl_fp8 train examples/tiny_cpu.yaml "${TINY_ARGS[@]}" \
+    "train.output_dir=$OUT_DIR/runs/tiny_bf16"
+detail=$(summarize_run "$OUT_DIR/runs/tiny_bf16" "$STEP_LOG" 5) || [ "$STEP_RC" -ne 0 ] || STEP_RC=1
+[ "$STEP_RC" -eq 0 ] || detail="$(last_line "$STEP_LOG") | $detail"
+record tiny_bf16 "$detail"
+
+# -- 8. calibration's share of the step, per-phase timers -------------------------------------------
+step calib_share 150 "$PYTHON" tools/bench_calibration.py --no-collective --models tiny --steps 7 \
+    --json "$OUT_DIR/bench_calibration.json"
+detail=$("$PYTHON" - "$OUT_DIR/bench_calibration.json" <<'PY' 2>/dev/null
+import json, sys
+r = json.load(open(sys.argv[1]))["share"]["tiny"]
+phases = ", ".join(f"{k.split('/')[1].removesuffix('_time_s')} {r[k]:.2f}"
+                   for k in ("perf/rollout_time_s", "perf/logprob_time_s", "perf/update_time_s",
+                             "perf/sync_time_s", "perf/other_time_s"))
+print(f"tiny full FP8: shadow {1e3 * r['shadow_s']:.0f} ms on a {r['plain_s']:.2f} s plain step "
+      f"({phases} s); share at interval 1 / 5 / 20: {r['share_1']:.1%} / {r['share_5']:.1%} / "
+      f"{r['share_20']:.1%}")
+PY
+)
+record calib_share "${detail:-$(last_line "$STEP_LOG")}"
 
 # -- summary -----------------------------------------------------------------------------------
 {
