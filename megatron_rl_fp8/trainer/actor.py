@@ -210,6 +210,9 @@ _BACKEND_WORDS = {
 """How ``describe`` names each FP8 backend."""
 
 
+_SIZES = ("tp_size", "pp_size", "dp_size", "cp_size")  # a layout, in log order
+
+
 class Actor:
     def __init__(
         self,
@@ -567,9 +570,8 @@ class Actor:
             self.params_changed()
 
     def _layout(self) -> dict:
-        g = self.groups
-        return {k: getattr(g, k) for k in ("rank", "tp_rank", "tp_size", "pp_rank", "pp_size",
-                                           "dp_rank", "dp_size", "cp_rank", "cp_size")}  # fmt: skip
+        keys = ("rank", *_SIZES, *(k.replace("size", "rank") for k in _SIZES))
+        return {k: getattr(self.groups, k) for k in keys}
 
     def rank_state(self) -> dict:
         """What this rank alone holds, for its checkpoint file: the FP8 delayed-scaling amax
@@ -585,9 +587,11 @@ class Actor:
         if not state:
             return
         if state["layout"] != self._layout():
+            was = " ".join(f"{k[:2].upper()}={state['layout'][k]}" for k in _SIZES)
+            now = " ".join(f"{k[:2].upper()}={getattr(self.groups, k)}" for k in _SIZES)
             print_rank0(
-                "checkpoint: FP8 delayed-scaling amax histories start afresh (written at "
-                f"another layout: {state['layout']})"
+                f"checkpoint: FP8 delayed-scaling amax histories start afresh (written at {was}, "
+                f"this run is {now})"
             )
             return
         load_fp8_scaling_state(self.module, state["fp8_scaling"], self.groups.device)
