@@ -66,9 +66,7 @@ recipes: the input in its dtype, as Megatron) and gathers them again for wgrad.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -77,6 +75,7 @@ import torch.nn.functional as F
 from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.fp8.emulation import FP8Linear, OperandRole
 from megatron_rl_fp8.fp8.quantize import _to_codes, compute_scale_inv
+from megatron_rl_fp8.fp8.weight_cache import WeightCache
 
 __all__ = [
     "ALIGN",
@@ -356,9 +355,9 @@ class _ScaledMMLinearFn(torch.autograd.Function):
                 sg = linear.grad_state.scale_inv_then_update(g2.float(), gfmt)
             qg = linear.quantize(g2, recipe, "grad_output", gfmt, scale_inv=sg)
             if need_dx:
-                wt = linear.cached_operand(weight, "dgrad")
+                wt = linear.weights.get(weight, "dgrad")
                 if wt is None:
-                    wt = linear.store_operand(
+                    wt = linear.weights.put(
                         weight, "dgrad", transpose_operand(FP8Operand(w8, sw, "tensor"))
                     )
                 dx = fp8_mm(qg, wt)[:t, :k]
@@ -405,50 +404,22 @@ class FP8LinearTorch(FP8Linear):
         super().__init__(config, enabled=enabled)
         # quantize_gemm_operand's signature, eager or compiled (fp8.compile_casts)
         self.quantize = compiled_quantize() if config.compile_casts else quantize_gemm_operand
-        self._cache: dict | None = None  # layout -> (weight key, operand) inside weight_cache()
+        self.weights = WeightCache(enabled=config.recipe != "tensorwise_delayed")
 
-    @contextlib.contextmanager
-    def weight_cache(self) -> Iterator[None]:
-        """Reuse the quantized weight across calls inside the block; the caller promises the
-        weight does not change there (one forward/backward schedule). Nests; cleared on exit."""
-        if self._cache is not None:
-            yield
-            return
-        self._cache = {}
-        try:
-            yield
-        finally:
-            self._cache = None
-
-    def _key(self, weight: torch.Tensor) -> tuple:
-        # A guard on top of the caller's promise: a different tensor or an in-place update
-        # through autograd-visible ops changes it (Megatron's optimizer writes .data, which
-        # does not, hence the explicit weight_cache scope).
-        return (weight.data_ptr(), weight._version, tuple(weight.shape))
-
-    def cached_operand(self, weight: torch.Tensor, layout: str) -> FP8Operand | None:
-        """The cached ``layout`` ('fprop' / 'dgrad') operand of ``weight``, if any."""
-        if self._cache is None or self.config.recipe == "tensorwise_delayed":
-            return None
-        hit = self._cache.get(layout)
-        return hit[1] if hit is not None and hit[0] == self._key(weight) else None
-
-    def store_operand(self, weight: torch.Tensor, layout: str, op: FP8Operand) -> FP8Operand:
-        """Cache ``op`` as ``weight``'s ``layout`` operand where caching is on; returns ``op``."""
-        if self._cache is not None and self.config.recipe != "tensorwise_delayed":
-            self._cache[layout] = (self._key(weight), op)
-        return op
+    def weight_cache(self):
+        """Reuse the quantized weight across calls inside the block (:class:`WeightCache`)."""
+        return self.weights.scope()
 
     def weight_operand(
         self, weight: torch.Tensor, layout: str, *, scale_inv: torch.Tensor | None = None
     ) -> FP8Operand:
         """``weight`` quantized for the fprop GEMM ([N, K]) or the dgrad GEMM ([K, N])."""
-        op = self.cached_operand(weight, layout)
+        op = self.weights.get(weight, layout)
         if op is not None:
             return op
         w = weight if layout == "fprop" else weight.t()
         op = self.quantize(w, self.config.recipe, "weight", "e4m3", scale_inv=scale_inv)
-        return self.store_operand(weight, layout, op)
+        return self.weights.put(weight, layout, op)
 
     def __repr__(self) -> str:
         return (

@@ -13,11 +13,15 @@ the emulation (same slot, same call as :class:`~megatron_rl_fp8.fp8.torch_backen
                                          rounded up to powers of two (torchao's)
 
 Not run here: delayed scaling (torchao dropped it), blockwise and MXFP8 (not in its float8
-training configs); those are the ``torch`` backend's or TE's. Differences from the ``torch``
-backend, by design of torchao: the weight is cast again on every call (no cache across
-micro-batches), the backward keeps the bf16 input and weight and casts them again (no saved FP8
-codes), rowwise scales are powers of two (the emulation's are not: its codes differ, its
-error is of the same order). The inner dim of each GEMM is zero-padded to 16 by torchao
+training configs); those are the ``torch`` backend's or TE's. Weight cache: under tensorwise
+scaling the fprop and dgrad GEMMs read the same weight codes (one scale, transposed), so inside
+the actor's :meth:`FP8LinearTorchAO.weight_cache` the weight is cast once per forward / backward
+schedule and handed to torchao already in float8 (its matmul takes float8 arguments as cast; the
+gradient reaches the weight through :class:`_AsCast`), bit for bit the per-call result. Rowwise
+casts the weight along a different axis for each GEMM, so it is cast per call, as torchao does.
+Differences from the ``torch`` backend, by design of torchao: the backward keeps the bf16 input
+and casts it again (no saved FP8 codes), rowwise scales are powers of two (the emulation's are
+not: its codes differ, its error is of the same order). The inner dim of each GEMM is zero-padded to 16 by torchao
 (``pad_inner_dim``), so any token count runs. The forward GEMM uses fast accumulation when
 ``fp8.accum_fast_fprop``, the two backward GEMMs never (torchao's defaults).
 
@@ -34,6 +38,7 @@ import torch
 
 from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.fp8.emulation import FP8Linear
+from megatron_rl_fp8.fp8.weight_cache import WeightCache
 from megatron_rl_fp8.utils.imports import module_exists
 
 INSTALL_HINT = "pip install torchao (or the project's [gpu] extra)"
@@ -55,6 +60,48 @@ def _import():
     except ImportError as e:
         raise ImportError(f"fp8.backend=torchao needs torchao: {INSTALL_HINT} ({e})") from e
     return Float8LinearConfig, matmul_with_hp_or_float8_args, LinearMMConfig, ScaledMMConfig
+
+
+def _cast_weight_t(weight: torch.Tensor, mm, ao):
+    """``weight.t()`` as torchao's forward casts it (``cast_config_weight``), without autograd."""
+    from torchao.float8.float8_scaling_utils import (
+        get_maybe_axiswise_dim,
+        hp_tensor_to_float8_dynamic,
+    )
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    cast = ao.cast_config_weight
+    with torch.no_grad():
+        return hp_tensor_to_float8_dynamic(
+            weight.t(),
+            cast.target_dtype,
+            mm,
+            gemm_input_role=GemmInputRole.WEIGHT,
+            scaling_granularity=cast.scaling_granularity,
+            axiswise_dim=get_maybe_axiswise_dim(0, cast.scaling_granularity),
+            round_scales_to_power_of_2=ao.round_scales_to_power_of_2,
+        )
+
+
+class _AsCast(torch.autograd.Function):
+    """``weight.t()`` already cast (a cached torchao ``Float8TrainingTensor``) in this graph: a
+    new float8 tensor on the cached codes, whose gradient goes to ``weight`` (transposed back),
+    as torchao's own differentiable cast passes it through."""
+
+    @staticmethod
+    def forward(ctx, weight, cast_t):  # noqa: D102
+        return type(cast_t)(
+            cast_t._data,
+            cast_t._scale,
+            cast_t._orig_dtype,
+            cast_t._linear_mm_config,
+            cast_t._gemm_input_role,
+            cast_t._axiswise_dim,
+        )
+
+    @staticmethod
+    def backward(ctx, grad_t):  # noqa: D102
+        return grad_t.t(), None
 
 
 def torchao_config(config: FP8Config):
@@ -110,7 +157,14 @@ class _TorchAOCall:
     def apply(x, weight, bias, linear: FP8LinearTorchAO):  # noqa: D102
         k = x.shape[-1]
         matmul = _compiled_matmul() if linear.config.compile_casts else _matmul
-        y = matmul(x.reshape(-1, k), weight.t(), linear.mm_config, linear.ao_config)
+        weight_t = weight.t()
+        if linear.weights.active:  # inside weight_cache(), tensorwise
+            cast_t = linear.weights.get(weight, "fprop")
+            if cast_t is None:
+                cast_t = _cast_weight_t(weight, linear.mm_config, linear.ao_config)
+                linear.weights.put(weight, "fprop", cast_t)
+            weight_t = _AsCast.apply(weight, cast_t)
+        y = matmul(x.reshape(-1, k), weight_t, linear.mm_config, linear.ao_config)
         y = y.reshape(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias.to(y.dtype)
 
@@ -126,6 +180,12 @@ class FP8LinearTorchAO(FP8Linear):
         self.ao_config = self.mm_config = None
         if config.enabled:
             self.ao_config, self.mm_config = torchao_config(config)
+        # Tensorwise: one weight cast serves fprop and dgrad (module docstring).
+        self.weights = WeightCache(enabled=config.recipe == "tensorwise_current")
+
+    def weight_cache(self):
+        """Cast the weight once inside the block (:class:`WeightCache`; tensorwise only)."""
+        return self.weights.scope()
 
     def __repr__(self) -> str:
         return (

@@ -329,15 +329,16 @@ def fp8_weight_copy_bytes(fp8: FP8Config, *, spec: Spec, device: Device) -> tupl
     backend (``fp8/torch_backend.py``) keeps them inside one schedule: 2 in the update, 1 in the
     no-grad logprob pass (no transposed copy), none under ``tensorwise_delayed`` (its weight
     scale moves with every call, so nothing is cached; one linear's copy at a time). The
-    torchao backend casts the weight again on every call, and the emulation and every CPU run
+    torchao backend keeps one copy under ``tensorwise_current`` (its fprop and dgrad read the
+    same codes): 1 and 1; rowwise casts per call (none kept). The emulation and every CPU run
     keep none (their copies live for one GEMM)."""
     backend = gpu_fp8_backend(fp8, spec=spec, device=device)
     if backend is None:
         return 0.0, 0.0
     if backend == "te":
         return 2.0, 2.0
-    if backend == "torchao":  # casts the weight again on every call: one GEMM's copy at a time
-        return 0.0, 0.0
+    if backend == "torchao":  # one tensorwise copy serves both GEMMs; rowwise casts per call
+        return (1.0, 1.0) if fp8.recipe == "tensorwise_current" else (0.0, 0.0)
     return (0.0, 0.0) if fp8.recipe == "tensorwise_delayed" else (2.0, 1.0)
 
 

@@ -204,3 +204,12 @@ def test_torchao_backend_gemms_on_the_gpu(recipe, compiled):
             f"torchao {recipe} {'compiled' if compiled else 'eager'} {name}: "
             f"vs emulation {_rel(ao, emu):.4f}, vs exact {_rel(ao, ref):.4f}"
         )
+    # Inside the actor's weight-cache scope (tensorwise: one cast for both GEMMs) the results
+    # are the per-call casts' on the tensor cores too.
+    linear = FP8LinearTorchAO(cfg)
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with linear.weight_cache():
+        y = linear(xx, ww)
+        y.backward(dy)
+    cached = (y.detach(), xx.grad, ww.grad)
+    assert all(torch.equal(a, b) for a, b in zip(cached, outs[1]))

@@ -361,7 +361,7 @@ def test_delayed_scaling_never_caches():
     w = torch.randn(16, 32)
     with linear.weight_cache():
         linear(torch.randn(16, 32), w)
-        assert linear.cached_operand(w, "fprop") is None
+        assert linear.weights.get(w, "fprop") is None
 
 
 # -- installed into a model ------------------------------------------------------------------------
@@ -412,9 +412,9 @@ def test_install_torch_backend_and_full_precision_switch():
     assert torch.equal(y16, x @ fc1.weight.t())
     assert 0 < (y8 - y16).abs().max() < 0.1 * y16.abs().max()
     with fp8_weight_cache(model):
-        assert fc1._forward_impl.emulator._cache == {}
+        assert fc1._forward_impl.emulator.weights.entries == {}
         assert torch.equal(fc1(x), y8)
-    assert fc1._forward_impl.emulator._cache is None
+    assert fc1._forward_impl.emulator.weights.entries is None
     assert set(weight_quantization_errors(model, fp8)) == {"L2.linear_fc1", "lm_head"}
     with pytest.raises(ValueError, match="backend='te' has no FP8 linears to install"):
         install_fp8_linears(_Model(), fp8, num_layers=2, backend="te")

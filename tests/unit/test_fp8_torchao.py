@@ -11,6 +11,7 @@ the emulation on the CPU, where torchao's float8 matmul runs on CPU ``torch._sca
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 
 import pytest
@@ -108,3 +109,59 @@ def test_compiled_call_gives_the_eager_results():
         g = torch.randn(tokens, 32, generator=gen)
         got, want = _run(compiled, x, w, b, g), _run(eager, x, w, b, g)
         assert all(torch.equal(u, v) for u, v in zip(got, want)), tokens
+
+
+def _micro_batches(linear, w, batches, *, scope: bool):
+    """Forward + backward of each (x, g) with ``w`` shared (its gradient accumulates, as over a
+    schedule's micro-batches), inside ``linear.weight_cache()`` or not."""
+    w = w.detach().clone().requires_grad_()
+    outs = []
+    with linear.weight_cache() if scope else contextlib.nullcontext():
+        for x, g in batches:
+            x = x.detach().clone().requires_grad_()
+            y = linear(x, w)
+            y.backward(g)
+            outs += [y.detach(), x.grad]
+    return [*outs, w.grad]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_tensorwise_weight_cache_casts_once_and_changes_nothing(monkeypatch, compiled):
+    """Inside the actor's scope the weight is cast once for every micro-batch and both GEMMs;
+    outputs and gradients (input and the accumulated weight gradient) are the per-call casts'
+    bit for bit; an in-place change of the weight is noticed; rowwise never caches."""
+    if compiled and not (shutil.which("g++") or shutil.which("clang++")):
+        pytest.skip("torch.compile on the CPU builds C++: no g++ or clang++ here")
+    casts = []
+    real = torchao_backend._cast_weight_t
+    monkeypatch.setattr(torchao_backend, "_cast_weight_t", lambda *a: casts.append(1) or real(*a))
+    cfg = FP8Config(recipe="tensorwise_current", backend="torchao", compile_casts=compiled)
+    linear = FP8LinearTorchAO(cfg)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=gen).bfloat16()
+    batches = [
+        (
+            torch.randn(32, 64, generator=gen).bfloat16(),
+            torch.randn(32, 48, generator=gen).bfloat16(),
+        )
+        for _ in range(3)
+    ]
+    cached = _micro_batches(linear, w, batches, scope=True)
+    assert len(casts) == 1 and linear.weights.entries is None  # cleared on leaving the scope
+    per_call = _micro_batches(linear, w, batches, scope=False)
+    assert len(casts) == 1  # outside a scope torchao casts inside its own call
+    assert all(torch.equal(a, b) for a, b in zip(cached, per_call))
+
+    wl = w.clone().requires_grad_()
+    with linear.weight_cache():
+        linear(batches[0][0], wl)
+        with torch.no_grad():
+            wl.mul_(2.0)  # bumps the version: cast again
+        linear(batches[0][0], wl)
+    assert len(casts) == 3
+
+    rowwise = FP8LinearTorchAO(FP8Config(recipe="rowwise", backend="torchao"))
+    with rowwise.weight_cache():
+        rowwise(batches[0][0], w)
+        assert rowwise.weights.entries == {}
+    assert len(casts) == 3

@@ -306,6 +306,9 @@ SMALL_LINEARS = 36864  # one SMALL layer's four linear weights (see SMALL_PARAMS
         ({"recipe": "blockwise"}, "te", 2, 2),
         ({"recipe": "rowwise"}, "te", 2, 1),  # TE has no rowwise: auto takes torch
         ({"recipe": "tensorwise_delayed"}, "local", 0, 0),  # the torch backend caches nothing
+        # torchao: one tensorwise copy serves fprop and dgrad; rowwise casts per call.
+        ({"recipe": "tensorwise_current", "backend": "torchao"}, "local", 1, 1),
+        ({"recipe": "rowwise", "backend": "torchao"}, "local", 0, 0),
         ({"recipe": "blockwise", "backend": "emulate"}, "te", 0, 0),
         ({"recipe": "bf16"}, "te", 0, 0),
     ],
@@ -380,7 +383,9 @@ def test_fp8_weight_copies_are_what_the_torch_backend_caches():
     from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
 
     def cached_bytes(linear):
-        return sum(op.codes.numel() * op.codes.element_size() for _, op in linear._cache.values())
+        return sum(
+            op.codes.numel() * op.codes.element_size() for _, op in linear.weights.entries.values()
+        )
 
     for recipe in ("tensorwise_current", "rowwise"):
         linear = FP8LinearTorch(FP8Config(recipe=recipe))
@@ -392,3 +397,26 @@ def test_fp8_weight_copies_are_what_the_torch_backend_caches():
         with linear.weight_cache(), torch.no_grad():
             linear(x, w)
             assert cached_bytes(linear) == w.numel(), recipe
+
+
+def test_fp8_weight_copies_are_what_the_torchao_backend_caches():
+    """torchao under tensorwise: one float8 copy of the weight per schedule, used by both GEMMs
+    (1 byte per element, with or without the backward); rowwise: none."""
+    import torch
+
+    from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.fp8.torchao_backend import FP8LinearTorchAO
+
+    for recipe, want in (("tensorwise_current", 1), ("rowwise", 0)):
+        linear = FP8LinearTorchAO(FP8Config(recipe=recipe))
+        w = torch.randn(96, 64, requires_grad=True)
+        x = torch.randn(32, 64, requires_grad=True)
+        for grad in (True, False):
+            with linear.weight_cache(), torch.set_grad_enabled(grad):
+                y = linear(x, w)
+                if grad:
+                    y.sum().backward()
+                held = linear.weights.entries.values()
+                assert sum(c._data.numel() * c._data.element_size() for _, c in held) == (
+                    want * w.numel()
+                ), (recipe, grad)
