@@ -1,5 +1,5 @@
 """The tiny full-FP8 job with the trainer's linears on real FP8 GEMMs (``torch._scaled_mm``, the
-``torch`` and ``torchao`` backends; CPU torch runs the kernel, tests/integration/scaled_mm_cli.py)
+``torch`` and ``torchao`` backends; CPU torch runs the kernel, tests/scaled_mm_stand_in.py)
 against the same job on the emulation, and a resume of the torch backend under delayed scaling.
 
 What must hold on any machine:
@@ -29,7 +29,7 @@ import pytest
 from megatron_rl_fp8.metrics.logger import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-CLI = Path(__file__).with_name("scaled_mm_cli.py")
+STAND_IN = ROOT / "tests" / "scaled_mm_stand_in.py"
 STEPS = 4
 OVERRIDES = [
     "sft.steps=100",
@@ -46,7 +46,8 @@ OVERRIDES = [
 
 
 def _run(out: Path, cache: Path, backend: str, recipe: str) -> dict[int, dict]:
-    cmd = [sys.executable, str(CLI), "train", "examples/tiny_cpu_fp8.yaml", *OVERRIDES]
+    cmd = [sys.executable, str(STAND_IN), "-m", "megatron_rl_fp8", "train"]
+    cmd += ["examples/tiny_cpu_fp8.yaml", *OVERRIDES]
     cmd += [f"fp8.backend={backend}", f"fp8.recipe={recipe}"]
     cmd += [f"train.output_dir={out}", f"train.cache_dir={cache}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

@@ -115,6 +115,26 @@ def test_bench_actor_cpu_smoke(tmp_path):
     assert "parameters on this rank" in out.stdout
 
 
+def test_bench_actor_fp8_rows_through_the_real_fp8_backends(tmp_path):
+    """gpu_check's bench_actor rows (BF16, the torch backend, torchao) run their own code paths
+    end to end (CPU torch's ``_scaled_mm`` behind tests/scaled_mm_stand_in.py): each row is
+    measured and profiled, its ratio is against the BF16 row. Times mean nothing here."""
+    pytest.importorskip("torchao")
+    fp8 = "bf16,torch:tensorwise_current,torchao:tensorwise_current"
+    out = _run(
+        [sys.executable, "tests/scaled_mm_stand_in.py", "tools/bench_actor.py", "--cpu-smoke",
+         "--fp8", fp8, "--profile", "2", "--json", str(tmp_path / "actor.json")]
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "actor.json").read_text())
+    assert [r["fp8"] for r in rows] == fp8.split(",")
+    assert all(r["step_s"] > 0 and "GEMM" in r["profile"]["kinds"] for r in rows)
+    assert "FP8 tensorwise_current (torch._scaled_mm)" in out.stdout
+    assert "FP8 tensorwise_current (torchao float8)" in out.stdout
+    table = _table_rows(out.stdout.split("one step's")[0])
+    assert [r[3] for r in table] == fp8.split(",") and table[0][7] == "1.00x"
+
+
 def test_bench_sync_quantizers_cpu_smoke(tmp_path, capsys):
     """In process (modelopt's import is paid once per test session, not once more here); the
     thread count passed is the current one, so the run leaves this process's setting alone."""

@@ -1,0 +1,29 @@
+"""``python tests/scaled_mm_stand_in.py -m megatron_rl_fp8 train CONFIG ...`` (or
+``... tools/bench_actor.py ARGS``): run a module or script as ``python`` would, with the FP8 GEMM
+backends that need an FP8 GPU (``fp8.backend: torch | torchao``) allowed on this CPU.
+
+CPU torch runs ``torch._scaled_mm`` for real: e4m3/e5m2 operands, tensorwise and rowwise float32
+scales, the product rounded to the requested output dtype (tests/unit/test_fp8_backend.py checks
+it against the emulation). Only the backend selection asks for a GPU, through
+``fp8.backend.cuda_capability``; this answers "Hopper" there and changes nothing else, so the
+trainer (rollout, calibration, checkpoints) and the benchmarks run those backends' own code
+paths. The CUDA kernels' layout rules, which CPU torch does not enforce, are the unit tests'
+business.
+"""
+
+import runpy
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # spawned workers (the reward pool) import this file as __mp_main__
+    import megatron_rl_fp8.fp8.backend as backend
+
+    backend.cuda_capability = lambda: (9, 0)
+
+    if sys.argv[1] == "-m":
+        sys.argv = [sys.argv[2], *sys.argv[3:]]
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = sys.argv[1:]
+        sys.path[0] = str(Path(sys.argv[0]).resolve().parent)  # as `python SCRIPT` sets it
+        runpy.run_path(sys.argv[0], run_name="__main__")
