@@ -21,9 +21,10 @@ gradient reaches the weight through :class:`_AsCast`), bit for bit the per-call 
 casts the weight along a different axis for each GEMM, so it is cast per call, as torchao does.
 Differences from the ``torch`` backend, by design of torchao: the backward keeps the bf16 input
 and casts it again (no saved FP8 codes), rowwise scales are powers of two (the emulation's are
-not: its codes differ, its error is of the same order). The inner dim of each GEMM is zero-padded to 16 by torchao
-(``pad_inner_dim``), so any token count runs. The forward GEMM uses fast accumulation when
-``fp8.accum_fast_fprop``, the two backward GEMMs never (torchao's defaults).
+not: its codes differ, its error is of the same order). The inner dim of each GEMM is
+zero-padded to 16 by torchao (``pad_inner_dim``), so any token count runs. The forward GEMM
+uses fast accumulation when ``fp8.accum_fast_fprop``, the two backward GEMMs never (torchao's
+defaults).
 
 ``torch.compile`` fuses torchao's casts (its measured 1.44x on the H200 was compiled):
 ``fp8.compile_casts`` compiles the whole call, casts and GEMMs together.
