@@ -95,9 +95,10 @@ def test_resume_is_bit_exact_with_bf16_parameters(tmp_path):
     assert out[-1] == {torch.bfloat16}
 
 
-def _delayed_body(rank, world, ckpt_dir):
-    """DP=2, emulated tensorwise_delayed FP8: each rank's amax histories come from its own data,
-    so they differ between ranks and each rank's checkpoint file must bring back its own."""
+def _delayed_body(rank, world, ckpt_dir, pp):
+    """Two ranks, emulated tensorwise_delayed FP8: at DP=2 each rank's amax histories come from
+    its own data, at PP=2 from its own layers; either way they differ between ranks and each
+    rank's checkpoint file must bring back its own."""
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.fp8 import FP8Config
     from megatron_rl_fp8.models.config import ModelConfig
@@ -106,9 +107,9 @@ def _delayed_body(rank, world, ckpt_dir):
     from megatron_rl_fp8.trainer.actor import Actor
     from megatron_rl_fp8.trainer.config import OptimConfig
 
-    g = parallel.initialize(parallel.ParallelConfig(), seed=1)
-    # Inputs of another scale on each rank: the histories' amaxes differ.
-    gen = torch.Generator().manual_seed(rank)
+    g = parallel.initialize(parallel.ParallelConfig(pipeline_model_parallel_size=pp), seed=1)
+    # DP: other data on each rank (the histories' amaxes differ); PP: the stages share a batch.
+    gen = torch.Generator().manual_seed(0 if pp > 1 else rank)
     ids = torch.randint(0, 53, (4, 10), generator=gen)
     batch = {"input_ids": ids, "labels": ids, "loss_mask": torch.ones(4, 10)}
 
@@ -163,8 +164,9 @@ def _delayed_body(rank, world, ckpt_dir):
     return out
 
 
-def test_fp8_delayed_scaling_histories_resume_per_rank(tmp_path):
-    outs = run_distributed(_delayed_body, world_size=2, args=(str(tmp_path),))
+@pytest.mark.parametrize("pp", [1, 2], ids=["dp2", "pp2"])
+def test_fp8_delayed_scaling_histories_resume_per_rank(tmp_path, pp):
+    outs = run_distributed(_delayed_body, world_size=2, args=(str(tmp_path), pp))
     for out in outs:
         assert out["files"] == ["0.pt", "1.pt"]
         assert out["linears"] > 0 and out["updates"] == {6}  # 3 steps x 2 micro-batches
