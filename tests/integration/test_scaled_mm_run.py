@@ -60,19 +60,27 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
+def _torchao_imports() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception:  # absent, or built for another torch
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache):
     """backend -> metrics by step, tensorwise_current; the SFT warm start is shared."""
-    return {
-        b: _run(tmp_path_factory.mktemp(b), cache, b, "tensorwise_current")
-        for b in ("emulate", "torch", "torchao")
-    }
+    backends = ("emulate", "torch", "torchao") if _torchao_imports() else ("emulate", "torch")
+    return {b: _run(tmp_path_factory.mktemp(b), cache, b, "tensorwise_current") for b in backends}
 
 
 @pytest.mark.parametrize("backend", ["torch", "torchao"])
 def test_real_fp8_gemms_train_like_the_emulation(runs, backend):
     from megatron_rl_fp8.loss.calibration import CalibConfig
 
+    if backend not in runs:
+        pytest.skip("torchao does not import here (make install brings it)")
     emu, got = runs["emulate"], runs[backend]
     assert sorted(got) == sorted(emu) == list(range(STEPS + 1))
     first_e, first_g = emu[1], got[1]
