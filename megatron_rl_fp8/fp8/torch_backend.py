@@ -355,11 +355,9 @@ class _ScaledMMLinearFn(torch.autograd.Function):
                 sg = linear.grad_state.scale_inv_then_update(g2.float(), gfmt)
             qg = linear.quantize(g2, recipe, "grad_output", gfmt, scale_inv=sg)
             if need_dx:
-                wt = linear.weights.get(weight, "dgrad")
-                if wt is None:
-                    wt = linear.weights.put(
-                        weight, "dgrad", transpose_operand(FP8Operand(w8, sw, "tensor"))
-                    )
+                wt = linear.weights.fetch(
+                    weight, "dgrad", lambda: transpose_operand(FP8Operand(w8, sw, "tensor"))
+                )
                 dx = fp8_mm(qg, wt)[:t, :k]
             if need_dw:
                 xt = transpose_operand(FP8Operand(x8, sx, "tensor"))
@@ -414,12 +412,12 @@ class FP8LinearTorch(FP8Linear):
         self, weight: torch.Tensor, layout: str, *, scale_inv: torch.Tensor | None = None
     ) -> FP8Operand:
         """``weight`` quantized for the fprop GEMM ([N, K]) or the dgrad GEMM ([K, N])."""
-        op = self.weights.get(weight, layout)
-        if op is not None:
-            return op
         w = weight if layout == "fprop" else weight.t()
-        op = self.quantize(w, self.config.recipe, "weight", "e4m3", scale_inv=scale_inv)
-        return self.weights.put(weight, layout, op)
+        return self.weights.fetch(
+            weight,
+            layout,
+            lambda: self.quantize(w, self.config.recipe, "weight", "e4m3", scale_inv=scale_inv),
+        )
 
     def __repr__(self) -> str:
         return (

@@ -158,13 +158,13 @@ class _TorchAOCall:
     def apply(x, weight, bias, linear: FP8LinearTorchAO):  # noqa: D102
         k = x.shape[-1]
         matmul = _compiled_matmul() if linear.config.compile_casts else _matmul
-        weight_t = weight.t()
         if linear.weights.active:  # inside weight_cache(), tensorwise
-            cast_t = linear.weights.get(weight, "fprop")
-            if cast_t is None:
-                cast_t = _cast_weight_t(weight, linear.mm_config, linear.ao_config)
-                linear.weights.put(weight, "fprop", cast_t)
+            cast_t = linear.weights.fetch(
+                weight, "fprop", lambda: _cast_weight_t(weight, linear.mm_config, linear.ao_config)
+            )
             weight_t = _AsCast.apply(weight, cast_t)
+        else:
+            weight_t = weight.t()
         y = matmul(x.reshape(-1, k), weight_t, linear.mm_config, linear.ao_config)
         y = y.reshape(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias.to(y.dtype)

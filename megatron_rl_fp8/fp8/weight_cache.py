@@ -12,7 +12,7 @@ explicit scope.)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -54,8 +54,12 @@ class WeightCache:
         hit = self.entries.get(layout)
         return hit[1] if hit is not None and hit[0] == self._key(weight) else None
 
-    def put(self, weight: torch.Tensor, layout: str, operand: Any) -> Any:
-        """Keep ``operand`` as ``weight``'s ``layout`` copy where caching is on; returns it."""
+    def fetch(self, weight: torch.Tensor, layout: str, make: Callable[[], Any]) -> Any:
+        """``weight``'s cached ``layout`` operand, else ``make()``, kept where caching is on."""
+        hit = self.get(weight, layout)
+        if hit is not None:
+            return hit
+        operand = make()
         if self.active:
             self.entries[layout] = (self._key(weight), operand)
         return operand

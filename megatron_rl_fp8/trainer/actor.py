@@ -213,6 +213,13 @@ _BACKEND_WORDS = {
 _SIZES = ("tp_size", "pp_size", "dp_size", "cp_size")  # a layout, in log order
 
 
+def _layout_text(layout: dict) -> str:
+    """'TP=2 PP=1 DP=4' (CP only when > 1) from :meth:`Actor._layout`'s sizes."""
+    return " ".join(
+        f"{k[:2].upper()}={layout[k]}" for k in _SIZES if k != "cp_size" or layout[k] > 1
+    )
+
+
 class Actor:
     def __init__(
         self,
@@ -317,9 +324,7 @@ class Actor:
         g, p = self.groups, self.parallel
         cpu = g.device.type == "cpu"
         dtype = str(self.config.params_dtype).removeprefix("torch.")
-        layout = f"TP={g.tp_size} PP={g.pp_size} DP={g.dp_size}"
-        if g.cp_size > 1:
-            layout += f" CP={g.cp_size}"
+        layout = _layout_text(self._layout())
         features = [
             name
             for name, on in (
@@ -587,8 +592,7 @@ class Actor:
         if not state:
             return
         if state["layout"] != self._layout():
-            was = " ".join(f"{k[:2].upper()}={state['layout'][k]}" for k in _SIZES)
-            now = " ".join(f"{k[:2].upper()}={getattr(self.groups, k)}" for k in _SIZES)
+            was, now = _layout_text(state["layout"]), _layout_text(self._layout())
             print_rank0(
                 f"checkpoint: FP8 delayed-scaling amax histories start afresh (written at {was}, "
                 f"this run is {now})"
