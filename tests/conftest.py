@@ -38,3 +38,11 @@ def tiny_hf_model(tmp_path_factory):
     from megatron_rl_fp8.data.tiny_hf import make_hf_model
 
     return make_hf_model(tmp_path_factory.mktemp("hf") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_sft_cache(tmp_path_factory):
+    """The ``train.cache_dir`` of the tiny job's end-to-end runs: their SFT warm start (cached by
+    content: model, task, tokenizer, ``sft.*``, seed; precision excluded) is computed once per
+    session for every test that asks for the same SFT settings."""
+    return tmp_path_factory.mktemp("tiny_sft_cache")

@@ -42,6 +42,10 @@ OVERRIDES = [
     "train.eval_interval=0",
     "optim.lr=3e-4",
     "loss.calib.interval=2",
+    # The training GEMMs are this test's subject. The rollout's weights are quantized by the
+    # project's own quantizer, bit-identical to modelopt's (tests/unit/test_rollout_quantizer.py),
+    # which saves each of the five runs modelopt's ~5 s import (test_tiny_run runs modelopt).
+    "rollout.fp8.quantizer=builtin",
 ]
 
 
@@ -56,8 +60,8 @@ def _run(out: Path, cache: Path, backend: str, recipe: str) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+def cache(tiny_sft_cache):
+    return tiny_sft_cache  # the SFT settings of tests/integration/test_tiny_run.py: one warm start
 
 
 @pytest.fixture(scope="module")

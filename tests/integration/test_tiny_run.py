@@ -78,8 +78,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+def cache(tiny_sft_cache):
+    return tiny_sft_cache  # the SFT warm start of tests/integration/test_scaled_mm_run.py too
 
 
 @pytest.fixture(scope="module")
