@@ -147,7 +147,7 @@ def plan_layout(
     """The roles of ``env``'s nodes for the run ``cfg``. ``train_nodes``: TRAIN_NODES (None =
     derived). ``addrs``: each node's address (None = the names). Raises ConfigError, one line,
     for a split that cannot work (no trainer node, engines that do not fit)."""
-    placement = _placement(cfg)
+    placement = _placement(cfg, env)
     n_train = _train_node_count(placement, cfg, env, train_nodes)
     if placement == "local":
         rollout: tuple[str, ...] = ()
@@ -172,7 +172,7 @@ def plan_layout(
     )
 
 
-def _placement(cfg: RunConfig) -> Placement:
+def _placement(cfg: RunConfig, env: SlurmEnv) -> Placement:
     r = cfg.rollout
     if r.engine == "local":
         return "local"
@@ -186,6 +186,13 @@ def _placement(cfg: RunConfig) -> Placement:
             f"rollout.sglang.transport={r.sglang.transport} reaches engines on the senders' node "
             "only, and dedicated rollout nodes are other nodes: set "
             "rollout.sglang.transport=distributed"
+        )
+    if r.placement == "colocated" and r.sglang.transport != "distributed" and len(env.nodes) > 1:
+        raise ConfigError(
+            f"rollout.sglang.transport={r.sglang.transport} reaches engines on the senders' node "
+            f"only, and colocated engines on {len(env.nodes)} nodes are on others too (torchrun "
+            "picks the sending ranks' node): set rollout.sglang.transport=distributed (engines "
+            "off GPU 0 of every node), or run on one node"
         )
     return r.placement
 

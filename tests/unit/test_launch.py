@@ -492,6 +492,7 @@ def test_plan_says_it_does_not_fit(capsys, paths):
         ((*TINY_SGLANG, "rollout.sglang.engine_urls=[http://h:1]", "--nodes", "2"), "remove them"),
         ((*TINY_SGLANG, "rollout.sglang.tp_size=2", "--nodes", "2", "--gpus-per-node", "1"), "tp_size=2"),
         (("rollout.engine=sglang", "rollout.sglang.transport=tensor", "--nodes", "2"), "transport=distributed"),
+        ((*TINY_SGLANG, "rollout.placement=colocated", "rollout.sglang.transport=tensor", "--nodes", "2"), "colocated engines on 2 nodes"),
         (("--nodelist", "n[1-2", "--gpus-per-node", "1"), "never closed"),
         (("--gpus-per-node", "1"), "no node list"),
     ],
