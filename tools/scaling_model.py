@@ -4,7 +4,8 @@ memory planner (plan/memory.py). Pure arithmetic: seconds on a CPU, no GPU.
 For each preset (plan/presets.py) on 1/2/4/8 nodes of 8 H100 and H200, one GRPO workload (the
 FP8 example's settings, ``WORKLOAD``): the planner's best layout that fits (``plan.alternatives``,
 its first), colocated SGLang engines of the smallest TP whose BF16 weights take at most half of
-their memory share, one engine per TP group of the world; then BF16, FP8 rollout and full FP8
+their memory share, as many as the launcher accepts (:func:`engine_overrides`); then BF16, FP8
+rollout and full FP8
 (blockwise, shadow every 20 steps) per phase. Also the batch sweep (where FP8 stops paying), the
 training-phase speed-up per recipe (the paper's "up to 1.5x" against end to end), and the
 validation against the measured H200 actor steps of docs/gpu.md.
@@ -209,25 +210,50 @@ def recipe_table(preset: str, gpu: str, nodes: int) -> str:
     return "\n".join(out)
 
 
+def engine_overrides(cfg, gpu, nodes: int) -> list[str]:
+    """The most colocated engines `megatron-rl-fp8 launch` accepts on ``nodes`` nodes of 8 GPUs.
+    One node: every GPU (``transport=tensor``, CUDA IPC from the sending ranks on that node).
+    Several: each node's GPUs but GPU 0 (``transport=distributed``: the NCCL broadcast cannot
+    share the driver's GPU, and torchrun may put the driver on any node), so at most TP 4."""
+    k = engine_tp(cfg, gpu)
+    if nodes == 1:
+        return [
+            f"rollout.sglang.tp_size={k}",
+            f"rollout.sglang.num_engines={8 // k}",
+            "rollout.sglang.transport=tensor",
+            "rollout.sglang.base_gpu_id=0",
+        ]
+    k = min(k, 4)
+    return [
+        f"rollout.sglang.tp_size={k}",
+        f"rollout.sglang.num_engines={nodes * ((8 - 1) // k)}",
+        "rollout.sglang.transport=distributed",
+        "rollout.sglang.base_gpu_id=null",
+    ]
+
+
 def case_config(preset: str, gpu: str, nodes: int, extra: list[str] = ()):
-    """The workload with the preset's shape and the engines: one per TP group of the world."""
-    g = GPUS[gpu]
-    base = load_config(EXAMPLE, [*WORKLOAD, *preset_overrides(preset), *extra])
-    k = engine_tp(base, g)
-    return load_config(
+    """The workload with the preset's shape and its engines (:func:`engine_overrides`), checked
+    by the launcher's own placement rules."""
+    from megatron_rl_fp8.launch.layout import plan_layout
+    from megatron_rl_fp8.launch.slurm import SlurmEnv
+
+    fixed = [*WORKLOAD, *preset_overrides(preset), *extra]
+    engines = engine_overrides(load_config(EXAMPLE, fixed), GPUS[gpu], nodes)
+    cfg = load_config(
         EXAMPLE,
         [
-            *WORKLOAD,
-            *preset_overrides(preset),
-            *extra,
-            f"rollout.sglang.tp_size={k}",
-            f"rollout.sglang.num_engines={nodes * 8 // k}",
+            *fixed,
+            *engines,
             f"rollout.sglang.mem_fraction_static={MEM_FRACTION}",
             "parallel.tensor_model_parallel_size=1",
             "parallel.sequence_parallel=false",
             "parallel.use_distributed_optimizer=true",
         ],
     )
+    names = tuple(f"node{i + 1}" for i in range(nodes))
+    plan_layout(cfg, SlurmEnv(nodes=names, gpus_per_node=8, job_id=0))  # ConfigError if refused
+    return cfg
 
 
 def efficiency_variants() -> dict:

@@ -4,6 +4,7 @@ phases, memory from the planner, presets, and the ``plan --time`` CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -199,3 +200,40 @@ def test_cli_bad_gpu_or_preset_is_one_line(args, field, capsys):
     assert cli.main(["plan", str(EXAMPLE), "--time", *args]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert field in line
+
+
+@pytest.mark.parametrize(
+    "preset, gpu, nodes, engines, tp, transport",
+    [
+        ("qwen3-8b", "H200", 1, 8, 1, "tensor"),  # one node: every GPU, CUDA IPC
+        ("qwen3-8b", "H200", 2, 14, 1, "distributed"),  # GPU 0 of each node stays free
+        ("qwen3-14b", "H200", 4, 12, 2, "distributed"),
+        ("qwen3-32b", "H100", 1, 1, 8, "tensor"),
+        ("qwen3-32b", "H100", 2, 2, 4, "distributed"),  # TP 8 would leave no engine off GPU 0
+    ],
+)
+def test_scaling_tables_engines_are_what_the_launcher_accepts(
+    preset, gpu, nodes, engines, tp, transport
+):
+    """docs/scaling.md's scenario: the most colocated engines the launcher's placement takes."""
+    from megatron_rl_fp8.launch.layout import plan_layout
+    from megatron_rl_fp8.launch.slurm import SlurmEnv
+
+    sys.path.insert(0, str(TOOLS))
+    try:
+        from scaling_model import case_config
+    finally:
+        sys.path.remove(str(TOOLS))
+    cfg = case_config(preset, gpu, nodes)
+    sg = cfg.rollout.sglang
+    assert (sg.num_engines, sg.tp_size, sg.transport) == (engines, tp, transport)
+    env = SlurmEnv(nodes=tuple(f"n{i}" for i in range(nodes)), gpus_per_node=8, job_id=0)
+    placed = plan_layout(cfg, env).engines
+    assert len(placed) == engines and all(len(e.gpus) == tp for e in placed)
+    if nodes > 1:
+        assert all(0 not in e.gpus for e in placed)
+    # One more engine is refused (on one node the GPUs run out; on several, GPU 0 is reached).
+    more = dataclasses.replace(cfg.rollout.sglang, num_engines=engines + 1)
+    cfg.rollout = dataclasses.replace(cfg.rollout, sglang=more)
+    with pytest.raises(ConfigError):
+        plan_layout(cfg, env)
