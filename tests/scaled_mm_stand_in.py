@@ -1,6 +1,7 @@
 """``python tests/scaled_mm_stand_in.py -m megatron_rl_fp8 train CONFIG ...`` (or
 ``... tools/bench_actor.py ARGS``): run a module or script as ``python`` would, with the FP8 GEMM
-backends that need an FP8 GPU (``fp8.backend: torch | torchao``) allowed on this CPU.
+backends that need an FP8 GPU (``fp8.backend: torch | torchao``) allowed on this CPU;
+:func:`allow_fp8_backends` does the same inside a process (a test's rank).
 
 CPU torch runs ``torch._scaled_mm`` for real: e4m3/e5m2 operands, tensorwise and rowwise float32
 scales, the product rounded to the requested output dtype (tests/unit/test_fp8_backend.py checks
@@ -15,11 +16,16 @@ import runpy
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":  # spawned workers (the reward pool) import this file as __mp_main__
+
+def allow_fp8_backends() -> None:
+    """In this process, answer the backend selection's "which GPU?" with Hopper (9.0)."""
     import megatron_rl_fp8.fp8.backend as backend
 
     backend.cuda_capability = lambda: (9, 0)
 
+
+if __name__ == "__main__":  # spawned workers (the reward pool) import this file as __mp_main__
+    allow_fp8_backends()
     if sys.argv[1] == "-m":
         sys.argv = [sys.argv[2], *sys.argv[3:]]
         runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)

@@ -1,6 +1,7 @@
 """The tiny full-FP8 job with the trainer's linears on real FP8 GEMMs (``torch._scaled_mm``, the
 ``torch`` and ``torchao`` backends; CPU torch runs the kernel, tests/scaled_mm_stand_in.py)
 against the same job on the emulation, and a resume of the torch backend under delayed scaling.
+Each job is the trainer of ``megatron-rl-fp8 train`` on one rank (tests/dist_utils).
 
 What must hold on any machine:
 
@@ -20,16 +21,14 @@ What must hold on any machine:
 
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_rl_fp8.metrics.logger import read_metrics
+from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-STAND_IN = ROOT / "tests" / "scaled_mm_stand_in.py"
+CONFIG = ROOT / "examples" / "tiny_cpu_fp8.yaml"
 STEPS = 4
 OVERRIDES = [
     "sft.steps=100",
@@ -44,19 +43,37 @@ OVERRIDES = [
     "loss.calib.interval=2",
     # The training GEMMs are this test's subject. The rollout's weights are quantized by the
     # project's own quantizer, bit-identical to modelopt's (tests/unit/test_rollout_quantizer.py),
-    # which saves each of the five runs modelopt's ~5 s import (test_tiny_run runs modelopt).
+    # which spares importing modelopt (test_tiny_run runs modelopt).
     "rollout.fp8.quantizer=builtin",
 ]
 
 
+def _job(rank, world_size, overrides):
+    """One rank's whole run (the CLI's Trainer), with the FP8 GEMM backends allowed here."""
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.config import load_config
+    from megatron_rl_fp8.metrics.logger import read_metrics
+    from megatron_rl_fp8.trainer.loop import Trainer
+    from tests.scaled_mm_stand_in import allow_fp8_backends
+
+    allow_fp8_backends()
+    cfg = load_config(CONFIG, overrides)
+    trainer = Trainer(cfg)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+        parallel.destroy()
+    return read_metrics(cfg.train.output_dir)
+
+
 def _run(out: Path, cache: Path, backend: str, recipe: str) -> dict[int, dict]:
-    cmd = [sys.executable, str(STAND_IN), "-m", "megatron_rl_fp8", "train"]
-    cmd += ["examples/tiny_cpu_fp8.yaml", *OVERRIDES]
-    cmd += [f"fp8.backend={backend}", f"fp8.recipe={recipe}"]
-    cmd += [f"train.output_dir={out}", f"train.cache_dir={cache}"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {m["step"]: m for m in read_metrics(out)}
+    """The job on one rank forked from tests/dist_utils' preloaded server: the CLI's code path
+    without a fresh interpreter's ~15 s of imports per run (the CLI itself: test_tiny_run)."""
+    overrides = [*OVERRIDES, f"fp8.backend={backend}", f"fp8.recipe={recipe}"]
+    overrides += [f"train.output_dir={out}", f"train.cache_dir={cache}"]
+    (metrics,) = run_distributed(_job, world_size=1, args=(overrides,), timeout=600)
+    return {m["step"]: m for m in metrics}
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +122,12 @@ def test_real_fp8_gemms_train_like_the_emulation(run_of, backend):
 
 
 def _computed(m: dict) -> dict:
-    return {k: v for k, v in m.items() if not k.startswith("perf/")}
+    """The step's computed metrics, NaN (an empty calibration share) equal to NaN."""
+    return {
+        k: "nan" if isinstance(v, float) and math.isnan(v) else v
+        for k, v in m.items()
+        if not k.startswith("perf/")
+    }
 
 
 def test_delayed_scaling_resume_equals_uninterrupted(tmp_path, cache):
