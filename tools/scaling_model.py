@@ -5,10 +5,9 @@ For each preset (plan/presets.py) on 1/2/4/8 nodes of 8 H100 and H200, one GRPO 
 FP8 example's settings, ``WORKLOAD``): the planner's best layout that fits (``plan.alternatives``,
 its first), colocated SGLang engines of the smallest TP whose BF16 weights take at most half of
 their memory share, as many as the launcher accepts (:func:`engine_overrides`); then BF16, FP8
-rollout and full FP8
-(blockwise, shadow every 20 steps) per phase. Also the batch sweep (where FP8 stops paying), the
-training-phase speed-up per recipe (the paper's "up to 1.5x" against end to end), and the
-validation against the measured H200 actor steps of docs/gpu.md.
+rollout and full FP8 (blockwise, shadow every 20 steps) per phase. Also the batch sweep (where
+FP8 stops paying), the training-phase speed-up per recipe (the paper's "up to 1.5x" against end
+to end), and the validation against the measured H200 actor steps of docs/gpu.md.
 
     python tools/scaling_model.py                    # rewrites the tables in docs/scaling.md
     python tools/scaling_model.py --print            # prints them instead
