@@ -18,13 +18,15 @@ SMALL = [
 ]
 
 
-def trainer_body(rank, world_size, overrides):
+def trainer_body(rank, world_size, overrides, config=None):
+    """One rank's whole run of ``config`` (None: the embedded tiny_cpu) with ``overrides``; rank
+    0 returns the metrics written."""
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.config import load_config
     from megatron_rl_fp8.metrics.logger import read_metrics
     from megatron_rl_fp8.trainer.loop import Trainer
 
-    cfg = load_config(None, list(overrides))
+    cfg = load_config(config, list(overrides))
     trainer = Trainer(cfg)
     try:
         trainer.run()

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import run_distributed
+from tests.trainer_utils import trainer_body
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "tiny_cpu_fp8.yaml"
@@ -49,22 +50,11 @@ OVERRIDES = [
 
 
 def _job(rank, world_size, overrides):
-    """One rank's whole run (the CLI's Trainer), with the FP8 GEMM backends allowed here."""
-    from megatron_rl_fp8 import parallel
-    from megatron_rl_fp8.config import load_config
-    from megatron_rl_fp8.metrics.logger import read_metrics
-    from megatron_rl_fp8.trainer.loop import Trainer
+    """The trainer's whole run with the FP8 GEMM backends allowed on this CPU."""
     from tests.scaled_mm_stand_in import allow_fp8_backends
 
     allow_fp8_backends()
-    cfg = load_config(CONFIG, overrides)
-    trainer = Trainer(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
-        parallel.destroy()
-    return read_metrics(cfg.train.output_dir)
+    return trainer_body(rank, world_size, overrides, CONFIG)
 
 
 def _run(out: Path, cache: Path, backend: str, recipe: str) -> dict[int, dict]:
