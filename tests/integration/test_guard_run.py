@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 
 from megatron_rl_fp8.metrics.logger import read_metrics
+from tests.dist_utils import run_distributed
+from tests.trainer_utils import trainer_body
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
@@ -48,12 +50,10 @@ SMALL = [
 ]
 
 
-def _train(
-    out: Path, cache: Path, *overrides: str, config: str = "examples/tiny_cpu.yaml"
-) -> subprocess.CompletedProcess:
+def _train(out: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.setdefault("OMP_NUM_THREADS", "2")
-    cmd = [sys.executable, "-m", "megatron_rl_fp8", "train", config, *SMALL]
+    cmd = [sys.executable, "-m", "megatron_rl_fp8", "train", "examples/tiny_cpu.yaml", *SMALL]
     cmd += [f"train.output_dir={out}", f"train.cache_dir={cache}", *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
@@ -114,23 +114,22 @@ def test_guard_rolls_back_a_collapse_and_stops_overflowing_weights(tmp_path, cac
 def test_guard_switches_to_bf16_steps_or_recalibrates_on_mismatch(tmp_path, cache):
     """The FP8 job's rollout-vs-train mismatch (~1.02) against a limit of 1.0001: every step fires.
     bf16: the next step trains without FP8 (nominal bounds). recalibrate: the next step calibrates
-    although loss.calib.interval would not."""
+    although loss.calib.interval would not. The trainer runs on a rank forked from the test
+    server (tests/dist_utils), not through the CLI: the CLI's guard lines are the test above's."""
     fp8 = ["train.steps=2", "guard.max_mismatch=1.0001", "loss.calib.interval=100"]
-    fp8 += ["rollout.fp8.quantizer=builtin"]  # modelopt's codes; its ~5 s import spared twice
+    fp8 += ["rollout.fp8.quantizer=builtin"]  # modelopt's codes; its ~5 s import spared
     runs = {}
     for action in ("bf16", "recalibrate"):
         out = tmp_path / action
-        proc = _train(
-            out,
-            cache,
-            *fp8,
-            f"guard.on_mismatch={action}",
-            "guard.bf16_steps=1",
-            config="examples/tiny_cpu_fp8.yaml",
+        overrides = [*SMALL, *fp8, f"guard.on_mismatch={action}", "guard.bf16_steps=1"]
+        overrides += [f"train.output_dir={out}", f"train.cache_dir={cache}"]
+        (metrics,) = run_distributed(
+            trainer_body, world_size=1, args=(overrides, ROOT / "examples/tiny_cpu_fp8.yaml")
         )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "guard: step 1: mismatch: fp8/token_mult_prob_error" in proc.stdout
-        runs[action] = {r["step"]: r for r in read_metrics(out)}
+        lines = (out / "guard_events.jsonl").read_text().splitlines()
+        first = json.loads(lines[0])
+        assert (first["step"], first["rule"], first["action"]) == (1, "mismatch", action)
+        runs[action] = {r["step"]: r for r in metrics}
     bf16, recal = runs["bf16"], runs["recalibrate"]
     assert bf16[1]["train/bf16_step"] == 0.0 and bf16[2]["train/bf16_step"] == 1.0
     assert bf16[1]["guard/action/bf16"] == 1.0
