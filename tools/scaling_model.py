@@ -62,6 +62,7 @@ WORKLOAD = [
 FILL = 0.5  # mean response = half of max_new_tokens (ASSUMPTION; docs/scaling.md)
 MEM_FRACTION = 0.35  # the engines' share of each GPU (the 32B example's)
 NODES = (1, 2, 4, 8)
+GPUS_PER_NODE = World.gpus_per_node  # the planner's node (8 GPUs), the tables' and the launcher's
 TABLE_GPUS = ("H100", "H200")
 FIGURES = ROOT / "docs" / "figures"
 DOC = ROOT / "docs" / "scaling.md"
@@ -210,7 +211,7 @@ def recipe_table(preset: str, gpu: str, nodes: int) -> str:
 
 
 def engine_overrides(cfg, gpu, nodes: int) -> list[str]:
-    """The most colocated engines `megatron-rl-fp8 launch` accepts on ``nodes`` nodes of 8 GPUs.
+    """The most colocated engines `megatron-rl-fp8 launch` accepts on ``nodes`` nodes.
     One node: every GPU (``transport=tensor``, CUDA IPC from the sending ranks on that node).
     Several: each node's GPUs but GPU 0 (``transport=distributed``: the NCCL broadcast cannot
     share the driver's GPU, and torchrun may put the driver on any node), so at most TP 4."""
@@ -218,14 +219,14 @@ def engine_overrides(cfg, gpu, nodes: int) -> list[str]:
     if nodes == 1:
         return [
             f"rollout.sglang.tp_size={k}",
-            f"rollout.sglang.num_engines={8 // k}",
+            f"rollout.sglang.num_engines={GPUS_PER_NODE // k}",
             "rollout.sglang.transport=tensor",
             "rollout.sglang.base_gpu_id=0",
         ]
     k = min(k, 4)
     return [
         f"rollout.sglang.tp_size={k}",
-        f"rollout.sglang.num_engines={nodes * ((8 - 1) // k)}",
+        f"rollout.sglang.num_engines={nodes * ((GPUS_PER_NODE - 1) // k)}",
         "rollout.sglang.transport=distributed",
         "rollout.sglang.base_gpu_id=null",
     ]
@@ -251,7 +252,9 @@ def case_config(preset: str, gpu: str, nodes: int, extra: list[str] = ()):
         ],
     )
     names = tuple(f"node{i + 1}" for i in range(nodes))
-    plan_layout(cfg, SlurmEnv(nodes=names, gpus_per_node=8, job_id=0))  # ConfigError if refused
+    plan_layout(
+        cfg, SlurmEnv(nodes=names, gpus_per_node=GPUS_PER_NODE, job_id=0)
+    )  # ConfigError if refused
     return cfg
 
 
@@ -324,7 +327,7 @@ def plots(cases: list[Case], sweeps: dict) -> list[Path]:
             pts = [c for c in cases if c.preset == preset and c.gpu == gpu and c.preds]
             for p in PRECISIONS:
                 ax.plot(
-                    [c.nodes * 8 for c in pts],
+                    [c.nodes * GPUS_PER_NODE for c in pts],
                     [c.preds[p].tokens_per_s / 1e3 for c in pts],
                     ls, color=styles[p], marker=".", label=f"{gpu} {p}",
                 )  # fmt: skip
