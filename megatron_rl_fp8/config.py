@@ -195,6 +195,8 @@ class RunConfig:
                 "(Megatron offloads the distributed optimizer's shards)"
             )
         if not this_machine:
+            if self.fp8.enabled and self.fp8.backend == "te":
+                self._check_te_fp8_shapes()
             return
         # What the actor will build on this machine (as Actor.__init__ decides it).
         import torch
@@ -212,6 +214,24 @@ class RunConfig:
             check_context_parallel(cp, use_te=use_te)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if use_te and backend == "te":
+            self._check_te_fp8_shapes()
+
+    def _check_te_fp8_shapes(self) -> None:
+        """Transformer Engine's FP8 GEMMs refuse weights whose per-TP-rank shape breaks its
+        alignment rule (``fp8/te.py: te_fp8_dims_problem``); the sequence side is padded by the
+        actor, the model's widths cannot be."""
+        from megatron_rl_fp8.fp8.te import te_fp8_dims_problem, te_fp8_weight_shapes
+
+        tp = self.parallel.tensor_model_parallel_size
+        for name, shape in te_fp8_weight_shapes(self.model, tp).items():
+            problem = te_fp8_dims_problem(shape)
+            if problem:
+                raise ConfigError(
+                    f"fp8.backend=te: the {name} weight of one of {tp} tensor-parallel rank(s) "
+                    f"has {problem}; change model.hidden_size / ffn_hidden_size / head_dim or "
+                    "parallel.tensor_model_parallel_size, or use fp8.backend=torch (which pads)"
+                )
 
     def _check_reward(self) -> None:
         from megatron_rl_fp8.reward.verifiers import VERIFIERS

@@ -188,6 +188,6 @@ def emulated_gemm(a: torch.Tensor, b: torch.Tensor, config: FP8Config, gemm: Gem
     """
     if config.accumulation == "fp32":
         return a @ b
-    fast = gemm == "fprop" and config.accum_fast_fprop and config.recipe != "blockwise"
+    fast = gemm == "fprop" and config.fprop_fast_accum
     chunk = None if fast else config.accum_chunk
     return hopper_matmul(a, b, chunk=chunk, mantissa_bits=config.accum_mantissa_bits)

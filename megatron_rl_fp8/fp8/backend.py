@@ -10,8 +10,11 @@ Three backends run the same recipes (``FP8Config.recipe``) and differ in what ex
   ``auto``: pick it to compare with the ``torch`` backend.
 * ``emulate``: quantize-dequantize in PyTorch (``emulation.py``); any device, slower than BF16.
 
-Both GPU backends need FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell);
-TE's MXFP8 needs Blackwell (>= 10.0); the torch backend's blockwise GEMMs need a torch whose
+The GPU backends need FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell);
+TE's MXFP8 needs Blackwell (>= 10.0). The torch backend's blockwise GEMMs are ATen's
+DeepSeek-style block-scaled ``scaled_mm`` (``aten/src/ATen/native/cuda/ScaledBlas.cpp``:
+``_check_deepseek_support``, ``check_deepseek_recipe``), which runs on Hopper (SM 9.x) only, with
+cuBLASLt >= 12.9, and on e4m3 operands only (so not with ``format: hybrid``), in a torch whose
 ``torch.nn.functional.scaled_mm`` has block scaling. ``backend: auto`` takes the first of te,
 torch, emulate that can run the recipe here. An explicit backend that cannot run is an error
 naming what is missing, raised at config validation, before any rank starts.
@@ -21,14 +24,17 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl_fp8.fp8.config import BACKEND_RECIPES, FP8Config, backends_for
+from megatron_rl_fp8.fp8.config import BACKEND_RECIPES, HYBRID_BLOCKWISE, FP8Config, backends_for
 from megatron_rl_fp8.fp8.te import INSTALL_HINT, have_te
 
 __all__ = [
+    "BLOCKWISE_CUBLAS",
+    "BLOCKWISE_SM_MAJOR",
     "FP8_MIN_CAPABILITY",
     "MXFP8_MIN_CAPABILITY",
     "backend_problem",
     "cuda_capability",
+    "cuda_toolkit_version",
     "have_blockwise_scaled_mm",
     "resolve_backend",
 ]
@@ -37,6 +43,24 @@ FP8_MIN_CAPABILITY = (8, 9)
 """First compute capability with FP8 tensor cores (Ada); Hopper is 9.0, Blackwell 10.0."""
 MXFP8_MIN_CAPABILITY = (10, 0)
 """MXFP8 (E8M0 block scales) tensor cores: Blackwell."""
+
+
+BLOCKWISE_SM_MAJOR = 9
+"""ATen's block-scaled (1x128 / 128x128) ``scaled_mm`` runs on this compute-capability major only
+(Hopper; ``_check_deepseek_support`` raises NotImplementedError on Ada and Blackwell)."""
+BLOCKWISE_CUBLAS = (12, 9)
+"""... and needs cuBLASLt >= 12.9, at torch's build (``CUBLAS_VERSION``) and at run time."""
+
+
+def cuda_toolkit_version() -> tuple[int, int] | None:
+    """The CUDA toolkit torch was built with (``torch.version.cuda``), None for a CPU build. Its
+    cuBLAS is the ``CUBLAS_VERSION`` ATen checks at build time; the cuBLASLt loaded at run time
+    (``cublasLtGetVersion``) is the one torch's wheel pins, normally of the same release."""
+    text = torch.version.cuda
+    if not text:
+        return None
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
 
 
 def cuda_capability() -> tuple[int, int] | None:
@@ -69,9 +93,11 @@ def _capability_problem(capability: tuple[int, int] | None, minimum: tuple[int, 
     return None
 
 
-def backend_problem(backend: str, recipe: str, capability: tuple[int, int] | None) -> str | None:
-    """Why ``backend`` cannot run ``recipe`` on a machine whose GPU has ``capability`` (None: no
-    GPU); None when it can. ``emulate`` runs everything everywhere."""
+def backend_problem(
+    backend: str, recipe: str, capability: tuple[int, int] | None, *, fmt: str = "e4m3"
+) -> str | None:
+    """Why ``backend`` cannot run ``recipe`` in format ``fmt`` on a machine whose GPU has
+    ``capability`` (None: no GPU); None when it can. ``emulate`` runs everything everywhere."""
     if backend not in BACKEND_RECIPES:
         raise ValueError(f"backend={backend!r} is not valid; choose one of {list(BACKEND_RECIPES)}")
     if recipe not in BACKEND_RECIPES[backend]:
@@ -91,10 +117,32 @@ def backend_problem(backend: str, recipe: str, capability: tuple[int, int] | Non
 
         if not have_torchao():
             return f"torchao is not installed (`{AO_HINT}`)"
-    if backend == "torch" and recipe == "blockwise" and not have_blockwise_scaled_mm():
+    if backend == "torch" and recipe == "blockwise":
+        return _blockwise_scaled_mm_problem(capability, fmt)
+    return None
+
+
+def _blockwise_scaled_mm_problem(capability: tuple[int, int], fmt: str) -> str | None:
+    """What stops ATen's block-scaled ``scaled_mm`` here (``BLOCKWISE_*``, ``HYBRID_BLOCKWISE``)."""
+    if fmt == "hybrid":
+        return HYBRID_BLOCKWISE
+    if capability[0] != BLOCKWISE_SM_MAJOR:
+        have = ".".join(map(str, capability))
+        return (
+            f"ATen's block-scaled scaled_mm runs on Hopper (compute capability 9.x) only, and "
+            f"this GPU is {have} (ScaledBlas.cpp: _check_deepseek_support); use backend 'te' "
+            "(Transformer Engine's blockwise runs on Blackwell too) or another recipe"
+        )
+    if not have_blockwise_scaled_mm():
         return (
             f"torch {torch.__version__} has no block-scaled torch.nn.functional.scaled_mm "
             "(upgrade torch; 2.11 has it)"
+        )
+    cuda = cuda_toolkit_version()
+    if cuda is not None and cuda < BLOCKWISE_CUBLAS:
+        return (
+            f"ATen's block-scaled scaled_mm needs cuBLASLt >= 12.9 and torch {torch.__version__} "
+            f"is built with CUDA {torch.version.cuda}; install a torch built with CUDA >= 12.9"
         )
     return None
 
@@ -111,7 +159,7 @@ def resolve_backend(config: FP8Config, *, capability=...) -> str | None:
     if capability is ...:
         capability = cuda_capability()
     if config.backend != "auto":
-        problem = backend_problem(config.backend, config.recipe, capability)
+        problem = backend_problem(config.backend, config.recipe, capability, fmt=config.format)
         if problem is not None:
             raise ValueError(
                 f"FP8Config.backend={config.backend!r} cannot run recipe={config.recipe!r} here: "
@@ -121,6 +169,6 @@ def resolve_backend(config: FP8Config, *, capability=...) -> str | None:
     for backend in ("te", "torch"):
         if backend == "te" and not config.keep_lm_head_bf16:
             continue  # Megatron's output layer is no TE module: TE cannot run it in FP8
-        if backend_problem(backend, config.recipe, capability) is None:
+        if backend_problem(backend, config.recipe, capability, fmt=config.format) is None:
             return backend
     return "emulate"

@@ -39,6 +39,14 @@ torchao's float8 training has dynamic tensorwise and rowwise scaling only; the e
 all."""
 
 
+HYBRID_BLOCKWISE = (
+    "ATen's block-scaled scaled_mm takes e4m3 operands only (ScaledBlas.cpp: "
+    "check_deepseek_recipe), and 'hybrid' quantizes the backward's gradients to e5m2 under "
+    "recipe='blockwise'; use format 'e4m3', or backend 'te' or 'emulate'"
+)
+"""Why the torch backend refuses ``recipe='blockwise'`` with ``format='hybrid'``."""
+
+
 def backends_for(recipe: str) -> list[str]:
     """The backends (``te``, ``torch``, ``torchao``, ``emulate``) that can run ``recipe``."""
     return [b for b, recipes in BACKEND_RECIPES.items() if recipe in recipes]
@@ -149,11 +157,13 @@ class FP8Config:
     )
     accum_fast_fprop: bool = field(
         default=True,
-        help="accumulation='hopper': the forward GEMM runs with fast accumulation (no "
-        "promotion: all of K accumulates at accum_mantissa_bits), as Transformer Engine "
+        help="The forward GEMM runs with fast accumulation (no promotion: under "
+        "accumulation='hopper' all of K accumulates at accum_mantissa_bits; on the torch and "
+        "torchao backends, use_fast_accum of the real GEMM), as Transformer Engine "
         "(use_split_accumulator=False for fprop) and torchao (use_fast_accum=True for the "
         "output) do by default; dgrad and wgrad always promote. Ignored by "
-        "recipe='blockwise', whose per-block scales force promotion in every GEMM.",
+        "recipe='blockwise', whose per-block scales need promotion in every GEMM (TE's "
+        "Float8BlockScaling requires split accumulation).",
     )
 
     def __post_init__(self) -> None:
@@ -202,6 +212,10 @@ class FP8Config:
             raise ValueError(
                 "FP8Config.keep_lm_head_bf16=False cannot run on backend='te' (Megatron's output "
                 "layer is not a TE module); set it to true, or use backend 'torch' or 'emulate'"
+            )
+        if self.backend == "torch" and self.recipe == "blockwise" and self.format == "hybrid":
+            raise ValueError(
+                f"FP8Config.format='hybrid' cannot run on backend='torch': {HYBRID_BLOCKWISE}"
             )
         if not isinstance(self.compile_casts, bool):
             raise ValueError(
@@ -264,6 +278,14 @@ class FP8Config:
     def enabled(self) -> bool:
         """True when any GEMM runs in FP8 (recipe is not 'bf16')."""
         return self.recipe != "bf16"
+
+    @property
+    def fprop_fast_accum(self) -> bool:
+        """Whether the forward GEMM accumulates fast (no promotion): ``accum_fast_fprop``, never
+        under 'blockwise', whose per-block scales need split accumulation (TE's
+        ``Float8BlockScaling`` asserts ``use_split_accumulator`` for all three GEMMs). The
+        emulation's 'hopper' accumulation and the torch / torchao backends' real GEMMs read this."""
+        return self.accum_fast_fprop and self.recipe != "blockwise"
 
     @property
     def grad_format(self) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 from typing import Any
 
 from megatron_rl_fp8.fp8.config import FP8Config
@@ -30,7 +31,11 @@ from megatron_rl_fp8.fp8.config import FP8Config
 __all__ = [
     "INSTALL_HINT",
     "MEGATRON_RECIPE_NAMES",
+    "TE_FP8_COLS",
+    "TE_FP8_ROWS",
     "have_te",
+    "te_fp8_dims_problem",
+    "te_fp8_weight_shapes",
     "megatron_fp8_kwargs",
     "should_emulate",
     "te_recipe",
@@ -45,6 +50,44 @@ MEGATRON_RECIPE_NAMES: dict[str, str] = {
     "mxfp8": "mxfp8",
 }
 """FP8Config.recipe -> Megatron-Core's ``TransformerConfig.fp8_recipe`` name."""
+
+
+TE_FP8_ROWS = 8
+TE_FP8_COLS = 16
+"""Transformer Engine's FP8 GEMM shape rule (``transformer_engine/pytorch/utils.py:
+assert_dim_for_fp8_exec``, TE 2.x main read 2026-12-01; called on the input and the weight by
+``module/linear.py``, ``layernorm_linear.py`` and ``layernorm_mlp.py`` whenever FP8 is on): the
+product of all dims but the last a multiple of ``TE_FP8_ROWS``, the last dim a multiple of
+``TE_FP8_COLS``; anything else raises ValueError at the first FP8 forward. A linear's input is
+[S, B, hidden] (under sequence parallelism this rank's S / TP), so the actor pads every
+micro-batch's sequence length for it (``trainer/actor.py: seq_multiple``), and the model's widths
+per TP rank are checked at config validation (:func:`te_fp8_weight_shapes`)."""
+
+
+def te_fp8_dims_problem(shape) -> str | None:
+    """Why TE would refuse an FP8 GEMM operand of ``shape`` (None: it would not)."""
+    rows = math.prod(shape[:-1])
+    if rows % TE_FP8_ROWS or shape[-1] % TE_FP8_COLS:
+        return (
+            f"shape {list(shape)} (leading dims' product {rows}, last dim {shape[-1]}): "
+            f"Transformer Engine's FP8 GEMMs need the product of the leading dims a multiple "
+            f"of {TE_FP8_ROWS} and the last dim a multiple of {TE_FP8_COLS}"
+        )
+    return None
+
+
+def te_fp8_weight_shapes(model, tp: int) -> dict[str, tuple[int, int]]:
+    """Each TE linear's weight shape [out, in] on one of ``tp`` tensor-parallel ranks for the
+    GPT ``model`` (a ``ModelConfig``): fused QKV and gate/up are column-parallel (their out dim
+    split), the attention output and down projections row-parallel (their in dim split)."""
+    d, h = model.hidden_size, model.kv_channels
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * h
+    return {
+        "linear_qkv": (qkv // tp, d),
+        "linear_proj": (d, model.num_attention_heads * h // tp),
+        "linear_fc1": (2 * model.ffn_hidden_size // tp, d),
+        "linear_fc2": (d, model.ffn_hidden_size // tp),
+    }
 
 
 def have_te() -> bool:

@@ -31,7 +31,8 @@ zero-padded to the GEMM's alignment (16; 128 along block-scaled dims) before qua
 changes no amax; outputs are sliced back. Forward operands are e4m3; ``format: hybrid`` quantizes
 the output gradient to e5m2. GEMM outputs are bf16 (cast to the input's dtype); the bias is added
 after the GEMM in that dtype, and its gradient is the emulation's. The forward GEMM uses fast
-accumulation when ``accum_fast_fprop`` (as torchao does); dgrad and wgrad never do.
+accumulation when ``accum_fast_fprop`` (as torchao does) except under blockwise scaling, whose
+GEMMs all accumulate split (``FP8Config.fprop_fast_accum``); dgrad and wgrad never do.
 
 Provenance of the blockwise layouts: 1x128 x 128x128 was measured on the H200 (PLATFORM_NOTES) at
 shapes whose K/128 is a multiple of 4; the padding to 4 and the 1x128 x 1x128 (wgrad) layout follow
@@ -214,6 +215,13 @@ def fp8_mm(
             out_dtype=out_dtype,
             use_fast_accum=fast_accum,
         )
+    if a.codes.dtype != torch.float8_e4m3fn or b.codes.dtype != torch.float8_e4m3fn:
+        # ATen's check_deepseek_recipe (ScaledBlas.cpp) matches e4m3 x e4m3 only; anything else
+        # falls through to an opaque "invalid scaling configuration" on the GPU.
+        raise ValueError(
+            f"a block-scaled FP8 GEMM takes e4m3 operands only, got {a.codes.dtype} and "
+            f"{b.codes.dtype} (FP8Config.format='hybrid' cannot run blockwise on this backend)"
+        )
     scaling = F.ScalingType
     # 1x128 scales: [rows, C/128] with column-major strides; 128x128: [C/128, N/128] as the
     # transposed view of the contiguous [N/128, C/128] grid (the layouts measured on the H200),
@@ -317,7 +325,7 @@ class _ScaledMMLinearFn(torch.autograd.Function):
             qx = linear.quantize(x2, recipe, "input", "e4m3", scale_inv=sx)
             x8 = qx.codes
         qw = linear.weight_operand(weight, "fprop", scale_inv=sw)
-        y = fp8_mm(qx, qw, fast_accum=cfg.accum_fast_fprop)[:t, :n].to(x.dtype)
+        y = fp8_mm(qx, qw, fast_accum=cfg.fprop_fast_accum)[:t, :n].to(x.dtype)
         if bias is not None:
             y = y + bias.detach().to(x.dtype)
         ctx.linear = linear

@@ -114,7 +114,7 @@ def torchao_config(config: FP8Config):
             f"FP8Config.recipe={config.recipe!r} has no torchao float8 recipe; use "
             f"{' or '.join(map(repr, TORCHAO_RECIPES))}, or backend 'torch' / 'emulate'"
         )
-    return _configs(config.recipe, config.format, config.accum_fast_fprop)
+    return _configs(config.recipe, config.format, config.fprop_fast_accum)
 
 
 @functools.cache

@@ -84,8 +84,11 @@ def megatron_fusions(*, on_cpu: bool, use_te: bool) -> dict[str, bool]:
       ``megatron.core.fusions``, nothing to install: on for every CUDA run;
     * ``apply_rope_fusion``: Transformer Engine's fused RoPE (Megatron refuses it without TE);
     * ``gradient_accumulation_fusion`` (wgrad GEMMs accumulate straight into the fp32
-      ``main_grad``): TE linears do it themselves; the local spec needs apex's
-      ``fused_weight_gradient_mlp_cuda``;
+      ``main_grad``): only where apex's ``fused_weight_gradient_mlp_cuda`` imports, with TE too.
+      TE's linears would fuse it themselves, but ``GPTModel.output_layer`` is Megatron's own
+      ``tensor_parallel.ColumnParallelLinear`` in every spec, and its constructor raises when the
+      flag is set without that apex kernel (Megatron-Core 0.16.1 ``tensor_parallel/layers.py``);
+      the ``[gpu]`` extra installs TE, not apex;
     * ``masked_softmax_fusion``: Megatron's fused softmax extension (apex), used by the local
       spec's attention only (TE brings its own attention);
     * ``persist_layer_norm``: apex's persistent LayerNorm; these models use RMSNorm: off.
@@ -105,7 +108,7 @@ def megatron_fusions(*, on_cpu: bool, use_te: bool) -> dict[str, bool]:
         bias_activation_fusion=True,
         bias_dropout_fusion=True,
         apply_rope_fusion=use_te,
-        gradient_accumulation_fusion=use_te or module_exists("fused_weight_gradient_mlp_cuda"),
+        gradient_accumulation_fusion=module_exists("fused_weight_gradient_mlp_cuda"),
         masked_softmax_fusion=not use_te
         and module_exists("scaled_upper_triang_masked_softmax_cuda"),
         persist_layer_norm=False,

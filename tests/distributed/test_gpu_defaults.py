@@ -2,8 +2,9 @@
 
 * ``model.params_dtype=auto`` is bf16 on CUDA (fp32 main parameters in the optimizer) and fp32 on
   the CPU; an explicit value wins.
-* Megatron fusions: each is on for CUDA exactly when its kernel exists in this install; all off on
-  the CPU. The two that are plain torch.jit code (SwiGLU and bias-dropout fusion) run on the CPU
+* Megatron fusions: each is on for CUDA exactly when its kernel exists in this install (gradient
+  accumulation fusion: apex's, with TE too, since the output layer is Megatron's own linear); all
+  off on the CPU. The two that are plain torch.jit code (SwiGLU and bias-dropout fusion) run on the CPU
   too, so the GPU configuration is built here and must compute what the unfused model computes.
 """
 
@@ -11,6 +12,7 @@ import torch
 
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.gpt import megatron_fusions, params_dtype
+from megatron_rl_fp8.utils.imports import module_exists
 from tests.dist_utils import run_distributed
 
 
@@ -24,7 +26,8 @@ def test_params_dtype_auto_is_bf16_on_gpu_only():
 def test_fusions_follow_the_kernels_that_exist():
     assert not any(megatron_fusions(on_cpu=True, use_te=True).values())
     te = megatron_fusions(on_cpu=False, use_te=True)
-    assert te["apply_rope_fusion"] and te["gradient_accumulation_fusion"]
+    apex = module_exists("fused_weight_gradient_mlp_cuda")
+    assert te["apply_rope_fusion"] and te["gradient_accumulation_fusion"] == apex
     assert te["bias_activation_fusion"] and te["bias_dropout_fusion"]
     assert not te["masked_softmax_fusion"]  # TE's attention brings its own softmax
     local = megatron_fusions(on_cpu=False, use_te=False)
@@ -56,3 +59,32 @@ def _body(rank, world):
 def test_jit_fusions_compute_the_unfused_model():
     logit_err, grad_err = run_distributed(_body, world_size=1)[0]
     assert logit_err < 1e-5 and grad_err < 1e-5, (logit_err, grad_err)
+
+
+def _build_with_gpu_fusions(rank, world, use_te):
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
+
+    parallel.initialize(parallel.ParallelConfig(), seed=5)
+    try:
+        mc = ModelConfig(arch="qwen3", vocab_size=50)
+        flag = megatron_fusions(on_cpu=False, use_te=use_te)["gradient_accumulation_fusion"]
+        config = transformer_config(mc, use_te=False, gradient_accumulation_fusion=flag)
+        try:
+            model = build_gpt_model(mc, config, use_te=False)
+        except RuntimeError as e:
+            return f"{type(e).__name__}: {e}"
+        return type(model.output_layer).__name__
+    finally:
+        parallel.destroy()
+
+
+def test_megatron_grad_accum_fusion_needs_apex():
+    """Megatron-Core 0.16.1 ``tensor_parallel/layers.py``: ``ColumnParallelLinear.__init__`` raises
+    RuntimeError when ``config.gradient_accumulation_fusion`` is set and apex's
+    ``fused_weight_gradient_mlp_cuda`` does not import. ``GPTModel.output_layer`` is that class in
+    the TE spec too, so the flag the actor picks for a GPU, with or without TE, must build the
+    real Megatron model (the CPU build is the same constructor; this box has no apex)."""
+    for use_te in (True, False):
+        built = run_distributed(_build_with_gpu_fusions, world_size=1, args=(use_te,))[0]
+        assert built == "ColumnParallelLinear", built

@@ -31,6 +31,7 @@ from megatron_rl_fp8.models.fp8 import (
     install_fp8_linears,
     weight_quantization_errors,
 )
+from tests.aten_scaled_mm import block_scaled_mm
 
 FP8_RECIPES = ["tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise", "mxfp8"]
 
@@ -262,36 +263,13 @@ def test_scaled_mm_backend_matches_emulation(monkeypatch, recipe, fmt, dtype):
     _check_against_emulation(recipe, fmt, dtype)
 
 
-def _fake_block_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, *, output_dtype, **_):
-    """Stand-in for the CUDA-only block-scaled ``F.scaled_mm``: checks the layouts the H200
-    accepted (PLATFORM_NOTES) and torch's own blockwise samples use (1x128 ``scale_b``:
-    [N, K/128] column-major; 128x128: K/128 padded to a multiple of 4), and returns the product
-    of the dequantized operands."""
-    st = F.ScalingType
-    m, k = a.shape
-    n = b.shape[1]
-    assert a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and a.is_contiguous()
-    assert b.t().is_contiguous(), "mat_b must be column-major"
-    assert k % 128 == 0 and recipe_a == st.BlockWise1x128
-    assert scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m), "scale_a column-major"
-    deq_a = a.float() * scale_a.repeat_interleave(128, dim=1)
-    if recipe_b == st.BlockWise128x128:
-        k4 = -(-k // 512) * 4  # K/128 rounded up to a multiple of 4, as torch's samples pad it
-        assert n % 128 == 0 and scale_b.shape == (k4, n // 128)
-        assert scale_b.t().is_contiguous(), "scale_b must view a contiguous [N/128, K4]"
-        sb = scale_b[: k // 128].repeat_interleave(128, 0).repeat_interleave(128, 1)
-    else:
-        assert recipe_b == st.BlockWise1x128
-        assert scale_b.shape == (n, k // 128) and scale_b.stride() == (1, n)
-        sb = scale_b.t().repeat_interleave(128, dim=0)
-    return (deq_a @ (b.float() * sb)).to(output_dtype)
-
-
-@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
-def test_blockwise_layouts_and_numerics_against_emulation(monkeypatch, fmt):
-    monkeypatch.setattr(F, "scaled_mm", _fake_block_scaled_mm)
+def test_blockwise_layouts_and_numerics_against_emulation(monkeypatch):
+    """e4m3 only: ATen's block-scaled GEMM takes no e5m2 operand (tests/aten_scaled_mm.py)."""
+    monkeypatch.setattr(F, "scaled_mm", block_scaled_mm)
     # Ragged sizes: every dim is padded (K and N to 128, tokens to 16) and sliced back.
-    _check_against_emulation("blockwise", fmt, torch.float32, tokens=(3, 50), k=200, n=136, calls=1)
+    _check_against_emulation(
+        "blockwise", "e4m3", torch.float32, tokens=(3, 50), k=200, n=136, calls=1
+    )
 
 
 @pytest.mark.parametrize(
