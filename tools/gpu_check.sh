@@ -7,7 +7,11 @@
 # others; the steps past the time budget are reported as not run):
 #   1. versions     python, torch, CUDA, GPU, megatron-core, modelopt, Transformer Engine, ...
 #                   (no CUDA GPU: says so and exits 2 right here)
-#   2. bench_actor  one-GPU actor step at a 2.0B Qwen3 shape: tokens/s, MFU, peak memory, in
+#   2. contracts    pytest -m gpu tests/gpu/test_gpu_contracts_gpu.py: the GPU libraries'
+#                   preconditions of docs/gpu_contracts.md on this GPU (TE's FP8 GEMM shapes and
+#                   the actor's ragged FP8 micro-batches; ATen's block-scaled scaled_mm: where it
+#                   runs, e4m3 only, its numbers; NCCL refusing two ranks on one GPU)
+#   2b. bench_actor one-GPU actor step at a 2.0B Qwen3 shape: tokens/s, MFU, peak memory, in
 #                   BF16 and with tensorwise FP8 on the torch backend, its casts eager and
 #                   compiled (fp8.compile_casts), and through torchao compiled where torchao
 #                   imports (skipped where it cannot run); one profiled step each
@@ -158,7 +162,19 @@ GPU=$(grep '^gpu ' "$STEP_LOG" | sed 's/^gpu *//')
 TORCH=$(grep '^torch ' "$STEP_LOG" | sed 's/^torch *//')
 record versions "${GPU:-no GPU}; torch ${TORCH:-?}"
 
-# -- 2. the actor step at 2.0B: BF16 vs real FP8 GEMMs (issue 17's 1.3x target) ----------
+# -- 2. the GPU contracts (docs/gpu_contracts.md): the first cluster step's preconditions -------
+if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
+    step contracts 150 "$PYTHON" -m pytest -q -s -rs -m gpu tests/gpu/test_gpu_contracts_gpu.py
+    detail=$(grep -E '^[0-9]+ (passed|failed|skipped|error)|^=+ .*(passed|failed|skipped|error)' \
+        "$STEP_LOG" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ *$//')
+    record contracts "${detail:-$(last_line "$STEP_LOG")}"
+    grep -h '^block-scaled scaled_mm on' "$STEP_LOG" | sed 's/^/   /'
+else
+    STEP_RC=1 STEP_SECS=0
+    record contracts "pytest is not importable by $PYTHON (pip install pytest)"
+fi
+
+# -- 2b. the actor step at 2.0B: BF16 vs real FP8 GEMMs (issue 17's 1.3x target) ----------
 FP8_ENTRIES=bf16,torch:tensorwise_current,torch:tensorwise_current+compile
 if "$PYTHON" -c "import torchao" >/dev/null 2>&1; then  # torchao's own float8 path beside ours
     FP8_ENTRIES=$FP8_ENTRIES,torchao:tensorwise_current+compile
@@ -247,7 +263,7 @@ if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
     # tests/gpu/test_trainer_gpu.py runs the tiny job in bf16 and full FP8 through the CLI: steps
     # 3 and 7 run the same jobs (checking the same things, outputs kept), so not twice.
     step gpu_tests 240 "$PYTHON" -m pytest -q -s -rs -m gpu tests/gpu \
-        --ignore=tests/gpu/test_trainer_gpu.py
+        --ignore=tests/gpu/test_trainer_gpu.py --ignore=tests/gpu/test_gpu_contracts_gpu.py
     detail=$(grep -E '^[0-9]+ (passed|failed|skipped|error)|^=+ .*(passed|failed|skipped|error)' \
         "$STEP_LOG" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ *$//')
     record gpu_tests "${detail:-$(last_line "$STEP_LOG")}"
