@@ -1,6 +1,6 @@
 """Which backend runs the FP8 GEMMs on this machine: one decision, made in one place.
 
-Three backends run the same recipes (``FP8Config.recipe``) and differ in what executes them:
+Four backends run the same recipes (``FP8Config.recipe``) and differ in what executes them:
 
 * ``te``: Transformer Engine's FP8 linears (Megatron's TE layer spec and ``fp8_autocast``).
 * ``torch``: Megatron's local linears with real FP8 GEMMs through ``torch._scaled_mm``
