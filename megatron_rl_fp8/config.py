@@ -225,7 +225,7 @@ class RunConfig:
 
         tp = self.parallel.tensor_model_parallel_size
         for name, shape in te_fp8_weight_shapes(self.model, tp).items():
-            problem = te_fp8_dims_problem(shape)
+            problem = te_fp8_dims_problem(shape, self.fp8.recipe)
             if problem:
                 raise ConfigError(
                     f"fp8.backend=te: the {name} weight of one of {tp} tensor-parallel rank(s) "

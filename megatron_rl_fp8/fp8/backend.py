@@ -111,6 +111,15 @@ def backend_problem(
         return problem
     if backend == "te" and not have_te():
         return f"Transformer Engine is not installed (`{INSTALL_HINT}`)"
+    if backend == "te" and recipe == "blockwise":
+        # TE's own gate (pytorch/quantization.py: _compute_fp8_block_scaling_support).
+        cuda = cuda_toolkit_version()
+        if tuple(capability) < (9, 0) or (cuda is not None and cuda < BLOCKWISE_CUBLAS):
+            return (
+                "Transformer Engine's Float8BlockScaling needs compute capability >= 9.0 and "
+                f"CUDA >= 12.9 (this GPU: {'.'.join(map(str, capability))}, torch's CUDA: "
+                f"{torch.version.cuda}); use recipe 'tensorwise_current' on this GPU"
+            )
     if backend == "torchao":
         from megatron_rl_fp8.fp8.torchao_backend import INSTALL_HINT as AO_HINT
         from megatron_rl_fp8.fp8.torchao_backend import have_torchao

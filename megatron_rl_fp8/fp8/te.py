@@ -33,7 +33,9 @@ __all__ = [
     "MEGATRON_RECIPE_NAMES",
     "TE_FP8_COLS",
     "TE_FP8_ROWS",
+    "TE_MXFP8_BLOCK",
     "have_te",
+    "te_fp8_align",
     "te_fp8_dims_problem",
     "te_fp8_weight_shapes",
     "megatron_fp8_kwargs",
@@ -64,14 +66,30 @@ micro-batch's sequence length for it (``trainer/actor.py: seq_multiple``), and t
 per TP rank are checked at config validation (:func:`te_fp8_weight_shapes`)."""
 
 
-def te_fp8_dims_problem(shape) -> str | None:
-    """Why TE would refuse an FP8 GEMM operand of ``shape`` (None: it would not)."""
-    rows = math.prod(shape[:-1])
-    if rows % TE_FP8_ROWS or shape[-1] % TE_FP8_COLS:
+TE_MXFP8_BLOCK = 32
+"""MXFP8 quantizes 1x32 blocks along both dims (``tensor/mxfp8_tensor.py:
+MXFP8Quantizer.is_quantizable``, ``csrc/quantizer.cpp``; Megatron's ``fp8_utils.get_fp8_align_size``
+gives 32 for it): both the leading dims' product and the last dim multiples of 32."""
+
+
+def te_fp8_align(recipe: str | None) -> tuple[int, int]:
+    """(leading dims' product, last dim) multiples TE's FP8 GEMMs need under ``recipe`` (an
+    ``FP8Config.recipe`` or Megatron ``fp8_recipe`` name)."""
+    if recipe == "mxfp8":
+        return TE_MXFP8_BLOCK, TE_MXFP8_BLOCK
+    return TE_FP8_ROWS, TE_FP8_COLS
+
+
+def te_fp8_dims_problem(shape, recipe: str | None = None) -> str | None:
+    """Why TE would refuse an FP8 GEMM operand of ``shape`` under ``recipe`` (None: it would not)."""
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    need_rows, need_cols = te_fp8_align(recipe)
+    if rows % need_rows or cols % need_cols:
         return (
-            f"shape {list(shape)} (leading dims' product {rows}, last dim {shape[-1]}): "
-            f"Transformer Engine's FP8 GEMMs need the product of the leading dims a multiple "
-            f"of {TE_FP8_ROWS} and the last dim a multiple of {TE_FP8_COLS}"
+            f"shape {list(shape)} (leading dims' product {rows}, last dim {cols}): "
+            f"Transformer Engine's FP8 GEMMs{' under mxfp8' if recipe == 'mxfp8' else ''} need "
+            f"the product of the leading dims a multiple of {need_rows} and the last dim a "
+            f"multiple of {need_cols}"
         )
     return None
 

@@ -23,7 +23,7 @@ import torch
 
 from megatron_rl_fp8.fp8.backend import resolve_backend
 from megatron_rl_fp8.fp8.config import FP8Config
-from megatron_rl_fp8.fp8.te import TE_FP8_ROWS, have_te, megatron_fp8_kwargs
+from megatron_rl_fp8.fp8.te import have_te, megatron_fp8_kwargs, te_fp8_align
 from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.fp8 import (
@@ -95,12 +95,14 @@ def seq_multiple(config) -> int:
     """What every micro-batch's sequence length must be a multiple of under this Megatron config:
     context parallelism cuts sequences into 2 * CP chunks, sequence parallelism splits each CP
     rank's share over the TP ranks. Under Transformer Engine FP8 (``config.fp8`` set) each rank's
-    share of a sequence is also a multiple of ``TE_FP8_ROWS`` (8), so that a linear's input rows
-    (that share x the micro-batch's rows, any row count) meet TE's FP8 GEMM rule (``fp8/te.py``)."""
+    share of a sequence is also a multiple of what TE's FP8 GEMMs need of their rows (8; 32 under
+    MXFP8), so that a linear's input rows (that share x the micro-batch's rows, any row count)
+    meet TE's rule (``fp8/te.py: te_fp8_align``)."""
     cp = config.context_parallel_size
     tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
     if config.fp8:
-        return TE_FP8_ROWS * cp * tp  # a multiple of 2 * CP too
+        rows = te_fp8_align(getattr(config, "fp8_recipe", None))[0]
+        return rows * cp * tp  # a multiple of 2 * CP too
     return (2 * cp if cp > 1 else 1) * tp
 
 

@@ -28,6 +28,16 @@ needs_fp8_gpu = pytest.mark.skipif(
 )
 
 
+def _skip_where_the_backend_cannot(recipe: str, fmt: str) -> None:
+    """Skip what ``fp8/backend.py`` refuses here (blockwise: Hopper, cuBLASLt >= 12.9, e4m3
+    only, as ATen's block-scaled scaled_mm; the CPU tests check that rule)."""
+    from megatron_rl_fp8.fp8.backend import backend_problem
+
+    problem = backend_problem("torch", recipe, tuple(torch.cuda.get_device_capability()), fmt=fmt)
+    if problem is not None:
+        pytest.skip(problem)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -40,11 +50,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("shape", [(512, 1024, 768), (200, 300, 136)], ids=["aligned", "ragged"])
 def test_torch_backend_gemms_match_emulation(recipe, fmt, shape):
     from megatron_rl_fp8.fp8 import FP8Config, FP8LinearEmulator
-    from megatron_rl_fp8.fp8.backend import have_blockwise_scaled_mm
     from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
 
-    if recipe == "blockwise" and not have_blockwise_scaled_mm():
-        pytest.skip(f"torch {torch.__version__} has no block-scaled F.scaled_mm")
+    _skip_where_the_backend_cannot(recipe, fmt)
     t, k, n = shape
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
@@ -76,11 +84,9 @@ def test_compiled_casts_are_the_eager_casts_on_the_gpu(recipe):
     """``fp8.compile_casts``: Triton's fused cast gives the eager kernels' codes and scales, and
     the linear the same outputs and gradients, bit for bit (the CPU suite checks inductor's C++)."""
     from megatron_rl_fp8.fp8 import FP8Config
-    from megatron_rl_fp8.fp8.backend import have_blockwise_scaled_mm
     from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
 
-    if recipe == "blockwise" and not have_blockwise_scaled_mm():
-        pytest.skip(f"torch {torch.__version__} has no block-scaled F.scaled_mm")
+    _skip_where_the_backend_cannot(recipe, "e4m3")
     g = torch.Generator(device="cuda").manual_seed(1)
     w = (torch.randn(768, 1024, device="cuda", generator=g) * 0.05).bfloat16()
     for tokens in (512, 200):

@@ -73,6 +73,37 @@ def test_te_fp8_gemm_dims(tp, sp, cp, budget):
     assert seq_multiple(config) == (2 * cp if cp > 1 else 1) * (tp if sp else 1)
 
 
+def test_te_mxfp8_gemm_dims():
+    """Under MXFP8 TE quantizes 1x32 blocks along both dims (``tensor/mxfp8_tensor.py:
+    MXFP8Quantizer.is_quantizable``; Megatron-Core's ``fp8_utils.get_fp8_align_size`` is 32 for
+    it): rows and the last dim multiples of 32. Every micro-batch meets it at any row count."""
+    config = SimpleNamespace(
+        context_parallel_size=1, tensor_model_parallel_size=2, sequence_parallel=True,
+        fp8="e4m3", fp8_recipe="mxfp8",
+    )  # fmt: skip
+    batch = _batch([13, 7, 29, 5], width=31)
+    for mb in split_micro_batches(batch, 1, None, multiple=seq_multiple(config)).batches:
+        rows, s = mb["input_ids"].shape
+        assert (s // 2 * rows) % 32 == 0, (s, rows)
+    assert te_fp8_dims_problem((16, 1, 64), "mxfp8") is not None  # 16 rows
+    assert te_fp8_dims_problem((16, 1, 64)) is None
+    assert te_fp8_dims_problem((32, 1, 48), "mxfp8") is not None  # 48 % 32
+
+
+@pytest.mark.parametrize(
+    "capability, cuda, runs",
+    [(H100, "12.9", True), (B200, "13.0", True), (ADA, "12.9", False), (H100, "12.8", False)],
+)
+def test_te_block_scaling_needs_sm90_and_cuda_12_9(monkeypatch, capability, cuda, runs):
+    """TE's ``pytorch/quantization.py: _compute_fp8_block_scaling_support``: Float8BlockScaling
+    needs compute capability >= 9.0 and CUDA >= 12.9, else ``fp8_autocast`` raises at the first
+    forward; the project's backend selection says the same before start-up."""
+    monkeypatch.setattr(backend_mod, "have_te", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    assert (backend_problem("te", "blockwise", capability) is None) == runs
+    assert backend_problem("te", "tensorwise_current", capability) is None
+
+
 def test_te_fp8_weight_dims_checked_at_config():
     """The weights' side of the same rule is the model's widths per TP rank: the flagship
     shapes pass, a width TE would refuse is a one-line config error before any rank starts."""
