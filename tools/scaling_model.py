@@ -97,6 +97,7 @@ def make_case(preset: str, gpu_name: str, nodes: int, extra: list[str] = ()) -> 
     if not fits:
         return Case(preset, gpu_name, nodes, None, None, {}, "no layout fits")
     lay = fits[0].layout  # the planner's pick (memory-ranked: fewest model-parallel ranks)
+    check_engines(cfg, lay, nodes)
     fleet = Fleet.from_config(cfg)
     preds = {p: predict(cfg, w, gpu, p, layout=lay, fleet=fleet, fill=FILL) for p in PRECISIONS}
     return Case(preset, gpu_name, nodes, lay, fleet, preds)
@@ -213,8 +214,10 @@ def recipe_table(preset: str, gpu: str, nodes: int) -> str:
 def engine_overrides(cfg, gpu, nodes: int) -> list[str]:
     """The most colocated engines `megatron-rl-fp8 launch` accepts on ``nodes`` nodes.
     One node: every GPU (``transport=tensor``, CUDA IPC from the sending ranks on that node).
-    Several: each node's GPUs but GPU 0 (``transport=distributed``: the NCCL broadcast cannot
-    share the driver's GPU, and torchrun may put the driver on any node), so at most TP 4."""
+    Several: each node's GPUs but GPU 0 (``transport=distributed``: the NCCL group cannot share
+    a sending rank's GPU, and torchrun may put the driver, rank 0, on any node), so at most TP 4.
+    Every pipeline stage's sending rank sits on GPU 0 too at the layouts these tables pick
+    (world a multiple of 8 x PP); :func:`check_engines` asks the launcher again at the pick."""
     k = engine_tp(cfg, gpu)
     if nodes == 1:
         return [
@@ -256,6 +259,26 @@ def case_config(preset: str, gpu: str, nodes: int, extra: list[str] = ()):
         cfg, SlurmEnv(nodes=names, gpus_per_node=GPUS_PER_NODE, job_id=0)
     )  # ConfigError if refused
     return cfg
+
+
+def check_engines(cfg, lay: Layout, nodes: int) -> None:
+    """The launcher's placement of the case's engines once the planner has picked the trainer's
+    layout: the weight sync's sending ranks (one per pipeline stage) sit on GPUs that depend on
+    PP, and engines must keep off them (``rollout/sglang/sender.py``). ConfigError if refused."""
+    from megatron_rl_fp8.launch.layout import plan_layout
+    from megatron_rl_fp8.launch.slurm import SlurmEnv
+
+    parallel = dataclasses.replace(
+        cfg.parallel,
+        tensor_model_parallel_size=lay.tp,
+        pipeline_model_parallel_size=lay.pp,
+        context_parallel_size=lay.cp,
+    )
+    names = tuple(f"node{i + 1}" for i in range(nodes))
+    plan_layout(
+        dataclasses.replace(cfg, parallel=parallel),
+        SlurmEnv(nodes=names, gpus_per_node=GPUS_PER_NODE, job_id=0),
+    )
 
 
 def efficiency_variants() -> dict:

@@ -241,6 +241,13 @@ def summary(layout, cfg, est, gpu_memory_gb: float) -> list[str]:
         for e in layout.engines:
             gpus = ",".join(map(str, e.gpus))
             lines.append(f"  engine {e.index}: {e.node} GPUs {gpus} {e.url}")
+        if layout.senders is not None:
+            s = layout.senders
+            lines.append(
+                f"weight sync: sending ranks {', '.join(map(str, s.ranks))} (one per pipeline "
+                f"stage) on GPU(s) {', '.join(map(str, sorted(s.gpus)))} of their nodes; no "
+                "engine there (one NCCL group cannot hold two processes on one GPU)"
+            )
     else:
         lines.append("rollout: rollout.engine=local, inside the trainer")
     lines.append(

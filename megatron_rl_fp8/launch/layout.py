@@ -7,7 +7,9 @@ Roles (``rollout.placement``):
   (when there is more than one engine). Unset, ``TRAIN_NODES`` is every node the engines do not
   need.
 * ``colocated``: every node runs the trainer and engines on its last GPUs (SGLang releases their
-  memory while the trainer trains); the router runs on the first node.
+  memory while the trainer trains), off the GPUs of the weight sync's sending ranks with the
+  distributed transport (``rollout/sglang/sender.py``: ``Senders``); the router runs on the
+  first node.
 * ``rollout.engine=local`` samples inside the trainer: every node trains, nothing else runs.
 
 Engines are dealt round-robin over their nodes (engine e on rollout node e % R), so a colocated
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Literal
 
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.launch.slurm import SlurmEnv
+from megatron_rl_fp8.rollout.sglang.sender import Senders, engine_gpus_on_node
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.config import RunConfig
@@ -109,6 +112,8 @@ class Layout:
     engines: tuple[Engine, ...]
     ports: Ports
     train_nodes_derived: bool = False
+    senders: Senders | None = None
+    """The weight sync's sending ranks the engines keep off (colocated, distributed transport)."""
 
     @property
     def trainer_gpus(self) -> int:
@@ -157,8 +162,11 @@ def plan_layout(
         rollout = env.nodes[n_train:]
     addrs = dict(addrs) if addrs is not None else {n: n for n in env.nodes}
     ports = Ports.for_job(env.job_id)
+    senders = _senders(cfg, env, placement)
     engines = (
-        _place_engines(cfg.rollout.sglang, env, rollout, addrs, ports, placement) if rollout else ()
+        _place_engines(cfg.rollout.sglang, env, rollout, addrs, ports, placement, senders)
+        if rollout
+        else ()
     )
     return Layout(
         env=env,
@@ -169,6 +177,7 @@ def plan_layout(
         engines=engines,
         ports=ports,
         train_nodes_derived=train_nodes is None and placement == "dedicated",
+        senders=senders,
     )
 
 
@@ -192,7 +201,7 @@ def _placement(cfg: RunConfig, env: SlurmEnv) -> Placement:
             f"rollout.sglang.transport={r.sglang.transport} reaches engines on the senders' node "
             f"only, and colocated engines on {len(env.nodes)} nodes are on others too (torchrun "
             "picks the sending ranks' node): set rollout.sglang.transport=distributed (engines "
-            "off GPU 0 of every node), or run on one node"
+            "off the sending ranks' GPUs of every node), or run on one node"
         )
     return r.placement
 
@@ -257,8 +266,11 @@ def _place_engines(
     addrs: Mapping[str, str],
     ports: Ports,
     placement: Placement,
+    senders: Senders | None,
 ) -> tuple[Engine, ...]:
-    """Deal ``sg.num_engines`` engines round-robin over ``nodes``; refuse if they do not fit."""
+    """Deal ``sg.num_engines`` engines round-robin over ``nodes``, each node's on the GPUs
+    ``engine_gpus_on_node`` gives (the fleet's rule too); refuse if they do not fit, or if one
+    would share a GPU of ``senders``."""
     g, tp = env.gpus_per_node, sg.tp_size
     per_node = _engines_per_node(sg, g, 0)
     if sg.num_engines > per_node * len(nodes):
@@ -271,48 +283,44 @@ def _place_engines(
             f"({per_node} engine(s) of {g} GPUs{base} each): lower num_engines or give the "
             "rollout more nodes (a smaller TRAIN_NODES, or more nodes)"
         )
-    counts = [len(range(i, sg.num_engines, len(nodes))) for i in range(len(nodes))]
-    engines = []
-    for e in range(sg.num_engines):
-        i, slot = e % len(nodes), e // len(nodes)
-        first = _first_gpu(sg, g, counts[i], placement) + slot * tp
-        engines.append(
-            Engine(
-                index=e,
-                node=nodes[i],
-                node_index=env.nodes.index(nodes[i]),
-                addr=addrs[nodes[i]],
-                gpus=tuple(range(first, first + tp)),
-                port=ports.engine(slot),
+    # Dedicated rollout nodes start at GPU 0; colocated ones at their last GPUs (base None).
+    base = sg.base_gpu_id if sg.base_gpu_id is not None or placement == "colocated" else 0
+    gpus: dict[int, tuple[int, ...]] = {}
+    for i, node in enumerate(nodes):
+        here = list(range(i, sg.num_engines, len(nodes)))  # this node's engines, by slot
+        try:
+            placed = engine_gpus_on_node(
+                here, tp_size=tp, gpus_per_node=g, senders=senders, base_gpu_id=base, node=node
             )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        gpus.update(zip(here, placed))
+    return tuple(
+        Engine(
+            index=e,
+            node=nodes[e % len(nodes)],
+            node_index=env.nodes.index(nodes[e % len(nodes)]),
+            addr=addrs[nodes[e % len(nodes)]],
+            gpus=gpus[e],
+            port=ports.engine(e // len(nodes)),
         )
-    _check_driver_gpu(engines, sg, placement)
-    return tuple(engines)
+        for e in range(sg.num_engines)
+    )
 
 
-def _first_gpu(sg: SGLangConfig, gpus_per_node: int, engines_here: int, placement: str) -> int:
-    """The first engine GPU of a node: base_gpu_id when set; otherwise GPU 0 of a rollout node,
-    or, colocated, the node's last GPUs (away from local rank 0, where the driver may run)."""
-    if sg.base_gpu_id is not None:
-        return sg.base_gpu_id
-    return gpus_per_node - engines_here * sg.tp_size if placement == "colocated" else 0
-
-
-def _check_driver_gpu(engines: list[Engine], sg: SGLangConfig, placement: str) -> None:
-    """Colocated, the broadcast sync joins the driver (global rank 0, on GPU 0 of its node) and
-    every engine's ranks in one NCCL group, which cannot hold two processes on one GPU. torchrun's
-    c10d rendezvous ranks the trainer nodes by hostname, not by Slurm's order, so the driver may
-    sit on any trainer node: no engine may take GPU 0 of any node."""
-    if placement != "colocated" or sg.transport != "distributed":
-        return
-    clash = next((e for e in engines if 0 in e.gpus), None)
-    if clash is not None:
-        raise ConfigError(
-            f"engine {clash.index} would use GPU 0 of {clash.node}, where the trainer's driver "
-            "rank may run (torchrun picks its node), and the weight sync's NCCL broadcast "
-            "(rollout.sglang.transport=distributed) cannot join two processes on one GPU: lower "
-            "rollout.sglang.num_engines or move rollout.sglang.base_gpu_id off 0"
-        )
+def _senders(cfg: RunConfig, env: SlurmEnv, placement: Placement) -> Senders | None:
+    """The sending ranks engines must keep off (``rollout/sglang/sender.py``: every pipeline
+    stage's sending rank, on its GPU of any trainer node): colocated with the distributed
+    transport, whose NCCL group cannot hold two processes on one GPU. None otherwise: dedicated
+    rollout nodes hold no trainer rank, and the tensor transport (CUDA IPC) may share a GPU."""
+    if placement != "colocated" or cfg.rollout.sglang.transport != "distributed":
+        return None
+    g = env.gpus_per_node
+    return Senders(
+        world_size=len(env.nodes) * g,  # colocated: every node trains
+        pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+        gpus_per_node=g,
+    )
 
 
 def check_run(

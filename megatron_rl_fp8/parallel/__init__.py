@@ -149,6 +149,20 @@ def world_from_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def local_gpu(local_rank: int, device_count: int, backend: str) -> int:
+    """The GPU of the rank with torchrun's ``local_rank`` on a node of ``device_count`` visible
+    GPUs. Under NCCL two ranks of one communicator may not share a GPU (nccl ``src/init.cc``:
+    "Duplicate GPU detected", at the first collective), so more ranks than GPUs is refused here
+    in one line; gloo ranks may share (they wrap round)."""
+    if backend == "nccl" and local_rank >= device_count:
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} but this node shows {device_count} GPU(s): NCCL cannot put "
+            "two ranks on one GPU; start at most one rank per GPU (torchrun --nproc-per-node) "
+            "or check CUDA_VISIBLE_DEVICES"
+        )
+    return local_rank % device_count
+
+
 def initialize(cfg: ParallelConfig, *, seed: int) -> Groups:
     """Init torch.distributed (from torchrun env or single process) and Megatron parallel_state."""
     import torch.distributed as dist
@@ -161,7 +175,8 @@ def initialize(cfg: ParallelConfig, *, seed: int) -> Groups:
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
     if use_cuda:
         # One GPU per rank (torchrun's LOCAL_RANK); before any collective or CUDA allocation.
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_gpu(local, torch.cuda.device_count(), backend))
     if not dist.is_initialized():
         rank, world = world_from_env()
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -195,6 +195,30 @@ def run_time(cfg, world: World, gpu, fill: float, spec: str) -> str:
     return "\n".join([format_time(preds, gpu.name), *(f"  note: {n}" for n in notes)])
 
 
+def launcher_note(cfg, world: World) -> str | None:
+    """What ``megatron-rl-fp8 launch`` says of a colocated run's engines on these nodes, when it
+    refuses them: the plan counts ``rollout.sglang.num_engines`` engines, the launcher places
+    them by its own rule (with the distributed transport, off every GPU a pipeline stage's
+    sending rank runs on; ``launch/layout.py``), so the two agree or the plan says why not.
+    Dedicated engines run on nodes of their own, outside the planned trainer GPUs."""
+    from megatron_rl_fp8.config_utils import ConfigError
+
+    r = cfg.rollout
+    if r.engine != "sglang" or r.placement != "colocated" or r.sglang.engine_urls:
+        return None
+    if world.device == "cpu" or r.sglang.device == "cpu":
+        return None
+    from megatron_rl_fp8.launch.layout import plan_layout
+    from megatron_rl_fp8.launch.slurm import SlurmEnv
+
+    nodes = tuple(f"node{i + 1}" for i in range(world.nodes))
+    try:
+        plan_layout(cfg, SlurmEnv(nodes=nodes, gpus_per_node=world.gpus_per_node, job_id=0))
+    except ConfigError as e:
+        return f"`megatron-rl-fp8 launch` would refuse this run's engines on these GPUs: {e}"
+    return None
+
+
 def run(args) -> int:
     from megatron_rl_fp8.plan.hardware import get_gpu
     from megatron_rl_fp8.plan.layouts import alternatives
@@ -209,6 +233,8 @@ def run(args) -> int:
     # (TE, logger packages): plans are usually made away from the GPUs.
     cfg.validate(world.size, this_machine=False)
     e = estimate(cfg, world, spec=args.spec, logits=DEFAULT_LOGPROBS)
+    refused = launcher_note(cfg, world)
+    notes = [*notes, refused] if refused else notes
     m = cfg.model
     dtype = "bf16" if param_bytes(m, world.device) == 2 else "fp32"
     print(

@@ -17,13 +17,15 @@ def build_engine(
     output_dir: str | None = None,
     device=None,
     dtype=None,
+    pipeline_model_parallel_size: int = 1,
 ) -> RolloutEngine:
     """The engine named by ``cfg.engine``, ready for its first ``update_weights``.
 
     ``output_dir`` (the run's ``train.output_dir``) is where SGLang engines keep their logs,
     unless ``rollout.sglang.work_dir`` says otherwise. ``device`` and
     ``dtype`` place the in-process engine (the trainer passes its own: the GPU and bf16 on GPU
-    runs); a server engine chooses its own."""
+    runs); a server engine chooses its own. ``pipeline_model_parallel_size``: the trainer's, whose
+    stages' sending ranks (this torchrun job's) a colocated SGLang fleet keeps its engines off."""
     if cfg.engine == "local":
         from megatron_rl_fp8.rollout.local import LocalEngine
 
@@ -34,9 +36,15 @@ def build_engine(
     if cfg.engine == "sglang":
         # No sglang import here: the server runs in its own interpreter (rollout.sglang.python).
         from megatron_rl_fp8.rollout.sglang import SGLangFleet
+        from megatron_rl_fp8.rollout.sglang.sender import Senders
 
         return SGLangFleet(
-            cfg, hf_cfg, pad_token_id=pad_token_id, eos_token_id=eos_token_id, output_dir=output_dir
+            cfg,
+            hf_cfg,
+            pad_token_id=pad_token_id,
+            eos_token_id=eos_token_id,
+            output_dir=output_dir,
+            senders=Senders.from_env(pipeline_model_parallel_size),
         )
     raise ValueError(f"rollout.engine={cfg.engine!r} is not a known engine")
 

@@ -123,6 +123,7 @@ class Trainer:
                 output_dir=str(self.out_dir),
                 device=self.groups.device,
                 dtype=self.actor.config.params_dtype,
+                pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
             )
         self.engines = EngineLink(cfg, self.groups, self.actor, self.engine, self.offload)
         self.sampler = Sampler(

@@ -55,7 +55,8 @@ class SGLangConfig:
         help="GPU of the first engine (SGLang --base-gpu-id; engine i uses base_gpu_id + "
         "i * tp_size onwards). None = after the trainer's GPUs on this node with "
         "rollout.placement=dedicated, the node's last GPUs with colocated. With transport "
-        "distributed never the driver's GPU (NCCL cannot join two processes on one GPU).",
+        "distributed never a sending rank's GPU (each pipeline stage's sender joins the "
+        "engines' NCCL group, which cannot hold two processes on one GPU).",
     )
     device: Literal["auto", "cpu", "cuda"] = field(
         "auto",

@@ -84,7 +84,12 @@ from megatron_rl_fp8.rollout.sglang.process import (
     wait_healthy,
 )
 from megatron_rl_fp8.rollout.sglang.router import Router
-from megatron_rl_fp8.rollout.sglang.sender import SyncPlan, WeightSender
+from megatron_rl_fp8.rollout.sglang.sender import (
+    Senders,
+    SyncPlan,
+    WeightSender,
+    engine_gpus_on_node,
+)
 from megatron_rl_fp8.rollout.sglang.transports import write_model_config
 from megatron_rl_fp8.sync.buckets import Bucket
 
@@ -141,7 +146,12 @@ class SGLangFleet:
         pad_token_id: int,
         eos_token_id: int | Iterable[int],
         output_dir: str | os.PathLike | None = None,
+        senders: Senders | None = None,
     ):
+        """``senders``: the trainer's sending ranks, whose GPUs launched engines keep off with
+        the distributed transport; the trainer passes ``Senders.from_env(pp)`` with its
+        ``parallel.pipeline_model_parallel_size``. None = this torchrun job at PP 1 (one
+        sender, the driver), or this process alone (tools, tests)."""
         self.cfg = cfg.sglang
         self.fp8 = cfg.fp8
         self.colocated = cfg.placement == "colocated"
@@ -164,6 +174,8 @@ class SGLangFleet:
         )
         n = len(self.cfg.engine_urls) or self.cfg.num_engines
         self.engines = [_Engine(i) for i in range(n)]
+        self.senders = senders if senders is not None else Senders.from_env()
+        self._gpus: list[tuple[int, ...]] = []  # launched engines' GPUs on this node (cuda)
         self.router = Router(self.cfg, python=self.python, work_dir=self.work_dir)
         self.sender = WeightSender()  # this process's side of a sync
         self._members: list[_Engine] = []  # the engines of the sync in progress
@@ -188,7 +200,7 @@ class SGLangFleet:
                 for eng, url in zip(self.engines, self.cfg.engine_urls):
                     eng.url = url.rstrip("/")
             else:
-                self._check_gpus()
+                self._gpus = self._place_gpus()
                 for eng in self.engines:  # all at once: a GPU engine takes minutes to start
                     self._launch(eng)
                 for eng in self.engines:
@@ -203,42 +215,38 @@ class SGLangFleet:
     def _log(self, eng: _Engine) -> Path:
         return self.work_dir / f"engine{eng.index}-{eng.launches}.log"
 
-    def _base_gpu(self, eng: _Engine) -> int | None:
+    def _place_gpus(self) -> list[tuple[int, ...]]:
+        """Every launched engine's GPUs on this node, by the launcher's rule
+        (``sender.engine_gpus_on_node``): ``base_gpu_id`` onwards when set; else after the
+        trainer's GPUs (dedicated) or on the node's last GPUs (colocated). With the distributed
+        transport none may be a sending rank's GPU: NCCL refuses a group with two processes on
+        one GPU (the tensor transport may share one: CUDA IPC). Refuses, one line, what does
+        not fit or clashes, before any engine starts."""
         if self.device != "cuda":
-            return None
+            return []
+        have, tp = torch.cuda.device_count(), self.cfg.tp_size
         base = self.cfg.base_gpu_id
-        if base is None:
-            if self.colocated:  # the node's last GPUs, away from the driver's (GPU 0)
-                base = max(0, torch.cuda.device_count() - len(self.engines) * self.cfg.tp_size)
-            else:  # after the trainer's GPUs on this node
-                base = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        return base + eng.index * self.cfg.tp_size
-
-    def _check_gpus(self) -> None:
-        """Every engine's GPUs exist, and with the distributed transport none is the driver's:
-        the sync broadcasts from the driver over NCCL, which cannot join two processes on one
-        GPU (the tensor transport can: CUDA IPC)."""
-        if self.device != "cuda":
-            return
-        have = torch.cuda.device_count()
-        first, last = self._base_gpu(self.engines[0]), self._base_gpu(self.engines[-1])
-        last += self.cfg.tp_size - 1
-        layout = (
-            f"rollout.sglang: {len(self.engines)} engine(s) x tp_size={self.cfg.tp_size} on GPUs "
-            f"{first}-{last}"
-        )
-        if last >= have:
-            raise SGLangServerError(
-                f"{layout}, this node has {have}; lower num_engines or tp_size, or set "
-                "rollout.sglang.base_gpu_id"
+        if base is None and not self.colocated:  # after the trainer's GPUs on this node
+            base = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        senders = self.senders if self.cfg.transport == "distributed" else None
+        try:
+            gpus = engine_gpus_on_node(
+                range(len(self.engines)),
+                tp_size=tp,
+                gpus_per_node=have,
+                senders=senders,
+                base_gpu_id=base,
+                node="this node",
             )
-        mine = torch.cuda.current_device()
-        if self.cfg.transport == "distributed" and first <= mine <= last:
+        except ValueError as e:
+            raise SGLangServerError(f"rollout.sglang: {e}") from None
+        if gpus[-1][-1] >= have:
             raise SGLangServerError(
-                f"{layout} include this trainer rank's GPU {mine}, which sends the weights: NCCL "
-                "cannot broadcast between two processes on one GPU; set rollout.sglang.base_gpu_id "
-                "so the engines start after it, or rollout.sglang.transport=tensor (CUDA IPC)"
+                f"rollout.sglang: {len(self.engines)} engine(s) x tp_size={tp} on GPUs "
+                f"{gpus[0][0]}-{gpus[-1][-1]}, this node has {have}; lower num_engines or "
+                "tp_size, or set rollout.sglang.base_gpu_id"
             )
+        return gpus
 
     def _launch(self, eng: _Engine) -> None:
         """Start ``eng`` on placeholder weights (returns at once; :meth:`_wait` for health)."""
@@ -257,7 +265,7 @@ class SGLangFleet:
             pid_file=f"engine{eng.index}.pid",
             port=pick_port() if self.cfg.port == 0 else self.cfg.port + eng.index,
             placeholder_weights=True,
-            base_gpu_id=self._base_gpu(eng),
+            base_gpu_id=self._gpus[eng.index][0] if self._gpus else None,
         )
         eng.proc, eng.url = proc, f"http://{self.cfg.host}:{port}"
         eng.version, eng.in_router = -1, False

@@ -10,7 +10,10 @@ Two transports (``rollout.sglang.transport``):
 * ``distributed``: the sender's private process group with every engine's TP ranks (the sender
   is rank 0; NCCL on GPU, gloo on CPU), formed again whenever the engines change or a push
   failed; each bucket goes once, as one flat byte buffer, to every engine at the same time.
-  Engines can be on any node reachable from the sender, but not on its GPU.
+  Engines can be on any node reachable from the sender, but not on the GPU of any sending rank
+  (NCCL refuses a communicator with two ranks on one GPU: "Duplicate GPU detected"). Which GPUs
+  those are is :class:`Senders`; where engines go around them, :func:`engine_gpus_on_node` (the
+  launcher's placement and the fleet's start-up check both ask these two).
 * ``tensor``: each bucket is copied into one buffer per dtype and handed to every engine as a
   handle (shared memory on CPU, CUDA IPC on GPU) with ``/update_weights_from_tensor``. Engines
   must run on the sender's node; on GPU they may share its GPU (colocated on the same GPUs).
@@ -23,7 +26,7 @@ import dataclasses
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from urllib.parse import urlparse
 
 import torch
@@ -211,3 +214,147 @@ def on_this_host(engine_url: str) -> bool:
         return addr.startswith("127.") or sender_address(engine_url) == addr
     except OSError:  # unresolvable, or no route to it (a box without a default route)
         return False
+
+
+# -- where the sending ranks sit: the distributed transport's GPU rule ---------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Senders:
+    """The trainer's sending ranks and the node-local GPUs they run on.
+
+    Each pipeline stage's weights are sent by TP rank 0 of its DP-rank-0 / CP-rank-0 replica
+    (``trainer/engine_link.py``). Megatron's default rank order ``tp-cp-ep-dp-pp`` puts PP
+    outermost, so stage s begins at global rank ``s * world_size / PP``, and that rank is the
+    stage's sender. torchrun gives global rank r the local rank ``r % gpus_per_node``, and the
+    trainer takes the GPU of its local rank (``parallel.initialize``). Which node holds which
+    ranks is torchrun's rendezvous's choice (it orders the nodes by hostname, not as Slurm lists
+    them), so a GPU index here is a sending rank's on any trainer node.
+
+    With ``rollout.sglang.transport=distributed`` every sender joins one NCCL group with every
+    engine's TP ranks, and NCCL refuses a communicator with two ranks on one GPU ("Duplicate GPU
+    detected", nccl ``src/init.cc``): no engine may take a GPU in :attr:`gpus`."""
+
+    world_size: int
+    pipeline_model_parallel_size: int = 1
+    gpus_per_node: int = 1
+
+    @classmethod
+    def from_env(
+        cls, pipeline_model_parallel_size: int = 1, environ: Mapping[str, str] = os.environ
+    ) -> Senders:
+        """The senders of this torchrun job (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``; one process
+        when unset) at the trainer's ``parallel.pipeline_model_parallel_size``."""
+        return cls(
+            world_size=int(environ.get("WORLD_SIZE", "1")),
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            gpus_per_node=int(environ.get("LOCAL_WORLD_SIZE", "1")),
+        )
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The sending rank of each pipeline stage, in stage order (rank 0, the driver, first)."""
+        stride = self.world_size // self.pipeline_model_parallel_size
+        return tuple(s * stride for s in range(self.pipeline_model_parallel_size))
+
+    @property
+    def gpus(self) -> dict[int, tuple[int, ...]]:
+        """Node-local GPU -> the sending ranks that run on that GPU of some node."""
+        out: dict[int, tuple[int, ...]] = {}
+        for r in self.ranks:
+            g = r % self.gpus_per_node
+            out[g] = (*out.get(g, ()), r)
+        return out
+
+    def describe(self, gpu: int) -> str:
+        """Who sends from ``gpu``, as a clause: 'sending rank 4 (pipeline stage 1 of 2) runs'."""
+        ranks = self.gpus[gpu]
+        stride = max(self.world_size // self.pipeline_model_parallel_size, 1)
+        stages = ", ".join(str(r // stride) for r in ranks)
+        plural = "s" if len(ranks) > 1 else ""
+        driver = "; rank 0 is the driver" if 0 in ranks else ""
+        where = (
+            "may run (torchrun's rendezvous picks the nodes' order)"
+            if self.world_size > self.gpus_per_node
+            else "runs"
+        )
+        return (
+            f"sending rank{plural} {', '.join(map(str, ranks))} (pipeline stage{plural} {stages} "
+            f"of {self.pipeline_model_parallel_size}{driver}) {where}"
+        )
+
+
+def free_engine_blocks(gpus_per_node: int, tp_size: int, avoid: Iterable[int] = ()) -> list[int]:
+    """First GPUs of the ``tp_size``-wide blocks engines can take on one node, from its last GPUs
+    down, skipping every block that holds a GPU in ``avoid`` (the senders'); ascending. Taking
+    the highest free block each time fits the most blocks."""
+    avoid = set(avoid)
+    blocks, top = [], gpus_per_node
+    while top >= tp_size:
+        hit = [g for g in range(top - tp_size, top) if g in avoid]
+        if hit:
+            top = min(hit)  # the next block ends below the lowest sender GPU of this one
+        else:
+            blocks.append(top - tp_size)
+            top -= tp_size
+    return sorted(blocks)
+
+
+def engine_gpus_on_node(
+    engines: Sequence[int],
+    *,
+    tp_size: int,
+    gpus_per_node: int,
+    senders: Senders | None,
+    base_gpu_id: int | None,
+    node: str,
+) -> list[tuple[int, ...]]:
+    """The GPUs of one node's engines (``engines``: their indices, in the node's slot order).
+
+    ``base_gpu_id`` set (``rollout.sglang.base_gpu_id``, or the caller's fixed start): engine i
+    of the node on ``base + i * tp_size`` onwards. None: the node's last GPUs, off every GPU of
+    ``senders`` (:func:`free_engine_blocks`). ``senders``: the sending ranks whose GPUs engines
+    must avoid (``rollout.sglang.transport=distributed`` on a node that trains); None = no rule.
+    Raises ValueError, one line naming the engine, its GPU on ``node``, the sending rank there
+    and what to change, when an engine would share a sender's GPU."""
+    avoid = senders.gpus if senders is not None else {}
+    if base_gpu_id is not None:
+        placed = [tuple(range(base_gpu_id + i * tp_size, base_gpu_id + (i + 1) * tp_size))
+                  for i in range(len(engines))]  # fmt: skip
+        fix = (
+            "set rollout.sglang.base_gpu_id=null (engines then go on the node's last GPUs off "
+            f"GPUs {_gpu_list(avoid)}), or move it so that no engine covers those"
+        )
+    else:
+        free = free_engine_blocks(gpus_per_node, tp_size, avoid)
+        if len(free) >= len(engines):
+            first = free[len(free) - len(engines) :]
+            return [tuple(range(b, b + tp_size)) for b in first]
+        # Too few free blocks: name a clash of the plain placement (the node's last GPUs).
+        start = gpus_per_node - len(engines) * tp_size
+        placed = [tuple(range(start + i * tp_size, start + (i + 1) * tp_size))
+                  for i in range(len(engines))]  # fmt: skip
+        fix = (
+            f"off GPUs {_gpu_list(avoid)}, a node has room for {len(free)} engine(s) of tp_size "
+            f"{tp_size}, not {len(engines)}: lower rollout.sglang.num_engines or tp_size, or "
+            "choose parallel.pipeline_model_parallel_size so that the sending ranks leave room"
+        )
+    for e, gpus in zip(engines, placed):
+        clash = next((g for g in gpus if g in avoid), None)
+        if clash is not None:
+            raise ValueError(
+                f"engine {e} would use GPU {clash} of {node}, where {senders.describe(clash)}, "
+                "and the weight sync's NCCL group (rollout.sglang.transport=distributed) cannot "
+                f"hold two processes on one GPU: {fix}; or, on one node, use "
+                "rollout.sglang.transport=tensor (CUDA IPC may share a GPU)"
+            )
+    if base_gpu_id is None:  # more engines than the node has GPUs: the caller's check is first
+        raise ValueError(
+            f"{len(engines)} engine(s) of tp_size {tp_size} do not fit on the {gpus_per_node} "
+            f"GPUs of {node}: lower rollout.sglang.num_engines or tp_size"
+        )
+    return placed
+
+
+def _gpu_list(gpus: Iterable[int]) -> str:
+    return ", ".join(str(g) for g in sorted(gpus))
