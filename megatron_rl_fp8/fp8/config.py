@@ -315,7 +315,8 @@ class RolloutFP8Config:
         default="bf16",
         help="'bf16': no FP8 rollout (default). 'blockwise': one float32 scale per "
         "weight_block tile (what SGLang/vLLM read as 'weight_scale_inv') and 1 x act_group "
-        "dynamic activation scales; 'per_tensor': one scale per weight.",
+        "dynamic activation scales; 'per_tensor': one scale per weight (the in-process "
+        "engine only: SGLang cannot take per-tensor FP8 hot updates, docs/gpu_contracts.md SG-4).",
     )
     weight_block: tuple[int, int] = field(
         default=(128, 128),

@@ -71,6 +71,21 @@ class RolloutConfig:
                 "rollout.placement=colocated applies to SGLang engines; the local engine "
                 "always runs inside the trainer (set rollout.engine=sglang or placement=dedicated)"
             )
+        if self.engine == "sglang" and self.fp8.weight_quant == "per_tensor":
+            # SGLang 0.5.23 (layers/quantization/fp8.py, Fp8LinearMethod.
+            # process_weights_after_loading), run at start-up on the placeholder weights: a
+            # per-tensor FP8 linear's weight becomes a transposed Parameter without weight_loader
+            # (its scale a per-channel one on SM89+), so no hot update can land in it: fused
+            # qkv / gate_up loads fail and a square o_proj would take its codes untransposed.
+            # Block-quantized layers keep their loadable parameters. Checked against SGLang's
+            # code in tests/unit/test_sglang_contracts.py.
+            raise ValueError(
+                "rollout.fp8.weight_quant=per_tensor is not supported with rollout.engine=sglang: "
+                "SGLang's per-tensor FP8 layers replace their weight by a transposed Parameter "
+                "without a weight_loader at start-up, so synced weights cannot be loaded into "
+                "them; use rollout.fp8.weight_quant=blockwise (or rollout.engine=local for "
+                "per-tensor numerics)"
+            )
 
 
 def eos_ids(eos_token_id: int | Iterable[int]) -> tuple[int, ...]:

@@ -21,30 +21,51 @@ from megatron_rl_fp8.sync.buckets import Bucket
 
 
 def push_tensor(http: Http, bucket: Bucket, *, tp_size: int, timeout: float) -> float:
-    """``tensor`` transport: one buffer per dtype (shared memory on CPU, CUDA IPC on GPU), the
-    handles over HTTP, the same for each of the engine's ``tp_size`` ranks. Returns the seconds
-    spent building the buffers and handles (the rest is the engine's update call)."""
+    """``tensor`` transport: one buffer per dtype (shared memory on CPU, CUDA IPC on GPU), its
+    handles over HTTP, serialized once for each of the engine's ``tp_size`` ranks
+    (:func:`serialize_per_rank`). Returns the seconds spent building the buffers and handles (the
+    rest is the engine's update call)."""
     t0 = time.perf_counter()
+    # One flat buffer per dtype per bucket (one shared-memory file, not one per tensor), and never
+    # the trainer's own storages (sharing would move them into shared memory).
+    flat = _flatten(bucket.tensors)
+    payloads = serialize_per_rank(flat, tp_size)
+    handed = time.perf_counter() - t0
+    http.ok(
+        "/update_weights_from_tensor",
+        {"serialized_named_tensors": payloads, "flush_cache": False},
+        timeout=timeout,
+    )
+    del flat  # the server has copied the values when the call returns
+    return handed
+
+
+def serialize_per_rank(named: list[tuple[str, torch.Tensor]], tp_size: int) -> list[str]:
+    """``/update_weights_from_tensor``'s ``serialized_named_tensors``: ``named`` pickled with
+    torch's tensor reductions (handles, not bytes) and base64-encoded, once per TP rank.
+
+    SGLang 0.5.23 does the same in each of its own clients (``Engine._serialize_tensors_per_rank``
+    in ``srt/entrypoints/engine.py``, ``HttpServerEngineAdapter.update_weights_from_tensor`` in
+    ``srt/entrypoints/http_server_engine.py``), and TP rank i deserializes entry i only
+    (``TpModelWorker.deserialize_own_rank``, ``srt/managers/tp_worker.py``). The reason is
+    cross-process reference counting: every pickling of a tensor hands out one reference to the
+    producer's memory (CUDA IPC: ``storage._share_cuda_()`` opens a reference counter; shared
+    memory: ``_shared_incref``), and every rank's rebuild releases one when that rank drops the
+    tensor. One payload read by every rank releases ``tp_size`` references for one handed out:
+    the producer's memory is freed (CUDA) or its shared-memory file unlinked (CPU) while other
+    ranks still read it. ``tests/unit/test_sglang_contracts.py`` checks both sides on CPU."""
     import base64
     import io
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
 
-    # One flat buffer per dtype per bucket (one shared-memory file, not one per tensor), and never
-    # the trainer's own storages (sharing would move them into shared memory).
-    flat = _flatten(bucket.tensors)
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(flat)
-    payload = base64.b64encode(buf.getvalue()).decode()
-    handed = time.perf_counter() - t0
-    http.ok(
-        "/update_weights_from_tensor",
-        {"serialized_named_tensors": [payload] * tp_size, "flush_cache": False},
-        timeout=timeout,
-    )
-    del flat  # the server has copied the values when the call returns
-    return handed
+    def one() -> str:
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(named)
+        return base64.b64encode(buf.getvalue()).decode()
+
+    return [one() for _ in range(tp_size)]
 
 
 def push_distributed(
