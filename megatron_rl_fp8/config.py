@@ -194,9 +194,11 @@ class RunConfig:
                 "memory.optimizer_cpu_offload needs parallel.use_distributed_optimizer=true "
                 "(Megatron offloads the distributed optimizer's shards)"
             )
+        if self.fp8.enabled and self.fp8.backend == "torchao":
+            self._check_fp8_weight_shapes("torchao")
         if not this_machine:
             if self.fp8.enabled and self.fp8.backend == "te":
-                self._check_te_fp8_shapes()
+                self._check_fp8_weight_shapes("te")
             return
         # What the actor will build on this machine (as Actor.__init__ decides it).
         import torch
@@ -215,22 +217,33 @@ class RunConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if use_te and backend == "te":
-            self._check_te_fp8_shapes()
+            self._check_fp8_weight_shapes("te")
 
-    def _check_te_fp8_shapes(self) -> None:
-        """Transformer Engine's FP8 GEMMs refuse weights whose per-TP-rank shape breaks its
-        alignment rule (``fp8/te.py: te_fp8_dims_problem``); the sequence side is padded by the
-        actor, the model's widths cannot be."""
+    def _check_fp8_weight_shapes(self, backend: str) -> None:
+        """FP8 GEMMs that refuse weights whose per-TP-rank shape breaks their alignment rule: TE's
+        (``fp8/te.py: te_fp8_dims_problem``; the sequence side is padded by the actor), and
+        torchao's, which pads only the contraction dim while ATen's ``_scaled_mm`` wants both dims
+        of its second operand (the weight, in fprop and dgrad) multiples of 16. The model's
+        widths cannot be padded."""
         from megatron_rl_fp8.fp8.te import te_fp8_dims_problem, te_fp8_weight_shapes
 
         tp = self.parallel.tensor_model_parallel_size
         for name, shape in te_fp8_weight_shapes(self.model, tp).items():
-            problem = te_fp8_dims_problem(shape, self.fp8.recipe)
+            if backend == "te":
+                problem = te_fp8_dims_problem(shape, self.fp8.recipe)
+            elif shape[0] % 16 or shape[1] % 16:
+                problem = (
+                    f"shape {list(shape)}: ATen's _scaled_mm needs both dims of the weight "
+                    "multiples of 16 (torchao pads only the contraction dim)"
+                )
+            else:
+                problem = None
             if problem:
                 raise ConfigError(
-                    f"fp8.backend=te: the {name} weight of one of {tp} tensor-parallel rank(s) "
-                    f"has {problem}; change model.hidden_size / ffn_hidden_size / head_dim or "
-                    "parallel.tensor_model_parallel_size, or use fp8.backend=torch (which pads)"
+                    f"fp8.backend={backend}: the {name} weight of one of {tp} tensor-parallel "
+                    f"rank(s) has {problem}; change model.hidden_size / ffn_hidden_size / "
+                    "head_dim or parallel.tensor_model_parallel_size, or use fp8.backend=torch "
+                    "(which pads)"
                 )
 
     def _check_reward(self) -> None:

@@ -210,3 +210,20 @@ def test_te_block_scaling_split_accumulation(monkeypatch):
     aten_scaled_mm.CALLS.clear()
     _linear_fwd_bwd(FP8Config(recipe="blockwise", accum_fast_fprop=True))
     assert [c["fast_accum"] for c in aten_scaled_mm.CALLS] == [False, False, False]
+
+
+def test_torchao_scaled_mm_weight_dims_checked_at_config():
+    """torchao 0.18 ``float8/float8_ops.py: preprocess_addmm`` pads only the contraction dim
+    (``pad_inner_dim``); ATen's ``_scaled_mm`` (``ScaledBlas.cpp: _scaled_mm_out_cuda``) still
+    needs both dims of its second operand, the weight in fprop and dgrad, multiples of 16."""
+    cfg = load_config(
+        "examples/tiny_cpu.yaml",
+        ["fp8.recipe=tensorwise_current", "fp8.backend=torchao", "model.ffn_hidden_size=136"],
+    )
+    with pytest.raises(ConfigError, match="fp8.backend=torchao: the linear_fc2 weight") as e:
+        cfg.validate(1, this_machine=False)
+    assert "\n" not in str(e.value)
+    cfg = load_config(
+        "examples/tiny_cpu.yaml", ["fp8.recipe=tensorwise_current", "fp8.backend=torchao"]
+    )
+    cfg.validate(1, this_machine=False)
