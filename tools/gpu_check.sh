@@ -163,16 +163,23 @@ TORCH=$(grep '^torch ' "$STEP_LOG" | sed 's/^torch *//')
 record versions "${GPU:-no GPU}; torch ${TORCH:-?}"
 
 # -- 2. the GPU contracts (docs/gpu_contracts.md): the first cluster step's preconditions -------
-if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
-    step contracts 150 "$PYTHON" -m pytest -q -s -rs -m gpu tests/gpu/test_gpu_contracts_gpu.py
+# pytest_step NAME CAP ECHO_PATTERN PYTEST_ARGS...: a pytest run as a step, its summary line as the
+# detail, the log lines matching ECHO_PATTERN shown.
+pytest_step() {
+    local name=$1 cap=$2 pattern=$3 detail
+    shift 3
+    if ! "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
+        STEP_RC=1 STEP_SECS=0
+        record "$name" "pytest is not importable by $PYTHON (pip install pytest)"
+        return
+    fi
+    step "$name" "$cap" "$PYTHON" -m pytest -q -s -rs -m gpu "$@"
     detail=$(grep -E '^[0-9]+ (passed|failed|skipped|error)|^=+ .*(passed|failed|skipped|error)' \
         "$STEP_LOG" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ *$//')
-    record contracts "${detail:-$(last_line "$STEP_LOG")}"
-    grep -h '^block-scaled scaled_mm on' "$STEP_LOG" | sed 's/^/   /'
-else
-    STEP_RC=1 STEP_SECS=0
-    record contracts "pytest is not importable by $PYTHON (pip install pytest)"
-fi
+    record "$name" "${detail:-$(last_line "$STEP_LOG")}"
+    grep -h "$pattern" "$STEP_LOG" | sed 's/^/   /'
+}
+pytest_step contracts 150 '^block-scaled scaled_mm on' tests/gpu/test_gpu_contracts_gpu.py
 
 # -- 2b. the actor step at 2.0B: BF16 vs real FP8 GEMMs (issue 17's 1.3x target) ----------
 FP8_ENTRIES=bf16,torch:tensorwise_current,torch:tensorwise_current+compile
@@ -259,19 +266,11 @@ else
 fi
 
 # -- 4. GPU tests ----------------------------------------------------------------------------
-if "$PYTHON" -c "import pytest" >/dev/null 2>&1; then
-    # tests/gpu/test_trainer_gpu.py runs the tiny job in bf16 and full FP8 through the CLI: steps
-    # 3 and 7 run the same jobs (checking the same things, outputs kept), so not twice.
-    step gpu_tests 240 "$PYTHON" -m pytest -q -s -rs -m gpu tests/gpu \
-        --ignore=tests/gpu/test_trainer_gpu.py --ignore=tests/gpu/test_gpu_contracts_gpu.py
-    detail=$(grep -E '^[0-9]+ (passed|failed|skipped|error)|^=+ .*(passed|failed|skipped|error)' \
-        "$STEP_LOG" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ *$//')
-    record gpu_tests "${detail:-$(last_line "$STEP_LOG")}"
-    grep -h '^_scaled_mm(' "$STEP_LOG" | sed 's/^/   /'
-else
-    STEP_RC=1 STEP_SECS=0
-    record gpu_tests "pytest is not importable by $PYTHON (pip install pytest)"
-fi
+# tests/gpu/test_trainer_gpu.py runs the tiny job in bf16 and full FP8 through the CLI: steps 3
+# and 7 run the same jobs (checking the same things, outputs kept), so not twice; the contracts
+# ran in step 2.
+pytest_step gpu_tests 240 '^_scaled_mm(' tests/gpu --ignore=tests/gpu/test_trainer_gpu.py \
+    --ignore=tests/gpu/test_gpu_contracts_gpu.py
 
 # -- 5. GEMM table --------------------------------------------------------------------------
 step bench_gemm 120 "$PYTHON" tools/bench_gemm.py --tokens 1024,8192 \
