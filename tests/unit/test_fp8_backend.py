@@ -91,6 +91,8 @@ def machine(monkeypatch):
     def set_(*, te: bool, block_mm: bool = True):
         monkeypatch.setattr(backend_mod, "have_te", lambda: te)
         monkeypatch.setattr(backend_mod, "have_blockwise_scaled_mm", lambda: block_mm)
+        # A CUDA build's own toolkit version must not decide the table (cuBLASLt >= 12.9 holds).
+        monkeypatch.setattr(backend_mod, "cuda_toolkit_version", lambda: (12, 9))
 
     return set_
 

@@ -20,7 +20,7 @@ from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.fp8 import FP8Config
 from megatron_rl_fp8.fp8 import backend as backend_mod
 from megatron_rl_fp8.fp8.backend import backend_problem, resolve_backend
-from megatron_rl_fp8.fp8.te import te_fp8_dims_problem, te_fp8_weight_shapes
+from megatron_rl_fp8.fp8.te import fp8_weight_shapes, te_fp8_dims_problem
 from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch, fp8_mm, quantize_gemm_operand
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.trainer.actor import seq_multiple, split_micro_batches
@@ -112,7 +112,7 @@ def test_te_fp8_weight_dims_checked_at_config():
         num_attention_heads=32, num_query_groups=8, head_dim=128, vocab_size=1000,
     )  # fmt: skip
     for tp in (1, 2, 4, 8):
-        for name, shape in te_fp8_weight_shapes(qwen3_8b, tp).items():
+        for name, shape in fp8_weight_shapes(qwen3_8b, tp).items():
             assert te_fp8_dims_problem(shape) is None, (name, shape, tp)
             assert _te_assert_dim_for_fp8_exec(shape) == (te_fp8_dims_problem(shape) is None)
     assert te_fp8_dims_problem((7, 3, 64)) is not None  # 21 rows
@@ -147,6 +147,8 @@ def test_aten_blockwise_scaled_mm_e4m3_only(monkeypatch):
         FP8Config(recipe="blockwise", format="hybrid", backend="torch")
     assert "\n" not in str(e.value) and "format 'e4m3'" in str(e.value)
     monkeypatch.setattr(backend_mod, "have_te", lambda: False)
+    monkeypatch.setattr(backend_mod, "have_blockwise_scaled_mm", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "12.9")  # not this build's toolkit
     hybrid = FP8Config(recipe="blockwise", format="hybrid")
     assert resolve_backend(hybrid, capability=H100) == "emulate"
     assert resolve_backend(FP8Config(recipe="blockwise"), capability=H100) == "torch"
