@@ -225,10 +225,10 @@ class RunConfig:
         torchao's, which pads only the contraction dim while ATen's ``_scaled_mm`` wants both dims
         of its second operand (the weight, in fprop and dgrad) multiples of 16. The model's
         widths cannot be padded."""
-        from megatron_rl_fp8.fp8.te import te_fp8_dims_problem, te_fp8_weight_shapes
+        from megatron_rl_fp8.fp8.te import fp8_weight_shapes, te_fp8_dims_problem
 
         tp = self.parallel.tensor_model_parallel_size
-        for name, shape in te_fp8_weight_shapes(self.model, tp).items():
+        for name, shape in fp8_weight_shapes(self.model, tp).items():
             if backend == "te":
                 problem = te_fp8_dims_problem(shape, self.fp8.recipe)
             elif shape[0] % 16 or shape[1] % 16:

@@ -37,7 +37,7 @@ __all__ = [
     "have_te",
     "te_fp8_align",
     "te_fp8_dims_problem",
-    "te_fp8_weight_shapes",
+    "fp8_weight_shapes",
     "megatron_fp8_kwargs",
     "should_emulate",
     "te_recipe",
@@ -63,7 +63,7 @@ product of all dims but the last a multiple of ``TE_FP8_ROWS``, the last dim a m
 ``TE_FP8_COLS``; anything else raises ValueError at the first FP8 forward. A linear's input is
 [S, B, hidden] (under sequence parallelism this rank's S / TP), so the actor pads every
 micro-batch's sequence length for it (``trainer/actor.py: seq_multiple``), and the model's widths
-per TP rank are checked at config validation (:func:`te_fp8_weight_shapes`)."""
+per TP rank are checked at config validation (:func:`fp8_weight_shapes`)."""
 
 
 TE_MXFP8_BLOCK = 32
@@ -94,8 +94,8 @@ def te_fp8_dims_problem(shape, recipe: str | None = None) -> str | None:
     return None
 
 
-def te_fp8_weight_shapes(model, tp: int) -> dict[str, tuple[int, int]]:
-    """Each TE linear's weight shape [out, in] on one of ``tp`` tensor-parallel ranks for the
+def fp8_weight_shapes(model, tp: int) -> dict[str, tuple[int, int]]:
+    """Each FP8 linear's weight shape [out, in] on one of ``tp`` tensor-parallel ranks for the
     GPT ``model`` (a ``ModelConfig``): fused QKV and gate/up are column-parallel (their out dim
     split), the attention output and down projections row-parallel (their in dim split)."""
     d, h = model.hidden_size, model.kv_channels
