@@ -108,7 +108,11 @@ def export_fp8(
     if ckpt is not None and hf_config_dir is None:
         raise ConvertError("export-fp8 --ckpt needs --hf-config DIR (config.json + tokenizer)")
     out = Path(out)
-    check_output(out.absolute(), overwrite=overwrite)
+    check_output(
+        out.absolute(),
+        overwrite=overwrite,
+        inputs={"--hf": hf_dir, "--ckpt": ckpt, "--hf-config": hf_config_dir},
+    )
     max_bytes = parse_size(max_shard_size)
     refuse_torchrun("export-fp8")
     source = HFSource(hf_dir) if hf_dir is not None else McoreSource(ckpt, hf_config_dir)

@@ -90,7 +90,7 @@ def hf_to_mcore(
     """Convert; returns the summary stats (also printed by the CLI). Collective under torchrun."""
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     out = Path(out)
-    check_output(out.absolute(), overwrite=overwrite)
+    check_output(out.absolute(), overwrite=overwrite, inputs={"--hf": hf_dir})
     with HFCheckpoint(hf_dir) as ckpt, mcore_io.process_group() as (rank, world):
         try:
             model, notes = model_config_from_hf(ckpt.config)

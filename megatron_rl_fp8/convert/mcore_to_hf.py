@@ -93,7 +93,11 @@ def mcore_to_hf(
     progress: bool = True,
 ) -> dict:
     out = Path(out)
-    check_output(out.absolute(), overwrite=overwrite)
+    check_output(
+        out.absolute(),
+        overwrite=overwrite,
+        inputs={"--ckpt": ckpt, "--hf-config": hf_config_dir},
+    )
     max_bytes = parse_size(max_shard_size)
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")

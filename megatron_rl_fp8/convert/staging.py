@@ -29,8 +29,43 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def check_output(out: Path, *, overwrite: bool) -> None:
-    """Fail before any work if ``out`` holds something and ``overwrite`` was not asked for."""
+def check_not_input(out: str | Path, inputs: dict[str, str | Path | None]) -> None:
+    """Refuse an ``out`` that overlaps an input (``{"--hf": path, ...}``; None = flag not given).
+
+    Replacing ``out`` deletes it, so ``out`` must not be an input or hold one; writing inside an
+    input would mix the output into it; and an input must not be (inside) one of the staging
+    directories next to ``out``, which are deleted too. Paths are compared after ``resolve()``, so
+    a symlink or ``..`` cannot hide the overlap. Checked with or without ``--overwrite``.
+    """
+    o = Path(out).resolve()
+    a = Path(out).absolute()  # staged_output names its siblings after the unresolved path
+    staging = [(a.parent / f".{a.name}{s}").resolve() for s in (".partial", ".old")]
+    for flag, path in inputs.items():
+        if path is None:
+            continue
+        i = Path(path).resolve()
+        if i == o:
+            relation = "is"
+        elif o in i.parents:
+            relation = "contains"
+        elif i in o.parents:
+            relation = "is inside"
+        else:
+            hit = [t for t in staging if t == i or t in i.parents]
+            if not hit:
+                continue
+            relation = f"is staged in {hit[0]}, which is or holds"
+        raise ConvertError(
+            f"--out {out} {relation} {flag} {path}; choose an --out outside every input "
+            "(replacing it would delete or mix into the input)"
+        )
+
+
+def check_output(
+    out: Path, *, overwrite: bool, inputs: dict[str, str | Path | None] | None = None
+) -> None:
+    """Fail before any work if ``out`` overlaps an input, or holds something without ``overwrite``."""
+    check_not_input(out, inputs or {})
     if out.exists() and not out.is_dir():
         raise ConvertError(f"--out {out} exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not overwrite:

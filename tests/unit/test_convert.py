@@ -9,6 +9,7 @@ converted checkpoint and reproduces transformers' logits is tests/distributed/te
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -525,8 +526,100 @@ def test_cli_convert_subcommand_runs_all_three(tmp_path, capsys):
 def test_cli_reports_errors_with_exit_code_2(tmp_path, capsys):
     from megatron_rl_fp8.cli import main
 
-    assert (
-        main(["convert", "hf-to-mcore", "--hf", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
-    )
+    (tmp_path / "empty").mkdir()  # --out beside the input: one inside it is refused first
+    argv = ["convert", "hf-to-mcore", "--hf", str(tmp_path / "empty"), "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
     assert "config.json not found" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+# -- --out overlapping an input ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def convert_inputs(tmp_path_factory):
+    """A real HF model and its dist checkpoint (root with ``latest``), copied into each test."""
+    root = tmp_path_factory.mktemp("overlap")
+    hf = make_hf_model(root / "hf", "qwen3")
+    hf_to_mcore(hf, root / "ckpt", progress=False)
+    return root
+
+
+def _tree(root: Path) -> dict[str, bytes | str | None]:
+    """Every path under ``root``: file bytes, symlink target, or None for a directory."""
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(dirpath, name)
+            key = str(p.relative_to(root))
+            out[key] = os.readlink(p) if p.is_symlink() else p.read_bytes() if p.is_file() else None
+    return out
+
+
+# (argv, the flag the error names, how --out relates to it); {d} holds the checkpoint and a note.
+OVERLAPS = {
+    "out-is-hf": ("hf-to-mcore --hf {hf} --out {hf} --overwrite", "--hf", "is"),
+    "out-is-ckpt": (
+        "mcore-to-hf --ckpt {d}/ckpt --hf-config {hf} --out {d}/ckpt --overwrite",
+        "--ckpt",
+        "is",
+    ),
+    "out-holds-ckpt": (
+        "mcore-to-hf --ckpt {d}/ckpt --hf-config {hf} --out {d} --overwrite",
+        "--ckpt",
+        "contains",
+    ),
+    "out-holds-ckpt-no-overwrite": (
+        "mcore-to-hf --ckpt {d}/ckpt --hf-config {hf} --out {d}",
+        "--ckpt",
+        "contains",
+    ),
+    "out-is-hf-config": (
+        "mcore-to-hf --ckpt {d}/ckpt --hf-config {hf} --out {hf} --overwrite",
+        "--hf-config",
+        "is",
+    ),
+    "out-inside-hf": ("export-fp8 --hf {hf} --out {hf}/fp8", "--hf", "is inside"),
+    "out-inside-hf-config": (
+        "export-fp8 --ckpt {d}/ckpt --hf-config {hf} --out {hf}/fp8 --overwrite",
+        "--hf-config",
+        "is inside",
+    ),
+    "out-inside-ckpt": (
+        "export-fp8 --ckpt {d}/ckpt --hf-config {hf} --out {d}/ckpt/iter_0000000/fp8",
+        "--ckpt",
+        "is inside",
+    ),
+    "symlinked-input": ("hf-to-mcore --hf {link} --out {hf} --overwrite", "--hf", "is"),
+    "symlinked-out": ("export-fp8 --hf {hf} --out {link}/fp8", "--hf", "is inside"),
+    "input-is-staging-dir": (
+        "hf-to-mcore --hf {root}/.m.partial --out {root}/m",
+        "--hf",
+        "is staged in {root}/.m.partial, which is or holds",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", OVERLAPS)
+def test_cli_refuses_out_overlapping_an_input(case, convert_inputs, tmp_path, capsys):
+    from megatron_rl_fp8.cli import main
+
+    shutil.copytree(convert_inputs / "hf", tmp_path / "hf")
+    shutil.copytree(convert_inputs / "ckpt", tmp_path / "d/ckpt")
+    (tmp_path / "d/notes.txt").write_text("unrelated")
+    shutil.copytree(convert_inputs / "hf", tmp_path / ".m.partial")
+    (tmp_path / "link").symlink_to(tmp_path / "hf")
+    paths = {
+        "root": tmp_path,
+        "hf": tmp_path / "hf",
+        "d": tmp_path / "d",
+        "link": tmp_path / "link",
+    }
+    template, flag, relation = (x.format(**paths) for x in OVERLAPS[case])
+    argv = template.split()
+    out, given = argv[argv.index("--out") + 1], argv[argv.index(flag) + 1]
+    before = _tree(tmp_path)
+
+    assert main(["convert", *argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"convert error: --out {out} {relation} {flag} {given}; "), err
+    assert err.count("\n") == 1 and "outside every input" in err
+    assert _tree(tmp_path) == before  # inputs intact, nothing written or deleted
