@@ -285,20 +285,57 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+def _yaml_problem(e: yaml.YAMLError, text: str) -> str:
+    """A YAML error in one line: where (line, column) and what, without PyYAML's source excerpt."""
+    if isinstance(e, yaml.MarkedYAMLError):
+        mark = e.problem_mark or e.context_mark
+        what = "; ".join(part for part in (e.context, e.problem) if part)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        return where + (what or type(e).__name__)
+    if isinstance(e, yaml.reader.ReaderError):  # a control character
+        line = text.count("\n", 0, e.position) + 1
+        return f"line {line}: character #x{e.character:04x}: {e.reason}"
+    return " ".join(str(e).split())
+
+
 def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     """A config file as a dict; ``base: other.yaml`` (relative to the file) is read first and this
     file's sections are merged over it, so variants state only what they change."""
+    name = f"config file {str(path)!r}" + (f" (the base of {str(chain[-1])!r})" if chain else "")
+    if path.is_dir():
+        raise ConfigError(f"{name} is a directory; give the path of a YAML file")
     if not path.is_file():
-        where = f" (the base of {str(chain[-1])!r})" if chain else ""
-        raise ConfigError(f"config file {str(path)!r}{where} does not exist")
+        raise ConfigError(f"{name} does not exist")
     if path.resolve() in chain:
         raise ConfigError(f"config file {str(path)!r} includes itself through 'base'")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{name} cannot be read: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(
+            f"{name} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line}); a config is a "
+            "YAML file"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+        raise ConfigError(f"{name} is not valid YAML: {_yaml_problem(e, text)}") from None
+    if data is None:
+        # An empty file (or one of comments) would silently run on the built-in defaults: most
+        # likely a wrong or truncated file. `{}` says "all defaults" on purpose.
+        raise ConfigError(
+            f"{name} is empty (or only comments); give at least one section, or write {{}} to "
+            "run on the built-in defaults"
+        )
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+        raise ConfigError(
+            f"{name} must hold a mapping of sections (model:, train:, ...), got "
+            f"{type(data).__name__} {data!r:.40}"
+        )
     base = data.pop("base", None)
     if base is None:
         return data

@@ -8,6 +8,7 @@ precise errors (unknown key, wrong type) naming the dotted field path, and how t
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal, Union, get_args, get_origin
@@ -107,7 +108,16 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
+        # NaN passes every `x > 0` style check in __post_init__ and inf most of them; no setting
+        # means anything by either (null is the way to switch one off), so refuse both here, once
+        # for every float field. YAML writes them .nan / .inf; overrides also nan / inf.
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float's range (1e309 in YAML is already inf)
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {value!r}")
@@ -123,7 +133,7 @@ def from_dict(cls, data: dict, path: str = ""):
         data = {}
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)  # YAML keys need not be strings
     if unknown:
         where = path or "the top level"
         raise ConfigError(

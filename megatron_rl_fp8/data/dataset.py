@@ -80,11 +80,21 @@ def _check_record(raw: Any, where: str, prompt_field: str, answer_field: str) ->
 
 def _read_jsonl(path: Path, prompt_field: str, answer_field: str) -> list[dict[str, Any]]:
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    # Bytes, decoded line by line, so that a file in another encoding (or not text at all) is
+    # reported at its first bad line rather than as a bare UnicodeDecodeError.
+    with open(path, "rb") as f:
+        for lineno, data in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                # utf-8-sig: a byte-order mark (some Windows editors write one) is not JSON.
+                line = data.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{where}: not UTF-8 text (byte 0x{data[e.start]:02x} at byte "
+                    f"{e.start + 1} of the line); a prompt file is UTF-8 JSON Lines"
+                ) from None
             if not line.strip():
                 continue  # blank lines (e.g. a trailing one) carry no record
-            where = f"{path}:{lineno}"
             try:
                 raw = json.loads(line)
             except json.JSONDecodeError as e:
@@ -99,19 +109,34 @@ def _read_jsonl(path: Path, prompt_field: str, answer_field: str) -> list[dict[s
 def _read_parquet_rows(path: Path) -> list[Any]:
     # Optional dependency: pyarrow (preferred) or pandas with a Parquet engine.
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         pq = None
     if pq is not None:
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(_parquet_problem(path, e)) from None
     try:
         import pandas as pd
-    except ImportError:
+
+        return pd.read_parquet(path).to_dict(orient="records")
+    except ImportError:  # no pandas, or pandas without a Parquet engine
         raise DataError(
             f"reading the Parquet prompt file {str(path)!r} needs pyarrow: `pip install pyarrow` "
             "(or convert the file to JSONL)"
         ) from None
-    return pd.read_parquet(path).to_dict(orient="records")
+    except (OSError, ValueError) as e:
+        raise DataError(_parquet_problem(path, e)) from None
+
+
+def _parquet_problem(path: Path, e: Exception) -> str:
+    """One line for a file the Parquet reader refuses (empty, truncated, not Parquet at all)."""
+    why = " ".join(str(e).split())
+    # pyarrow: "Could not open Parquet input source '<path>': <why>"; the path is said once.
+    _, sep, tail = why.partition(f"{str(path)!r}: ")
+    return f"prompt file {str(path)!r} is not a readable Parquet file ({tail if sep else why})"
 
 
 def load_records(
@@ -130,8 +155,14 @@ def load_records(
         raise DataError(
             f"prompt file {str(p)!r} has suffix {p.suffix!r}; supported: {SUPPORTED_SUFFIXES}"
         )
+    if p.is_dir():
+        raise DataError(f"prompt file {str(p)!r} is a directory; give the path of a file")
     if not p.is_file():
         raise DataError(f"prompt file {str(p)!r} does not exist")
+    try:  # unreadable (permissions): one line, for both readers
+        open(p, "rb").close()
+    except OSError as e:
+        raise DataError(f"prompt file {str(p)!r} cannot be read: {e.strerror or e}") from None
     if p.suffix == ".jsonl":
         records = _read_jsonl(p, prompt_field, answer_field)
     else:

@@ -3,6 +3,8 @@ their traceback, also kept in the run directory (exit 1)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megatron_rl_fp8 import cli
@@ -34,3 +36,109 @@ def test_user_errors_stay_one_line(override, capsys):
     assert cli.main(["train", "examples/tiny_cpu.yaml", override]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("config error: ")
+
+
+def _one_line(argv, capsys, kind="config error"):
+    """Run the CLI; it must exit 2 with one stderr line ``<kind>: ...`` and no traceback."""
+    rc = cli.main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"{kind}: "), line
+    return line
+
+
+# Bytes that are not UTF-8 anywhere (0xff never occurs in it), nor Parquet.
+_JUNK = bytes(range(128, 256)) * 4
+
+
+@pytest.mark.parametrize("field", ["train_path", "val_path"])
+def test_prompt_file_that_is_not_utf8_names_file_and_line(field, tmp_path, capsys):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "1+2=", "answer": "3"}\n' + _JUNK + b"\n")
+    line = _one_line(
+        ["train", "examples/tiny_cpu.yaml", f"task.{field}={path}", f"train.output_dir={tmp_path}"],
+        capsys,
+        "data error",
+    )
+    assert f"{path}:2: not UTF-8 text" in line
+
+
+@pytest.mark.parametrize("content", [b"", _JUNK], ids=["empty", "garbage"])
+def test_parquet_file_that_is_not_parquet_is_a_data_error(content, tmp_path, capsys):
+    pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "p.parquet"
+    path.write_bytes(content)
+    line = _one_line(
+        [
+            "train",
+            "examples/tiny_cpu.yaml",
+            f"task.train_path={path}",
+            f"train.output_dir={tmp_path}",
+        ],
+        capsys,
+        "data error",
+    )
+    assert f"prompt file {str(path)!r} is not a readable Parquet file (" in line
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (_JUNK, "is not UTF-8 text (byte 0x80 on line 1)"),
+        (b"train: [1,\n", "is not valid YAML: line 2, column 1: "),
+        (b"- train\n- model\n", "must hold a mapping of sections (model:, train:, ...), got list"),
+        (b"42\n", "must hold a mapping of sections (model:, train:, ...), got int"),
+        (b"", "is empty (or only comments); give at least one section, or write {}"),
+        (b"# train:\n#   steps: 3\n", "is empty (or only comments)"),
+    ],
+    ids=["binary", "bad-yaml", "list", "scalar", "empty", "comments"],
+)
+def test_unusable_config_file_is_one_line_naming_it(content, message, tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(content)
+    # A run directory of its own, should a broken check let the run start.
+    for argv in (["train", str(path), f"train.output_dir={tmp_path}"], ["config", str(path)]):
+        line = _one_line(argv, capsys)
+        assert line.startswith(f"config error: config file {str(path)!r} {message}"), line
+
+
+def test_config_path_that_is_a_directory_says_so(tmp_path, capsys):
+    said = "is a directory; give the path of a YAML file"
+    line = _one_line(["train", str(tmp_path)], capsys)
+    assert line == f"config error: config file {str(tmp_path)!r} {said}"
+    (tmp_path / "child.yaml").write_text(f"base: {tmp_path}\n")
+    line = _one_line(["train", str(tmp_path / "child.yaml")], capsys)
+    assert line == (
+        f"config error: config file {str(tmp_path)!r} (the base of "
+        f"{str(tmp_path / 'child.yaml')!r}) {said}"
+    )
+
+
+@pytest.mark.parametrize(
+    "override, field, shown",
+    [
+        ("sft.lr=.nan", "sft.lr", "nan"),
+        ("loss.eps_high=.nan", "loss.eps_high", "nan"),
+        ("rollout.temperature=.nan", "rollout.temperature", "nan"),
+        ("rollout.temperature=nan", "rollout.temperature", "nan"),
+        ("loss.eps_high=inf", "loss.eps_high", "inf"),
+        ("optim.adam_eps=-.inf", "optim.adam_eps", "-inf"),
+    ],
+)
+def test_non_finite_overrides_name_the_field(override, field, shown, tmp_path, capsys):
+    argv = ["train", "examples/tiny_cpu.yaml", override, f"train.output_dir={tmp_path}"]
+    line = _one_line(argv, capsys)
+    assert line == f"config error: {field}: expected a finite number, got {shown}"
+
+
+def test_non_finite_yaml_values_name_the_field(tmp_path, capsys):
+    for value, shown in ((".nan", "nan"), (".inf", "inf"), (".NaN", "nan")):
+        path = tmp_path / "run.yaml"
+        path.write_text(
+            f"base: {Path('examples/tiny_cpu.yaml').resolve()}\n"
+            f"train:\n  output_dir: {tmp_path}\nsft:\n  lr: {value}\n"
+        )
+        line = _one_line(["train", str(path)], capsys)
+        assert line == f"config error: sft.lr: expected a finite number, got {shown}"

@@ -161,3 +161,75 @@ def test_token_budget_lifts_the_micro_batch_divisibility():
         load_config(None, budget).validate(world_size=3)
     with pytest.raises(ConfigError, match="max_tokens_per_gpu must be >= 1"):
         load_config(None, ["train.max_tokens_per_gpu=0"])
+
+
+@pytest.mark.parametrize(
+    "data, path, shown",
+    [
+        ({"sft": {"lr": float("nan")}}, "sft.lr", "nan"),
+        ({"loss": {"eps_high": float("inf")}}, "loss.eps_high", "inf"),
+        ({"optim": {"adam_eps": float("-inf")}}, "optim.adam_eps", "-inf"),
+        ({"guard": {"max_entropy_rise": float("nan")}}, "guard.max_entropy_rise", "nan"),  # or None
+        ({"optim": {"lr": 10**400}}, "optim.lr", str(10**400)),  # an int past float's range
+    ],
+)
+def test_every_float_field_must_be_finite(data, path, shown):
+    with pytest.raises(ConfigError) as e:
+        from_dict(RunConfig, data)
+    assert str(e.value) == f"{path}: expected a finite number, got {shown}"
+
+
+@pytest.mark.parametrize("raw", [".nan", "nan", "NaN", ".inf", "inf", "-inf", "-.inf"])
+def test_non_finite_override_spellings_are_all_refused(raw):
+    with pytest.raises(ConfigError, match=r"^rollout\.temperature: expected a finite number"):
+        load_config(None, [f"rollout.temperature={raw}"])
+
+
+def test_empty_config_file_is_refused_but_an_empty_mapping_means_defaults(tmp_path):
+    for text in ("", "\n", "# only a comment\n"):
+        path = tmp_path / "empty.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=r"is empty \(or only comments\).*write \{\}"):
+            load_config(path)
+    (tmp_path / "child.yaml").write_text("base: empty.yaml\ntrain:\n  steps: 2\n")
+    with pytest.raises(ConfigError, match=r"empty\.yaml' \(the base of .*child\.yaml'\) is empty"):
+        load_config(tmp_path / "child.yaml")
+    path.write_text("{}\n")
+    assert load_config(path) == from_dict(RunConfig, {})
+
+
+def test_config_file_errors_are_one_line_and_name_the_file(tmp_path):
+    cases = {
+        "dir.yaml": None,
+        "binary.yaml": b"train:\n  steps: 1\n\xff\xfe\n",
+        "flow.yaml": b"train: {steps: 1\n",
+        "tab.yaml": b"train:\n\tsteps: 1\n",
+        "control.yaml": b"train:\n  steps: 1\x01\n",
+        "list.yaml": b"- train\n",
+        "keys.yaml": b"1: a\nb: 2\n",
+    }
+    for name, content in cases.items():
+        path = tmp_path / name
+        if content is None:
+            path.mkdir()
+        else:
+            path.write_bytes(content)
+        with pytest.raises(ConfigError) as e:
+            load_config(path)
+        message = str(e.value)
+        assert "\n" not in message, message
+        if name == "keys.yaml":  # mixed key types: sorted without a TypeError
+            assert message.startswith("unknown key(s) 1, 'b' in the top level")
+        else:
+            assert message.startswith(f"config file {str(path)!r} "), message
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path / "dir.yaml")
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xff on line 3\)"):
+        load_config(tmp_path / "binary.yaml")
+    with pytest.raises(
+        ConfigError,
+        match=r"not valid YAML: line 2, column 1: while parsing a flow mapping; expected",
+    ):
+        load_config(tmp_path / "flow.yaml")
+    with pytest.raises(ConfigError, match=r"not valid YAML: line 2: character #x0001"):
+        load_config(tmp_path / "control.yaml")

@@ -168,3 +168,37 @@ def test_task_config_defaults_and_validation(tmp_path):
     assert dropped == {"train": 0, "val": 0}
     assert train.next_batch(1)[0]["answer"] == "2" and val[0]["prompt"] == "1+1="
     assert train.shuffle and not val.shuffle
+
+
+def test_prompt_file_not_utf8_names_the_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes('{"prompt": "é+1=", "answer": "2"}\n'.encode() + b'{"prompt": "\xe9"}\n')
+    with pytest.raises(DataError, match=r"p\.jsonl:2: not UTF-8 text \(byte 0xe9 at byte 13 of "):
+        load_records(path)
+    path.write_bytes(bytes(range(128, 256)) * 4)  # binary junk
+    with pytest.raises(DataError, match=r"p\.jsonl:1: not UTF-8 text"):
+        load_records(path)
+    # A byte-order mark is not an encoding problem.
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "1+2=", "answer": "3"}\n')
+    assert _core(load_records(path)) == [{"prompt": "1+2=", "answer": "3"}]
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [(b"", "Parquet file size is 0 bytes"), (b"not parquet at all\n" * 4, "magic bytes")],
+)
+def test_file_that_is_not_parquet_is_a_data_error(tmp_path, content, why):
+    pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "p.parquet"
+    path.write_bytes(content)
+    with pytest.raises(DataError) as e:
+        load_records(path)
+    message = str(e.value)
+    assert message.startswith(f"prompt file {str(path)!r} is not a readable Parquet file (")
+    assert why in message and "\n" not in message and message.count(str(path)) == 1
+
+
+def test_prompt_path_that_is_a_directory_says_so(tmp_path):
+    (tmp_path / "p.jsonl").mkdir()
+    with pytest.raises(DataError, match=r"p\.jsonl' is a directory"):
+        load_records(tmp_path / "p.jsonl")

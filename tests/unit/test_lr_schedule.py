@@ -94,7 +94,7 @@ def test_bad_schedule_values_name_the_field(kwargs, message):
 
 
 def test_nan_lr_override_is_rejected():
-    with pytest.raises(ConfigError, match="optim: lr must be a finite number, got nan"):
+    with pytest.raises(ConfigError, match=r"optim\.lr: expected a finite number, got nan"):
         load_config(None, ["optim.lr=.nan"])
     with pytest.raises(ConfigError, match=r"optim\.lr_decay_style: 'step' is not one of"):
         load_config(None, ["optim.lr_decay_style=step"])
