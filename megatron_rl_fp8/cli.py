@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 import traceback
+from pathlib import Path
 
 
 def _train(args) -> int:
@@ -36,6 +37,7 @@ def _train(args) -> int:
     from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError
     from megatron_rl_fp8.trainer.guard import GuardStop
     from megatron_rl_fp8.trainer.loop import Trainer
+    from megatron_rl_fp8.utils.fs import storage_refusal
 
     trainer = None
     try:
@@ -58,19 +60,39 @@ def _train(args) -> int:
         where = f" (traceback: {log})" if log else ""
         print(f"sglang error: {e}{where}", file=sys.stderr)
         return 1
-    except Exception:
-        # Not a user error: a bug or the environment. The traceback is the evidence; keep a copy
-        # in the run directory, where it survives the terminal.
-        log = _keep_traceback(cfg.train.output_dir)
-        traceback.print_exc()
-        where = f"; the traceback is also in {log}" if log else ""
-        print(f"error: the run failed unexpectedly{where}", file=sys.stderr)
-        return 1
+    except OSError as e:
+        # A write the storage refused (a full disk, a quota) outside a checkpoint save, which
+        # says so itself: one line naming the file; anything else is unexpected (below).
+        where = e.filename or cfg.train.output_dir
+        refusal = storage_refusal(e, Path(where), judge_by_free_space=False)
+        if refusal is None:
+            return _unexpected(cfg)
+        print(
+            f"storage error: cannot write {where}: {refusal}; "
+            "free space there (or choose another train.output_dir) and run again",
+            file=sys.stderr,
+        )
+        return 2
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    # torch's CheckpointException is a BaseException: caught here so it leaves its traceback too.
+    except BaseException:
+        return _unexpected(cfg)
     finally:
         if trainer is not None:
             trainer.close()
         parallel.destroy()
     return 0
+
+
+def _unexpected(cfg) -> int:
+    """Not a user error: a bug or the environment. The traceback is the evidence; keep a copy in
+    the run directory, where it survives the terminal."""
+    log = _keep_traceback(cfg.train.output_dir)
+    traceback.print_exc()
+    where = f"; the traceback is also in {log}" if log else ""
+    print(f"error: the run failed unexpectedly{where}", file=sys.stderr)
+    return 1
 
 
 def _keep_traceback(output_dir: str) -> str | None:
@@ -178,8 +200,15 @@ def main(argv: list[str] | None = None) -> int:
             return _report(args)
     except ConfigError as e:
         from megatron_rl_fp8.data import DataError
+        from megatron_rl_fp8.utils.fs import StorageError
 
-        kind = "data error" if isinstance(e, DataError) else "config error"
+        kind = (
+            "data error"
+            if isinstance(e, DataError)
+            else "storage error"
+            if isinstance(e, StorageError)
+            else "config error"
+        )
         print(f"{kind}: {e}", file=sys.stderr)
         return 2
     return 1

@@ -10,7 +10,8 @@ Only the driver rank writes. ``metrics.jsonl`` is the run's record (docs/logging
   :func:`read_metrics` turns them back into floats.
 * A kill -9 mid-write can leave a torn last line. Readers skip any line that is not a whole record;
   :meth:`MetricsLogger.log` starts a new line first when the file does not end with one, and
-  :meth:`MetricsLogger.truncate_after` (run at every start) drops torn lines.
+  :meth:`MetricsLogger.truncate_after` (run at every start) moves torn or damaged lines to
+  ``metrics.unreadable.jsonl`` and says so: nothing that cannot be parsed is deleted.
 * On resume, lines past the restored step are dropped first (``truncate_after``), so the replayed
   steps are not duplicated. TensorBoard hides the replaced events the same way (``purge_step``).
   W&B cannot delete logged steps and rejects a step that does not increase, so each row carries the
@@ -34,6 +35,7 @@ from megatron_rl_fp8.utils.fs import atomic_write_text
 
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "guard_events.jsonl"
+UNREADABLE_FILE = "metrics.unreadable.jsonl"  # lines of metrics.jsonl set aside at a start
 TENSORBOARD_DIR = "tensorboard"
 WANDB_RUN_ID_FILE = "wandb_run_id"
 WANDB_STEP_METRIC = "trainer/step"
@@ -163,12 +165,29 @@ class MetricsLogger:
             self._open_tb(purge_step=step + 1)
         if not self.path.exists():
             return
-        kept = [
-            line
-            for line in self.path.read_text(errors="replace").splitlines()
-            if (rec := _parse(line)) is not None and rec["step"] <= step
-        ]
-        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        kept, unreadable = [], []
+        for raw in self.path.read_bytes().split(b"\n"):
+            try:
+                rec = _parse(raw.decode())
+            except UnicodeDecodeError:
+                rec = None
+            if rec is None:
+                if raw.strip():
+                    unreadable.append(raw)
+            elif rec["step"] <= step:
+                kept.append(raw)
+        if unreadable:
+            # Set aside, never deleted: the bytes may be the only record of those steps.
+            aside = self.output_dir / UNREADABLE_FILE
+            with open(aside, "ab") as f:
+                f.write(b"".join(raw + b"\n" for raw in unreadable))
+                f.flush()
+                os.fsync(f.fileno())
+            print_rank0(
+                f"metrics: {len(unreadable)} line(s) of {self.path} are not whole records (a kill "
+                f"mid-write leaves a torn last line; other damage, more); moved to {aside}"
+            )
+        atomic_write_text(self.path, b"".join(raw + b"\n" for raw in kept).decode())
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

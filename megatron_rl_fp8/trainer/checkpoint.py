@@ -35,8 +35,9 @@ is there with its size (``train.checkpoint_verify``):
   cost is one more read of the checkpoint, shared by all ranks (about what a load reads).
 
 Each rejected candidate gets one line naming the file and what is wrong, then the next is tried;
-a candidate that passes but still fails to load (on any rank; all ranks agree) is rejected the
-same way. If checkpoints exist but none is intact, :class:`ConfigError` says so: existing
+a candidate that passes but still fails to load, or loads NaN or inf values (none is ever saved),
+on any rank (all ranks agree) is rejected the same way. A trainer state without the keys the
+caller requires (``required``: ``step`` and the data position for a run) is damage too. If checkpoints exist but none is intact, :class:`ConfigError` says so: existing
 checkpoints are never silently replaced by a fresh start. Checkpoints without a manifest (written
 before manifests existed) are accepted, said to be unverified, when ``trainer_state.json`` parses
 and ``.metadata`` exists.
@@ -60,7 +61,7 @@ import torch.distributed as dist
 
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.metrics.logger import print_rank0
-from megatron_rl_fp8.utils.fs import atomic_write_text, fsync_dir
+from megatron_rl_fp8.utils.fs import StorageError, atomic_write_text, fsync_dir, storage_refusal
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -75,6 +76,7 @@ CHECKSUM = "crc32"
 _CHUNK = 8 << 20
 _ITER = re.compile(r"iter_(\d+)")
 VERIFY_MODES = ("sizes", "full")
+NONFINITE = "non-finite values"
 
 
 class CheckpointError(Exception):
@@ -132,55 +134,129 @@ def save(
     sharded_state_dict: dict,
     trainer_state: dict,
     rank_state: dict | None = None,
+    *,
+    latest: bool = True,
 ) -> Path:
     """Collective over all ranks. Returns the final directory (module docstring: the layout).
-    ``rank_state``: this rank's own state (tensors and plain values), kept when not empty."""
+    ``rank_state``: this rank's own state (tensors and plain values), kept when not empty.
+    ``latest=False`` leaves ``ckpt_root/latest`` alone (a directory of unrelated entries, such as
+    the warm-start cache, that other processes write at the same time).
+
+    A write the storage refuses (full disk, quota, read-only, permission) on any rank is a
+    :class:`StorageError` on every rank, naming the path and what ran out, with the partial
+    ``.tmp`` removed and ``latest`` unchanged; any other failure is re-raised after the same
+    clean-up."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     root = Path(ckpt_root)
     final = root / name
     tmp = root / (name + ".tmp")
     rank, world = dist.get_rank(), dist.get_world_size()
+    error: BaseException | None = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    dist.barrier()
-    save_sharded(sharded_state_dict, tmp)
-    # torch_dist names a rank's files __<rank>_<k>.distcp; this rank's are complete (the save is
-    # synchronous), so it hashes them now, while their bytes are in its page cache.
-    mine = sorted(tmp.glob(f"__{rank}_*.distcp"))
-    if rank_state:
-        (tmp / RANK_STATE).mkdir(exist_ok=True)
-        torch.save(rank_state, tmp / RANK_STATE / f"{rank}.pt")
-        mine.append(tmp / RANK_STATE / f"{rank}.pt")
-    mine = _describe(tmp, mine)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            error = e
+    why = _from_rank0(_one_line(error) if error else None)
+    if why is not None:  # nothing written yet
+        _raise_save_error(error, why, tmp, name, root)
+    mine: dict[str, dict] = {}
+    try:
+        save_sharded(sharded_state_dict, tmp)
+        # torch_dist names a rank's files __<rank>_<k>.distcp; this rank's are complete (the
+        # save is synchronous), so it hashes them now, while their bytes are in its page cache.
+        files = sorted(tmp.glob(f"__{rank}_*.distcp"))
+        if rank_state:
+            (tmp / RANK_STATE).mkdir(exist_ok=True)
+            torch.save(rank_state, tmp / RANK_STATE / f"{rank}.pt")
+            files.append(tmp / RANK_STATE / f"{rank}.pt")
+        mine = _describe(tmp, files)
+    # torch's CheckpointException is a BaseException; dist_checkpointing raises it on every rank.
+    except (Exception, CheckpointException) as e:
+        error = e
     everyone = [None] * world if rank == 0 else None
-    dist.gather_object(mine, everyone, dst=0)
+    dist.gather_object((mine, _one_line(error) if error else None), everyone, dst=0)
+    failed = None
     if rank == 0:
-        atomic_write_text(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1))
-        files: dict[str, dict] = {}
-        for part in everyone:
-            files.update(part)
-        # Rank 0's own files (.metadata, common.pt, metadata.json, trainer_state.json) and
-        # anything a later Megatron adds that no rank claimed by name.
-        rest = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
-        files.update(
-            _describe(tmp, [p for p in rest if p.relative_to(tmp).as_posix() not in files])
-        )
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "step": trainer_state.get("step"),
-            "checksum": CHECKSUM,
-            "files": dict(sorted(files.items())),
-        }
-        atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(root)
-        atomic_write_text(root / "latest", name + "\n")
-    dist.barrier()
+        failed = next(((r, why) for r, (_, why) in enumerate(everyone) if why), None)
+        if failed is None:
+            try:
+                _publish(root, name, tmp, final, trainer_state, everyone, latest)
+            except OSError as e:
+                error, failed = e, (0, _one_line(e))
+    failed = _from_rank0(failed)
+    if failed is not None:
+        _raise_save_error(error, failed[1], tmp, name, root, failed_rank=failed[0])
     return final
+
+
+def _publish(root, name, tmp, final, trainer_state, everyone, latest: bool) -> None:
+    """Rank 0: trainer state, the manifest (last), the rename, then ``latest``."""
+    atomic_write_text(tmp / TRAINER_STATE, json.dumps(trainer_state, indent=1))
+    files: dict[str, dict] = {}
+    for part, _ in everyone:
+        files.update(part)
+    # Rank 0's own files (.metadata, common.pt, metadata.json, trainer_state.json) and anything
+    # a later Megatron adds that no rank claimed by name.
+    rest = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
+    files.update(_describe(tmp, [p for p in rest if p.relative_to(tmp).as_posix() not in files]))
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "step": trainer_state.get("step"),
+        "checksum": CHECKSUM,
+        "files": dict(sorted(files.items())),
+    }
+    atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    if not latest:
+        return
+    try:
+        atomic_write_text(root / "latest", name + "\n")
+    except OSError:
+        # Not published after all: `latest` still names the previous checkpoint, and a complete
+        # directory newer than it would be mistaken for the trajectory's next step.
+        shutil.rmtree(final, ignore_errors=True)
+        raise
+
+
+def _raise_save_error(
+    error: BaseException | None,
+    why: str,
+    tmp: Path,
+    name: str,
+    root: Path,
+    failed_rank: int = 0,
+) -> None:
+    """Every rank: remove the partial output (rank 0), then raise the failure: one line when
+    the storage refused the write, else this rank's own error (or a line naming the rank)."""
+    rank, _ = _rank_world()
+    refusal = None
+    if rank == 0:
+        if error is not None:
+            refusal = storage_refusal(error, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in root.glob(f"{name}.tmp*"):  # atomic_write_text's siblings included
+            if leftover.is_file():
+                leftover.unlink(missing_ok=True)
+    refusal = _from_rank0(refusal)
+    if refusal is not None:
+        kept, _ = _latest_name(root)
+        raise StorageError(
+            f"cannot write checkpoint {root / name}: {refusal}"
+            + (f"; {kept} is still the latest checkpoint" if kept else "")
+            + f"; the partial write was removed. Free space under {root} (or choose another "
+            "path) and run again"
+        )
+    if error is not None:
+        raise error
+    raise RuntimeError(f"checkpoint {root / name}: rank {failed_rank} failed to write it: {why}")
 
 
 # -- choosing what to resume ---------------------------------------------------------------------
@@ -280,12 +356,30 @@ def _well_formed(manifest) -> bool:
     )
 
 
-def _inspect(path: Path) -> dict:
+def _state_problem(path: Path, required: dict[str, type]) -> str | None:
+    """What is wrong with the candidate's trainer state: unreadable, not an object, a
+    ``required`` key missing or of another type, or a step other than its directory's."""
+    state, problem = _read_json(path / TRAINER_STATE)
+    if problem is not None:
+        return problem
+    if not isinstance(state, dict):
+        return f"{TRAINER_STATE}: not a JSON object"
+    for key, kind in required.items():
+        value = state.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return f"{TRAINER_STATE}: {key!r} is missing or not a {kind.__name__}"
+    step = _step(path.name)
+    if step is not None and "step" in required and state["step"] != step:
+        return f"{TRAINER_STATE}: step {state['step']} in the checkpoint of step {step}"
+    return None
+
+
+def _inspect(path: Path, required: dict[str, type]) -> dict:
     """Rank 0's first look at a candidate: ``{"problem": what is wrong}``, ``{"unverified":
     True}`` (no manifest) or ``{"files": the manifest's files}``."""
     if not (path / MANIFEST).exists():
         # Written before manifests (or the manifest was deleted: the two look alike).
-        _, problem = _read_json(path / TRAINER_STATE)
+        problem = _state_problem(path, required)
         if problem is None and not (path / ".metadata").is_file():
             problem = ".metadata: missing"
         return {"problem": problem} if problem else {"unverified": True}
@@ -293,7 +387,7 @@ def _inspect(path: Path) -> dict:
     if problem is None and not _well_formed(manifest):
         problem = f"{MANIFEST}: not a list of files with sizes and {CHECKSUM} checksums"
     if problem is None:
-        _, problem = _read_json(path / TRAINER_STATE)
+        problem = _state_problem(path, required)
     return {"problem": problem} if problem else {"files": manifest["files"]}
 
 
@@ -328,18 +422,21 @@ def _check_files(path: Path, files: dict[str, dict], mine: list[str], verify: st
     return problems
 
 
-def _verify(path: Path, verify: str) -> tuple[str | None, bool]:
-    """(what is wrong with the candidate or None, whether it was verified). Collective."""
+def verify(path: str | Path, mode: str, required: dict | None = None) -> tuple[str | None, bool]:
+    """(what is wrong with the checkpoint at ``path`` or None, whether a manifest vouched for
+    it): the checks of the module docstring, ``mode`` one of :data:`VERIFY_MODES`; ``required``
+    names the trainer-state keys (and their types) it must have. Collective."""
+    path = Path(path)
     rank, world = _rank_world()
-    info = _from_rank0(_inspect(path) if rank == 0 else None)
+    info = _from_rank0(_inspect(path, required or {}) if rank == 0 else None)
     if "problem" in info:
         return info["problem"], True
     if info.get("unverified"):
         return None, False
     files = info["files"]
-    mine = _shares(files, world, by_size=verify == "full")[rank]
+    mine = _shares(files, world, by_size=mode == "full")[rank]
     found = sorted(
-        set(p for part in _all_gather(_check_files(path, files, mine, verify)) for p in part)
+        set(p for part in _all_gather(_check_files(path, files, mine, mode)) for p in part)
     )
     if not found:
         return None, True
@@ -347,17 +444,19 @@ def _verify(path: Path, verify: str) -> tuple[str | None, bool]:
     return found[0] + more, True
 
 
-def _find(root: Path, verify: str, rejected: dict[str, str]) -> tuple[Path | None, bool]:
+def _find(
+    root: Path, mode: str, rejected: dict[str, str], required: dict | None
+) -> tuple[Path | None, bool]:
     """(the newest intact candidate not in ``rejected``, whether a manifest vouched for it);
     ``rejected`` gains the ones found damaged."""
-    if verify not in VERIFY_MODES:
-        raise ValueError(f"verify={verify!r} is not valid; choose one of {VERIFY_MODES}")
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"verify={mode!r} is not valid; choose one of {VERIFY_MODES}")
     rank, _ = _rank_world()
     names, note = _from_rank0(_candidates(root, rejected) if rank == 0 else None)
     if note and not rejected:  # said once, not again after a candidate failed to load
         print_rank0(f"checkpoint: {note}")
     for i, name in enumerate(names):
-        problem, verified = _verify(root / name, verify)
+        problem, verified = verify(root / name, mode, required)
         if problem is None:
             if not verified:
                 print_rank0(
@@ -377,11 +476,18 @@ def _find(root: Path, verify: str, rejected: dict[str, str]) -> tuple[Path | Non
     return None, False
 
 
-def find_resumable(ckpt_root: str | Path, *, verify: str = "sizes") -> Path | None:
+def find_resumable(
+    ckpt_root: str | Path, *, verify: str = "sizes", required: dict | None = None
+) -> Path | None:
     """The newest intact checkpoint under ``ckpt_root`` (module docstring), None when there is
     none at all. Collective: every rank calls it and gets the same answer. Raises
     :class:`ConfigError` when checkpoints exist but none is intact."""
-    return _find(Path(ckpt_root), verify, {})[0]
+    return _find(Path(ckpt_root), verify, {}, required)[0]
+
+
+def latest_name(ckpt_root: str | Path) -> str | None:
+    """The name ``latest`` holds when it names a checkpoint directory there, else None."""
+    return _latest_name(Path(ckpt_root))[0]
 
 
 def latest(ckpt_root: str | Path) -> Path | None:
@@ -420,6 +526,25 @@ def load(path: str | Path, sharded_state_dict: dict) -> tuple[dict, dict]:
     return loaded, state
 
 
+def _nonfinite(tree, key: str = "") -> str | None:
+    """The first tensor of a loaded state dict holding NaN or inf, as a reason; None when all
+    are finite. No checkpoint of non-finite values is ever written, so one read back is damaged
+    (bytes changed in place, which ``verify=sizes`` cannot see)."""
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    else:
+        t = getattr(tree, "data", tree)  # a ShardedTensor's local data, or a tensor
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
+            return f"{NONFINITE} in {key or 'a tensor'}"
+        return None
+    for k, v in items:
+        if (problem := _nonfinite(v, f"{key}.{k}" if key else str(k))) is not None:
+            return problem
+    return None
+
+
 def _reason(e: BaseException) -> str:
     """One line for a load error; for torch's CheckpointException the lowest failing rank's."""
     failures = getattr(e, "failures", None)
@@ -429,24 +554,30 @@ def _reason(e: BaseException) -> str:
 
 
 def load_newest_intact(
-    ckpt_root: str | Path, make_sharded_state_dict: Callable[[], dict], *, verify: str = "sizes"
+    ckpt_root: str | Path,
+    make_sharded_state_dict: Callable[[], dict],
+    *,
+    verify: str = "sizes",
+    required: dict | None = None,
 ) -> tuple[Path, dict, dict] | None:
     """(path, loaded state dict, trainer state) of the newest checkpoint that verifies *and*
     loads on every rank; None when there is no checkpoint at all. Collective.
 
     ``make_sharded_state_dict`` is called once per attempt (a load consumes the dict it fills).
     A failed attempt may have overwritten part of the tensors; the next attempt loads all of them
-    again. Raises :class:`ConfigError` when checkpoints exist but none can be loaded.
+    again. ``required``: the trainer-state keys (and types) a usable checkpoint has; one
+    without them is damaged. Raises :class:`ConfigError` when checkpoints exist but none can be
+    loaded.
     """
     root = Path(ckpt_root)
     rejected: dict[str, str] = {}
     while True:
-        path, verified = _find(root, verify, rejected)
+        path, verified = _find(root, verify, rejected, required)
         if path is None:
             return None
         try:
             loaded, state = load(path, make_sharded_state_dict())
-            error = None
+            error = _nonfinite(loaded)
         except CheckpointError as e:
             loaded, state, error = None, None, e.reason
         errors = [(r, e) for r, e in enumerate(_all_gather(error)) if e is not None]
@@ -454,7 +585,9 @@ def load_newest_intact(
             return path, loaded, state
         r, reason = errors[0]
         where = f"rank {r}" if len(errors) == 1 else f"{len(errors)} ranks, rank {r}"
-        if verified:
+        if reason.startswith(NONFINITE):
+            reason += " (bytes changed in place? train.checkpoint_verify=full checks every byte)"
+        elif verified:
             # Every file is as written, so the likelier cause is the run's side of the load.
             reason += (
                 "; its files match its manifest: does the run's model/optimizer config fit it?"

@@ -172,6 +172,11 @@ class StabilityGuard:
         self.bf16_until = 0  # steps <= this train without FP8
         self.pending: list[int] = []  # checkpoint steps not yet vouched for
         self.healthy_checkpoint: int | None = None
+        self.loaded: int | None = None  # the checkpoint just loaded, until the next step's check
+        # A checkpoint whose weights went non-finite right after being loaded: never vouched for,
+        # and discarded by a rollback (it may be damaged on disk in a way its sizes cannot show).
+        self.distrusted: int | None = None
+        self.suspect: int | None = None  # loaded, then a non-finite first step (once so far)
 
     # -- decisions ---------------------------------------------------------------------------
     def check(self, step: int, m: dict) -> list[Event]:
@@ -180,6 +185,7 @@ class StabilityGuard:
         if not self.cfg.enabled:
             return []
         c, events = self.cfg, []
+        just_loaded, self.loaded = self.loaded, None
         bad = [
             f"{k}={m[k]}"
             for k in ("train/loss", "train/grad_norm", "train/param_norm")
@@ -196,9 +202,12 @@ class StabilityGuard:
             elif action == "skip" and self.skips_in_a_row > c.max_consecutive_skips:
                 action = "rollback"
                 why += f" ({self.skips_in_a_row} skipped steps in a row)"
+            if just_loaded is not None:
+                why += self._nonfinite_after_load(just_loaded)
             events.append(Event("nonfinite", action, why, math.nan))
         else:
             self.skips_in_a_row = 0
+            self.suspect = None  # finite again: whatever was loaded last trains
 
         def fire(rule: str, action: str, evidence: str, value: float) -> None:
             events.append(Event(rule, action, evidence, value))
@@ -256,10 +265,39 @@ class StabilityGuard:
         if reward is not None:
             self.reward.append(reward)
         # The policy of every checkpoint written before this step was just measured healthy.
-        vouched = [k for k in self.pending if k < step]
+        vouched = [k for k in self.pending if k < step and k != self.distrusted]
         if vouched:
             self.healthy_checkpoint = max(vouched)
             self.pending = [k for k in self.pending if k >= step]
+            if self.distrusted is not None and self.healthy_checkpoint > self.distrusted:
+                self.distrusted = None  # the trajectory since then proved healthy
+
+    def _nonfinite_after_load(self, step: int) -> str:
+        """A non-finite first step after loading the step ``step`` checkpoint. Once may be the
+        update's fault (a learning rate raised on resume); the same checkpoint again, after a
+        rollback lowered the learning rate, is the checkpoint's: it is distrusted. Returns the
+        words the event's evidence gains."""
+        if self.suspect != step:
+            self.suspect = step
+            return ""
+        self.distrusted = step
+        self.pending = [k for k in self.pending if k != step]
+        return (
+            f", the second time right after loading the step {step} checkpoint: it is not "
+            "healthy (damaged on disk? train.checkpoint_verify=full checks every byte)"
+        )
+
+    def loaded_from(self, step: int) -> None:
+        """The weights were just loaded from the step ``step`` checkpoint (a resume or a
+        rollback): the next step's check also judges that checkpoint's files."""
+        self.loaded = step
+
+    def first_suspect(self, step: int) -> int:
+        """The first checkpoint step a rollback or stop at step ``step`` discards: everything
+        after the last healthy checkpoint (step ``step - 1``'s and later when there is none),
+        and a distrusted checkpoint with everything after it."""
+        first = self.healthy_checkpoint + 1 if self.healthy_checkpoint is not None else step - 1
+        return first if self.distrusted is None else min(first, self.distrusted)
 
     def saved(self, step: int) -> None:
         """A checkpoint of step ``step`` was written (vouched for once step + 1 passes)."""
@@ -276,9 +314,12 @@ class StabilityGuard:
                 return "stop", f"guard.max_rollbacks={self.cfg.max_rollbacks} already used"
         return action, ""
 
-    def rolled_back(self) -> None:
-        """After a rollback to ``healthy_checkpoint``: the learning rate drops and the baselines
+    def rolled_back(self, step: int) -> None:
+        """After a rollback to the step ``step`` checkpoint (``healthy_checkpoint``, or an older
+        one when that was distrusted or damaged): the learning rate drops and the baselines
         restart (the replayed steps rebuild them)."""
+        self.healthy_checkpoint = step
+        self.loaded_from(step)
         self.rollbacks += 1
         self.lr_scale *= self.cfg.rollback_lr_factor
         self.entropy.clear()
@@ -301,6 +342,8 @@ class StabilityGuard:
             "bf16_until": self.bf16_until,
             "pending": list(self.pending),
             "healthy_checkpoint": self.healthy_checkpoint,
+            "distrusted": self.distrusted,
+            "suspect": self.suspect,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -312,6 +355,9 @@ class StabilityGuard:
         self.bf16_until = state["bf16_until"]
         self.pending = list(state["pending"])
         self.healthy_checkpoint = state["healthy_checkpoint"]
+        # Absent in checkpoints written before they existed.
+        self.distrusted = state.get("distrusted")
+        self.suspect = state.get("suspect")
 
 
 def event_metrics(events: list[Event], action: str | None) -> dict[str, float]:

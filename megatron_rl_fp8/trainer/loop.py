@@ -45,7 +45,6 @@ from megatron_rl_fp8.trainer.reference import Reference
 from megatron_rl_fp8.trainer.sampling import Sampler
 from megatron_rl_fp8.trainer.update import PolicyUpdate
 from megatron_rl_fp8.trainer.warm_start import warm_start
-from megatron_rl_fp8.utils.fs import atomic_write_text
 
 
 class Trainer:
@@ -58,7 +57,7 @@ class Trainer:
         self.ckpt_root = self.out_dir / "checkpoints"
         # One writer per run directory, writable paths: checked on every rank before any compute,
         # and refused on all ranks together (one gather) so none is left waiting in a collective.
-        self.lock, problem = run_dir.prepare(cfg, is_driver=self.is_driver)
+        self.lock, problem = run_dir.prepare(cfg, is_driver=self.is_driver, rank=dist.get_rank())
         problems = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
         if any(problems):
@@ -208,6 +207,7 @@ class Trainer:
             self.actor.set_lr_scale(self.guard.lr_scale)
         # This checkpoint is vouched for once the next step passes the guard.
         self.guard.saved(self.step)
+        self.guard.loaded_from(self.step)
         print_rank0(f"resumed from {path} at step {self.step}")
         return True
 
@@ -218,6 +218,7 @@ class Trainer:
             self.ckpt_root,
             lambda: self.actor.sharded_state_dict(with_optimizer=True, is_loading=True),
             verify=self.cfg.train.checkpoint_verify,
+            required={"step": int, "train_data": dict},
         )
         if found is None:
             return None
@@ -260,10 +261,12 @@ class Trainer:
             print_rank0(f"guard: step {self.step}: {action} instead: {why}")
         if action == "stop":
             self.logger.log(self.step, metrics)
-            self._discard_unhealthy_checkpoints()
+            left = self._discard_unhealthy_checkpoints()
             where = (
                 f"the last healthy checkpoint, iter_{healthy:07d}"
-                if healthy is not None
+                if healthy is not None and left == f"iter_{healthy:07d}"
+                else f"{left}, the newest checkpoint left"
+                if left is not None
                 else "scratch (no checkpoint was verified healthy)"
             )
             raise GuardStop(
@@ -280,17 +283,17 @@ class Trainer:
             self.calibrator.request()
         return action
 
-    def _discard_unhealthy_checkpoints(self) -> None:
-        """Remove checkpoints newer than the last healthy one (they may hold the damage) and point
-        ``latest`` at it, so no restart resumes from them. Collective."""
-        healthy = self.guard.healthy_checkpoint
-        # Step t's rules measure the policy of update t - 1: its checkpoint is suspect too.
-        first_bad = healthy + 1 if healthy is not None else self.step - 1
+    def _discard_unhealthy_checkpoints(self) -> str | None:
+        """Remove checkpoints newer than the last healthy one, and a distrusted one (they may
+        hold the damage), and point ``latest`` at the newest left, so no restart resumes from
+        them. Returns the name ``latest`` now holds (None: no checkpoint left). Collective."""
+        left = None
         if self.is_driver:
-            removed = checkpoint.discard_from(self.ckpt_root, first_bad)
+            removed = checkpoint.discard_from(self.ckpt_root, self.guard.first_suspect(self.step))
             if removed:
                 print_rank0(f"guard: removed checkpoints that may hold the damage: {removed}")
-        dist.barrier()
+            left = checkpoint.latest_name(self.ckpt_root)
+        return broadcast_object(left, self.groups.driver_rank)
 
     def rollback(self, metrics: dict) -> None:
         """Back to the last healthy checkpoint with a lower learning rate. Collective."""
@@ -298,7 +301,13 @@ class Trainer:
         self._discard_unhealthy_checkpoints()
         # `latest` now names the healthy checkpoint (a damaged one falls back to an older one).
         path = self._load_newest_intact()
-        self.guard.rolled_back()
+        if path is None:
+            raise GuardStop(
+                f"stopped at step {failed}: no checkpoint is left to roll back to (the newest "
+                "ones were distrusted or damaged). A restart begins from scratch; check "
+                f"{self.ckpt_root} and the storage first"
+            )
+        self.guard.rolled_back(self.step)
         self.actor.set_lr_scale(self.guard.lr_scale)
         # The replayed steps rewrite these lines; the event stays in guard_events.jsonl and in
         # the next line written (the first replayed step).
@@ -340,15 +349,10 @@ class Trainer:
         a preemption signal, after writing a checkpoint (``trainer/preemption.py``)."""
         cfg = self.cfg
         if self.is_driver:
-            saved = self.out_dir / "config.yaml"
-            if saved.is_file():
-                changed = run_dir.changed_settings(saved.read_text(), to_dict(cfg))
-                if changed:
-                    print_rank0(
-                        "config: changed since this directory's last run: " + "; ".join(changed)
-                    )
-            atomic_write_text(saved, cfg.to_yaml())
-        resumed = self.try_resume()
+            run_dir.report_changed_settings(self.out_dir, to_dict(cfg))
+        resumed = self.try_resume()  # a refused resume keeps the config.yaml of the checkpoints
+        if self.is_driver:
+            run_dir.save_config(self.out_dir, cfg.to_yaml())
         # Lines past the restored step are replayed by this run; drop them so none is duplicated.
         self.logger.truncate_after(self.step if resumed else -1)
         if not resumed:

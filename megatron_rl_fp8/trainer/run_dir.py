@@ -1,79 +1,51 @@
 """The run directory before any compute: one writer at a time, writable paths, a changed config.
 
-* **One writer.** The driver holds an exclusive ``flock`` on ``<train.output_dir>/.lock`` for the
-  whole run; the file names the owner (host, pid, start time). A second run on the same directory
-  is refused with one line naming the owner, before it writes anything (``config.yaml`` included).
-  The kernel releases the lock when its process dies, however it dies, so a lock left by a killed
-  run is simply taken over (and the takeover is said). ``flock`` holds across processes of one
-  host and, on Linux NFS v4 and Lustre/GPFS mounts with locking on, across hosts.
+* **One writer.** The driver holds ``<train.output_dir>/.lock`` (``utils/fs.FileLock``: an
+  exclusive ``flock``, the file naming the owner) for the whole run. A second run on the same
+  directory is refused with one line naming the owner, before it writes anything (``config.yaml``
+  included); a lock left by a killed run is taken over (and the takeover is said).
 * **Writable paths.** The output directory, its ``checkpoints/`` and (when the warm start will use
   it) ``train.cache_dir`` are created and written to once, so a bad path fails in a second instead
   of after the SFT warm start or the first steps.
-* **Changed settings on resume** are listed (old -> new) so a resumed run says what differs.
+* **Changed settings on resume** are listed (old -> new) so a resumed run says what differs. The
+  run's ``config.yaml`` is replaced only once the start is settled (a refused resume leaves the
+  one that describes the checkpoints); a saved one that is not a YAML mapping is said, not fatal.
+* **Crash logs** of an earlier run (``crash-rank<R>.log``) are renamed ``*.previous.log`` at the
+  start, so a log in the directory always belongs to its latest run.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
-import socket
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.metrics.logger import print_rank0
+from megatron_rl_fp8.utils.fs import FileLock, atomic_write_text
 
 LOCK_NAME = ".lock"
+CONFIG_NAME = "config.yaml"
 
 
-def _owner(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text() or "{}")
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-class RunLock:
+class RunLock(FileLock):
     """Exclusive ownership of a run directory (driver rank only). Release with :meth:`release`
     or by exiting: the kernel drops the lock with the process."""
 
     def __init__(self, out_dir: str | Path):
-        self.path = Path(out_dir) / LOCK_NAME
-        self.previous: dict = {}
-        self._fd: int | None = None
+        super().__init__(Path(out_dir) / LOCK_NAME, "train.output_dir")
 
     def acquire(self) -> None:
         """Take the lock or raise ConfigError naming its holder; ``previous`` holds the owner a
         killed run left behind (empty when the directory was free or its last run ended cleanly)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            who = _owner(self.path)
-            since = time.strftime("%Y-%m-%d %H:%M", time.localtime(who.get("started", 0)))
+        if not self.try_acquire():
             raise ConfigError(
-                f"train.output_dir={str(self.path.parent)!r} is in use by another run (pid "
-                f"{who.get('pid', '?')} on {who.get('host', '?')}, started {since}); wait for it "
-                "to end or choose another train.output_dir"
-            ) from None
-        self.previous = _owner(self.path)
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-        self._fd = fd
-
-    def release(self) -> None:
-        """End of a run: the owner record is cleared (so the next run knows this one ended
-        cleanly), then the lock dropped."""
-        if self._fd is not None:
-            os.ftruncate(self._fd, 0)
-            os.close(self._fd)  # closing the descriptor drops the flock
-            self._fd = None
+                f"train.output_dir={str(self.path.parent)!r} is in use by another run "
+                f"({self.describe_owner()}); wait for it to end or choose another "
+                "train.output_dir"
+            )
 
 
 def check_writable(path: Path, field_name: str) -> None:
@@ -101,12 +73,15 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def changed_settings(old_yaml: str, new: dict) -> list[str]:
-    """``["a.b: old -> new", ...]`` between a run's saved config.yaml and the config resuming it."""
+def changed_settings(saved: Path, new: dict) -> list[str]:
+    """``["a.b: old -> new", ...]`` between a run's saved ``config.yaml`` and the config resuming
+    it; one item saying so when the saved file is not a readable YAML mapping."""
     try:
-        old = yaml.safe_load(old_yaml) or {}
-    except yaml.YAMLError:
-        return ["(the saved config.yaml is unreadable)"]
+        old = yaml.safe_load(saved.read_bytes().decode()) or {}
+    except (OSError, ValueError, yaml.YAMLError) as e:  # ValueError: not UTF-8
+        return [f"(the saved {saved.name} is unreadable: {type(e).__name__}; it is replaced)"]
+    if not isinstance(old, dict):
+        return [f"(the saved {saved.name} is not a mapping of settings; it is replaced)"]
     before, after = _flatten(old), _flatten(new)
     return [
         f"{k}: {before.get(k, '(unset)')!r} -> {after.get(k, '(unset)')!r}"
@@ -115,7 +90,27 @@ def changed_settings(old_yaml: str, new: dict) -> list[str]:
     ]
 
 
-def prepare(cfg, *, is_driver: bool) -> tuple[RunLock | None, str | None]:
+def report_changed_settings(out: Path, new: dict) -> None:
+    """Driver, before the resume: what differs from the directory's last run, in one line."""
+    saved = out / CONFIG_NAME
+    if saved.is_file():
+        changed = changed_settings(saved, new)
+        if changed:
+            print_rank0("config: changed since this directory's last run: " + "; ".join(changed))
+
+
+def save_config(out: Path, config_yaml: str) -> None:
+    """Driver, once the run has resumed or started fresh: the directory's ``config.yaml``."""
+    atomic_write_text(out / CONFIG_NAME, config_yaml)
+
+
+def _set_aside_crash_log(out: Path, rank: int) -> None:
+    log = out / f"crash-rank{rank}.log"
+    if log.is_file():
+        os.replace(log, out / f"crash-rank{rank}.previous.log")
+
+
+def prepare(cfg, *, is_driver: bool, rank: int = 0) -> tuple[RunLock | None, str | None]:
     """This rank's start-up checks of the run directory: (the lock, on the driver; the first
     problem as a one-line message, or None). Every rank checks the paths it will write."""
     out = Path(cfg.train.output_dir)
@@ -128,6 +123,7 @@ def prepare(cfg, *, is_driver: bool) -> tuple[RunLock | None, str | None]:
         if is_driver:
             lock = RunLock(out)
             lock.acquire()
+        _set_aside_crash_log(out, rank)
     except ConfigError as e:
         return None, str(e)
     return lock, None

@@ -6,12 +6,27 @@ start from a policy that is right some of the time. The result is cached under
 vocabulary) and loaded, resharded, by any layout. It always runs unquantized, so every precision
 mode starts RL from the same policy (and shares the cache): mode comparisons measure RL alone.
 The optimizer state is reset afterwards, so cached and fresh warm starts continue identically.
+
+The cache is shared state (every run's default ``train.cache_dir`` is the same, and the precision
+modes are meant to share entries), so an entry is used under a lock and trusted only once checked:
+
+* **One builder per entry.** The driver holds ``warmstart-<key>.lock`` (an ``flock``) while it
+  checks, loads or builds the entry. A second run wanting the same entry waits for the first and
+  then loads what it wrote: the SFT runs once. A killed builder's lock is taken over and its
+  partial ``.tmp`` replaced.
+* **Published whole.** An entry is written as a checkpoint (``trainer/checkpoint.py``): into a
+  ``.tmp`` directory, its manifest last, then renamed; no other file of the cache is touched.
+* **Verified before use.** Every file of the entry is checked against its manifest, checksums
+  included (the load reads it all anyway). A damaged entry, or one without a manifest, is said in
+  one line, removed and built again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import shutil
 import time
 from pathlib import Path
 
@@ -19,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_fp8.config import RunConfig
-from megatron_rl_fp8.config_utils import to_dict
+from megatron_rl_fp8.config_utils import ConfigError, to_dict
 from megatron_rl_fp8.data import PromptDataset, collate, sft_examples_from_records
 from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.parallel import Groups
@@ -27,6 +42,7 @@ from megatron_rl_fp8.trainer import checkpoint
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.batch import build_sft_batch, rows_for_rank
 from megatron_rl_fp8.trainer.collectives import broadcast_object
+from megatron_rl_fp8.utils.fs import FileLock
 
 
 def cache_key(cfg: RunConfig, tokenizer) -> str:
@@ -47,17 +63,34 @@ def cache_key(cfg: RunConfig, tokenizer) -> str:
 
 def warm_start(cfg: RunConfig, actor: Actor, groups: Groups, tokenizer, records) -> dict:
     """SFT the fresh actor (or load the cached result), then reset the optimizer state."""
-    sft = cfg.sft
-    if sft.steps == 0:
+    if cfg.sft.steps == 0:
         return {}
-    cache_root = Path(cfg.train.cache_dir).expanduser()
-    name = f"warmstart-{cache_key(cfg, tokenizer)}"
-    cached = cache_root / name
-    if sft.cache and (cached / "trainer_state.json").exists():
-        loaded, state = checkpoint.load(cached, actor.sharded_state_dict(with_optimizer=False))
-        actor.load_sharded(loaded)
-        print_rank0(f"warm start: loaded cached SFT policy {cached}")
-        return {"sft/final_loss": state["final_loss"]}
+    if not cfg.sft.cache:
+        return _sft(cfg, actor, groups, tokenizer, records)
+    entry = CacheEntry(Path(cfg.train.cache_dir).expanduser(), cache_key(cfg, tokenizer))
+    entry.lock()
+    try:
+        problem = entry.problem()
+        if problem is None:
+            loaded, state = entry.load(actor.sharded_state_dict(with_optimizer=False))
+            actor.load_sharded(loaded)
+            print_rank0(f"warm start: loaded cached SFT policy {entry.path}")
+            return {"sft/final_loss": state["final_loss"]}
+        if problem != ABSENT:
+            print_rank0(
+                f"warm start: cached entry {entry.path} is damaged ({problem}); rebuilding it"
+            )
+            entry.remove()
+        first = _sft(cfg, actor, groups, tokenizer, records)
+        entry.save(actor.sharded_state_dict(with_optimizer=False), first["sft/final_loss"])
+        return first
+    finally:
+        entry.unlock()
+
+
+def _sft(cfg: RunConfig, actor: Actor, groups: Groups, tokenizer, records) -> dict:
+    """The supervised steps themselves, then the optimizer reset. Collective."""
+    sft = cfg.sft
     t0 = time.perf_counter()
     g = groups
     data = PromptDataset(records, seed=cfg.train.seed + 1, shuffle=True)
@@ -93,11 +126,76 @@ def warm_start(cfg: RunConfig, actor: Actor, groups: Groups, tokenizer, records)
             print_rank0(f"warm start: SFT step {s + 1}/{sft.steps} loss {loss_value:.4f}")
     # Fresh Adam state, and the RL lr schedule (which set_lr had paused for sft.lr) at its step 0.
     actor.reset_optimizer()
-    if sft.cache:
-        checkpoint.save(
-            cache_root,
-            name,
-            actor.sharded_state_dict(with_optimizer=False),
-            {"final_loss": loss_value},
+    if not math.isfinite(loss_value):
+        # No checkpoint or cache entry of non-finite weights is ever written.
+        raise ConfigError(
+            f"warm start: the SFT loss is {loss_value} after {sft.steps} steps; lower sft.lr "
+            f"(now {sft.lr}) and run again (nothing was cached)"
         )
     return {"sft/final_loss": loss_value, "perf/sft_time_s": time.perf_counter() - t0}
+
+
+ABSENT = "absent"
+_WAIT_S = 5.0  # between tries for a lock another run holds (each try is one short collective)
+
+
+class CacheEntry:
+    """One warm-start entry of the shared cache (module docstring). Every method is collective
+    over the job; the lock and the file system are the global rank 0's."""
+
+    def __init__(self, root: Path, key: str):
+        self.root = root
+        self.name = f"warmstart-{key}"
+        self.path = root / self.name
+        self._lock = FileLock(root / f"{self.name}.lock", "train.cache_dir")
+        self._rank0 = dist.get_rank() == 0
+
+    def lock(self) -> None:
+        """Hold the entry, waiting (said once) while another run builds or reads it."""
+        said = False
+        while True:
+            mine = self._lock.try_acquire() if self._rank0 else None
+            if broadcast_object(mine, 0):
+                return
+            if not said and self._rank0:
+                print_rank0(
+                    f"warm start: {self.path} is being built by another run "
+                    f"({self._lock.describe_owner()}); waiting for it"
+                )
+                said = True
+            time.sleep(_WAIT_S)
+
+    def unlock(self) -> None:
+        if self._rank0:
+            self._lock.release()
+
+    def problem(self) -> str | None:
+        """None when the entry is complete and every file matches its manifest; :data:`ABSENT`
+        when there is none; else what is wrong, in a few words."""
+        if not broadcast_object(self.path.is_dir() if self._rank0 else None, 0):
+            return ABSENT
+        problem, verified = checkpoint.verify(self.path, "full", {"final_loss": float})
+        if problem is None and not verified:
+            problem = f"no {checkpoint.MANIFEST}, so its files cannot be checked"
+        return problem
+
+    def load(self, sharded_state_dict: dict) -> tuple[dict, dict]:
+        try:
+            return checkpoint.load(self.path, sharded_state_dict)
+        except checkpoint.CheckpointError as e:
+            # Its files are as written (just verified), and its key holds the model config: not
+            # damage this run can repair by itself (the actor's weights are partly overwritten).
+            raise ConfigError(
+                f"warm start: the cached entry {self.path} matches its manifest but does not "
+                f"load ({e.reason}); delete it (rm -r {self.path}) and run again"
+            ) from e
+
+    def remove(self) -> None:
+        if self._rank0:
+            shutil.rmtree(self.path, ignore_errors=True)
+        dist.barrier()
+
+    def save(self, sharded_state_dict: dict, final_loss: float) -> None:
+        checkpoint.save(
+            self.root, self.name, sharded_state_dict, {"final_loss": final_loss}, latest=False
+        )

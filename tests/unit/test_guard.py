@@ -60,7 +60,7 @@ def test_rollback_without_a_healthy_checkpoint_or_past_the_limit_stops():
     g.saved(2)
     _run(g, 1, start=3)
     assert g.resolve([event]) == ("rollback", "")
-    g.rolled_back()
+    g.rolled_back(2)
     assert g.lr_scale == 0.5 and g.rollbacks == 1 and not g.entropy
     action, why = g.resolve([event])
     assert action == "stop" and "max_rollbacks=1" in why
@@ -117,7 +117,10 @@ def test_disabled_guard_and_state_round_trip():
     "override, message",
     [
         ("guard.window=0", "guard.window must be >= 1"),
-        ("guard.max_entropy_rise=.nan", "guard.max_entropy_rise must be a number > 0"),
+        (
+            "guard.max_entropy_rise=.nan",
+            "guard.max_entropy_rise: expected a finite number, got nan",
+        ),
         ("guard.max_mismatch=0.9", "guard.max_mismatch must be > 1"),
         ("guard.on_entropy=skip", "on_entropy"),
         ("guard.rollback_lr_factor=2", "rollback_lr_factor must be in (0, 1]"),

@@ -90,8 +90,9 @@ def test_one_sample_per_prompt_is_refused():
         load_config(None, ["rollout.n_samples_per_prompt=1"]).validate(1)
 
 
-def test_changed_settings_on_resume():
-    old = "optim:\n  lr: 0.0001\ntrain:\n  steps: 10\n"
+def test_changed_settings_on_resume(tmp_path):
+    old = tmp_path / "config.yaml"
+    old.write_text("optim:\n  lr: 0.0001\ntrain:\n  steps: 10\n")
     new = {"optim": {"lr": 0.0003}, "train": {"steps": 10, "seed": 1}}
     assert changed_settings(old, new) == [
         "optim.lr: 0.0001 -> 0.0003",
