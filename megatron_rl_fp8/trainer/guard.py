@@ -319,6 +319,8 @@ class StabilityGuard:
         one when that was distrusted or damaged): the learning rate drops and the baselines
         restart (the replayed steps rebuild them)."""
         self.healthy_checkpoint = step
+        if self.distrusted is not None and step < self.distrusted:
+            self.distrusted = None  # discarded: a checkpoint of that step is a new one
         self.loaded_from(step)
         self.rollbacks += 1
         self.lr_scale *= self.cfg.rollback_lr_factor

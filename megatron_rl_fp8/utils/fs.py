@@ -98,11 +98,17 @@ def storage_refusal(
     """What the storage refused, in a few words, when ``e`` (a failed write under ``path``) is
     the storage's refusal rather than a bug; None otherwise. Without an errno that says so,
     ``judge_by_free_space`` takes a failure on a nearly full file system for a full one."""
+    what = None
     for x in _chain(e):
         if isinstance(x, OSError) and x.errno in _REFUSALS:
             what = _REFUSALS[x.errno]
             break
-    else:
+        # A worker's OSError that reached us as text (Megatron's writer processes do that).
+        text = str(x)
+        what = next((w for n, w in _REFUSALS.items() if os.strerror(n) in text), None)
+        if what is not None:
+            break
+    if what is None:
         free = free_bytes(path) if judge_by_free_space else None
         if free is None or free >= _NEARLY_FULL:
             return None

@@ -421,3 +421,63 @@ def test_find_resumable_needs_no_process_group(tmp_path, capsys):
     assert line.startswith("checkpoint: iter_0000002 is damaged (.metadata: crc32 ")
     with pytest.raises(ValueError, match="verify='crc'"):
         checkpoint.find_resumable(tmp_path, verify="crc")
+
+
+# -- a storage that refuses the write (issue 31.3) ----------------------------------------------
+def _refusing_storage_body(rank, world, tmp):
+    import builtins
+    import errno
+
+    import torch.distributed as dist
+
+    from megatron_rl_fp8.parallel import cpu_compat
+    from megatron_rl_fp8.trainer import checkpoint
+    from megatron_rl_fp8.utils.fs import StorageError
+
+    cpu_compat.enable()
+    root = Path(tmp)
+    checkpoint.save(root, "iter_0000002", _state(rank, world, 2), {"step": 2})
+    real_open = builtins.open
+
+    class Full(io.FileIO):
+        """A real file on a device that has just filled up: every write is refused."""
+
+        def write(self, b):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def full_for(pattern):
+        def fake_open(path, mode="r", *a, **k):
+            if "w" in mode and pattern in os.path.basename(str(path)):
+                raw = io.BufferedWriter(Full(path, "w"))
+                return raw if "b" in mode else io.TextIOWrapper(raw)
+            return real_open(path, mode, *a, **k)
+
+        return fake_open
+
+    seen = {}
+    # The disk fills while rank 1 writes its shard, then while rank 0 writes the manifest.
+    for case, (who, pattern) in {"shard": (1, "__1_"), "manifest": (0, "manifest")}.items():
+        builtins.open = full_for(pattern) if rank == who else real_open
+        try:
+            checkpoint.save(root, "iter_0000004", _state(rank, world, 4), {"step": 4})
+            seen[case] = "saved"
+        except StorageError as e:
+            seen[case] = str(e)
+        finally:
+            builtins.open = real_open
+        dist.barrier()
+        seen[case + "_left"] = sorted(p.name for p in root.iterdir())
+    return seen
+
+
+def test_a_storage_refusal_on_any_rank_is_one_line_on_every_rank(tmp_path):
+    for seen in run_distributed(_refusing_storage_body, world_size=2, args=(str(tmp_path),)):
+        for case in ("shard", "manifest"):
+            why = seen[case]
+            assert why.startswith(f"cannot write checkpoint {tmp_path}/iter_0000004: "), why
+            assert (
+                "no space left on the device" in why and "iter_0000002 is still the latest" in why
+            )
+            # The partial write is gone; latest still names step 2.
+            assert seen[case + "_left"] == ["iter_0000002", "latest"], seen
+    assert (tmp_path / "latest").read_text().strip() == "iter_0000002"

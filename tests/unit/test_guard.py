@@ -138,3 +138,52 @@ def test_actions_that_need_fp8_are_refused_without_it():
         load_config(None, ["guard.on_entropy=bf16"]).validate()
     fp8 = load_config("examples/tiny_cpu_fp8.yaml", ["guard.max_mismatch=1.5"])
     assert fp8.validate() is fp8
+
+
+NONFINITE = {**HEALTHY, "train/loss": math.nan, "train/param_norm": math.inf}
+
+
+def test_a_checkpoint_non_finite_twice_right_after_loading_is_distrusted():
+    """Issue 31.6: the weights go non-finite on the first step after a resume from the step 4
+    checkpoint, and again after the rollback to it: it is not healthy, and the rollback goes
+    further back (checkpoints from step 4 on are discarded)."""
+    g = StabilityGuard(GuardConfig(max_rollbacks=3))
+    _run(g, 4)
+    g.saved(2)
+    _run(g, 1, start=3)
+    g.saved(4)
+    assert g.healthy_checkpoint == 2
+    g.loaded_from(4)  # a resume from step 4 (its own guard state: healthy 2, pending [4])
+    (event,) = g.check(5, NONFINITE)
+    # Once may be the update's fault (a learning rate raised on resume): the non-finite update
+    # vouches for the policy it started from, as always.
+    assert "right after loading" not in event.evidence and g.healthy_checkpoint == 4
+    assert g.resolve([event]) == ("rollback", "") and g.first_suspect(5) == 5
+    g.rolled_back(4)
+    (event,) = g.check(5, NONFINITE)
+    assert "the second time right after loading the step 4 checkpoint" in event.evidence
+    assert "checkpoint_verify=full" in event.evidence
+    assert g.distrusted == 4 and g.first_suspect(5) == 4  # step 4's checkpoint goes too
+    h = StabilityGuard(GuardConfig())
+    h.load_state_dict(g.state_dict())
+    assert h.distrusted == 4
+    # Rolled back to the step 2 checkpoint, the run trains healthy again: step 4's checkpoint
+    # of the new trajectory is vouched for as usual.
+    g.rolled_back(2)
+    _run(g, 2, start=3)
+    g.saved(4)
+    _run(g, 1, start=5)
+    assert g.healthy_checkpoint == 4 and g.distrusted is None
+
+
+def test_a_finite_first_step_after_a_load_clears_the_suspicion():
+    g = StabilityGuard(GuardConfig(max_rollbacks=3))
+    _run(g, 2)
+    g.saved(2)
+    g.loaded_from(2)
+    g.check(3, NONFINITE)
+    g.rolled_back(2)
+    _run(g, 1, start=3)  # the same checkpoint trains finite this time
+    g.rolled_back(2)
+    (event,) = g.check(3, NONFINITE)
+    assert "right after loading" not in event.evidence and g.distrusted is None

@@ -281,3 +281,22 @@ def test_a_process_killed_mid_write_leaves_a_readable_file(tmp_path):
     assert [m["step"] for m in records] == [0, 1, 2, 3]
     assert all(math.isnan(m["guard/nan"]) for m in records[:3])
     assert all(_strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines())
+
+
+def test_lines_that_cannot_be_read_are_set_aside_never_deleted(tmp_path, capsys):
+    """Issue 31.10: a garbled middle line and bytes that are not UTF-8 survive a start, moved to
+    metrics.unreadable.jsonl, with one line saying so; the whole records stay in order."""
+    from megatron_rl_fp8.metrics.logger import UNREADABLE_FILE
+
+    good = [b'{"step": 1, "a": 1.0}', b'{"step": 2, "a": 2.0}', b'{"step": 3, "a": 3.0}']
+    garbled = [b'{"step": 2.5, "a"', b"\xff\xfe\x00binary\x80", b"[1, 2]"]
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b"\n".join([good[0], garbled[0], good[1], garbled[1], garbled[2], good[2]]))
+    MetricsLogger(tmp_path).truncate_after(2)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]  # step 3 is replayed
+    assert (tmp_path / UNREADABLE_FILE).read_bytes() == b"".join(g + b"\n" for g in garbled)
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("metrics:")]
+    assert "3 line(s)" in line and UNREADABLE_FILE in line
+    # A second start finds nothing more to set aside and appends nothing.
+    MetricsLogger(tmp_path).truncate_after(2)
+    assert (tmp_path / UNREADABLE_FILE).read_bytes().count(b"\n") == 3

@@ -99,3 +99,39 @@ def test_changed_settings_on_resume(tmp_path):
         "train.seed: '(unset)' -> 1",
     ]
     assert changed_settings(old, {"optim": {"lr": 0.0001}, "train": {"steps": 10}}) == []
+
+
+def test_crash_logs_of_an_earlier_run_are_set_aside_at_the_start(tmp_path):
+    """Issue 31.11: a crash log in the run directory belongs to its latest run."""
+    from megatron_rl_fp8.trainer import run_dir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "crash-rank0.log").write_text("an old traceback\n")
+    cfg = load_config(None, [f"train.output_dir={out}", f"train.cache_dir={tmp_path / 'c'}"])
+    lock, problem = run_dir.prepare(cfg, is_driver=True, rank=0)
+    lock.release()
+    assert problem is None and not (out / "crash-rank0.log").exists()
+    assert (out / "crash-rank0.previous.log").read_text() == "an old traceback\n"
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00\x81garbage", b"[1, 2]", b""])
+def test_a_garbled_lock_file_is_taken_over(tmp_path, content):
+    (tmp_path / ".lock").write_bytes(content)
+    lock = RunLock(tmp_path)
+    lock.acquire()  # no holder: the kernel holds no flock on it
+    assert lock.previous == {}
+    lock.release()
+
+
+def test_a_lock_path_that_is_a_directory_is_one_line_naming_it(tmp_path):
+    (tmp_path / ".lock").mkdir()
+    with pytest.raises(ConfigError, match=r"train.output_dir: .*\.lock is a directory.*remove it"):
+        RunLock(tmp_path).acquire()
+
+
+@pytest.mark.parametrize("saved", [b"- 1\n- 2\n", b"\xff\xfe\x00garbage", b"a: [unclosed\n"])
+def test_a_damaged_saved_config_is_said_not_fatal(tmp_path, saved):
+    (tmp_path / "config.yaml").write_bytes(saved)
+    (item,) = changed_settings(tmp_path / "config.yaml", {"train": {"steps": 1}})
+    assert item.startswith("(the saved config.yaml is ") and "replaced" in item
