@@ -163,6 +163,9 @@ def local_gpu(local_rank: int, device_count: int, backend: str) -> int:
     return local_rank % device_count
 
 
+_OWN_ENV: list[str] = []  # variables initialize() set for a single-process group
+
+
 def initialize(cfg: ParallelConfig, *, seed: int) -> Groups:
     """Init torch.distributed (from torchrun env or single process) and Megatron parallel_state."""
     import torch.distributed as dist
@@ -184,6 +187,7 @@ def initialize(cfg: ParallelConfig, *, seed: int) -> Groups:
             if world > 1:
                 raise RuntimeError("WORLD_SIZE > 1 but MASTER_PORT is unset: launch with torchrun")
             os.environ["MASTER_PORT"] = str(free_port())
+            _OWN_ENV.append("MASTER_PORT")
         dist.init_process_group(
             backend, rank=rank, world_size=world, timeout=timedelta(minutes=cfg.timeout_minutes)
         )
@@ -259,3 +263,7 @@ def destroy() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    # A port this process chose for itself is not for the processes it starts later (they would
+    # inherit it and find it taken) nor for its next group.
+    while _OWN_ENV:
+        os.environ.pop(_OWN_ENV.pop(), None)

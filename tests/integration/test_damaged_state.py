@@ -38,15 +38,12 @@ def _env() -> dict:
     return env
 
 
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+
+
 def _train(out: Path, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        _cmd(out, cache, *overrides),
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return _run(_cmd(out, cache, *overrides))
 
 
 def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
@@ -76,8 +73,17 @@ def _copy(run: Path, tmp_path: Path) -> Path:
 
 
 # -- 1, 2: the shared warm-start cache ------------------------------------------------------------
-def test_concurrent_warm_starts_build_the_cache_entry_once(tmp_path):
-    cache = tmp_path / "cache"  # fresh: both runs want the same entry, neither finds it
+@pytest.mark.parametrize("start", ["fresh cache", "damaged entry"])
+def test_concurrent_warm_starts_build_the_cache_entry_once(tmp_path, cache, healthy_run, start):
+    """Two runs want the same entry at once, and neither finds a usable one: one builds it (or
+    rebuilds the damaged one), the other waits and loads it."""
+    if start == "fresh cache":
+        cache = tmp_path / "cache"
+    else:
+        cache = shutil.copytree(cache, tmp_path / "cache")
+        (entry,) = [p for p in cache.iterdir() if p.is_dir()]
+        shard = sorted(entry.glob("*.distcp"))[0]
+        shard.write_bytes(shard.read_bytes()[:1000])
     procs = [
         subprocess.Popen(
             _cmd(tmp_path / name, cache, "train.steps=1"),
@@ -96,6 +102,7 @@ def test_concurrent_warm_starts_build_the_cache_entry_once(tmp_path):
     # One run built it; the other waited and loaded it (whichever came second).
     assert sum("warm start: SFT step 20/20" in log for log in logs) == 1, logs
     assert sum("warm start: loaded cached SFT policy" in log for log in logs) == 1, logs
+    assert sum("is damaged" in log for log in logs) == (start == "damaged entry"), logs
     (entry,) = [p for p in cache.iterdir() if p.is_dir()]
     assert not list(cache.glob("*.tmp")) and (entry / "manifest.json").is_file()
     # Both started RL from the same policy.
@@ -174,14 +181,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partial_write
         f"ls -a {out}/checkpoints > {listing}; cat {out}/checkpoints/latest >> {listing}; "
         "exit $rc; }"
     )
-    proc = subprocess.run(
-        [*prefix, "sh", "-c", script],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = _run([*prefix, "sh", "-c", script])
     assert proc.returncode == 2, proc.stderr[-3000:]
     (line,) = _error_lines(proc)
     assert line.startswith(f"storage error: cannot write checkpoint {out}/checkpoints/iter_"), line

@@ -20,11 +20,11 @@ def test_inert_when_cuda_is_available(monkeypatch):
 
 
 def test_enable_redirects_cuda_and_disable_restores():
+    was_active = cpu_compat.is_active()  # an in-process run earlier in the session enables it
+    cpu_compat.disable()
     originals = {
         name: getattr(torch.cuda, name) for name in ("current_device", "synchronize", "Stream")
     }
-    was_active = cpu_compat.is_active()
-    cpu_compat.disable()
     try:
         assert cpu_compat.enable(force=True)
         x = torch.zeros(2, device="cuda")
