@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from megatron_rl_fp8.convert.errors import ConvertError
-from megatron_rl_fp8.utils.fs import fsync_dir
+from megatron_rl_fp8.utils.fs import fsync_dir, storage_refusal
 
 
 def fsync_tree(root: Path) -> None:
@@ -94,9 +94,10 @@ def staged_output(out: str | Path, *, overwrite: bool = False, rank: int = 0, wo
     try:
         yield tmp
         _barrier(world)
-    except BaseException:
+    except BaseException as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        _raise_refusal(e, out)
         raise
     if rank == 0:
         try:
@@ -110,7 +111,17 @@ def staged_output(out: str | Path, *, overwrite: bool = False, rank: int = 0, wo
             fsync_dir(out.parent)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            _raise_refusal(e, out)
             raise
     _barrier(world)
+
+
+def _raise_refusal(e: BaseException, out: Path) -> None:
+    """A write the storage refused (full disk, quota, permission) as one line; else nothing."""
+    if isinstance(e, Exception) and (refusal := storage_refusal(e, out.parent)) is not None:
+        raise ConvertError(
+            f"cannot write --out {out}: {refusal}; the partial output was removed and --out is "
+            "as it was"
+        ) from e

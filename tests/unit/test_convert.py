@@ -623,3 +623,23 @@ def test_cli_refuses_out_overlapping_an_input(case, convert_inputs, tmp_path, ca
     assert err.startswith(f"convert error: --out {out} {relation} {flag} {given}; "), err
     assert err.count("\n") == 1 and "outside every input" in err
     assert _tree(tmp_path) == before  # inputs intact, nothing written or deleted
+
+
+def test_a_storage_refusal_while_writing_the_output_is_one_line(tmp_path):
+    """Issue 31.3 for conversion: a full disk mid-write is a ConvertError naming --out, the
+    staging directory is gone and an existing --out is untouched."""
+    import errno
+    import os
+
+    from megatron_rl_fp8.convert.errors import ConvertError
+    from megatron_rl_fp8.convert.staging import staged_output
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("kept")
+    with pytest.raises(ConvertError, match=r"cannot write --out .*out: no space left on the dev"):
+        with staged_output(out, overwrite=True) as tmp:
+            (tmp / "part").write_text("half")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "model.safetensors"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert (out / "old.txt").read_text() == "kept"
