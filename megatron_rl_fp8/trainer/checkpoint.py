@@ -367,7 +367,10 @@ def _state_problem(path: Path, required: dict[str, type]) -> str | None:
     for key, kind in required.items():
         value = state.get(key)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            return f"{TRAINER_STATE}: {key!r} is missing or not a {kind.__name__}"
+            what = {int: "an integer", float: "a number", dict: "a mapping"}.get(
+                kind, kind.__name__
+            )
+            return f"{TRAINER_STATE}: {key!r} is missing or not {what}"
     step = _step(path.name)
     if step is not None and "step" in required and state["step"] != step:
         return f"{TRAINER_STATE}: step {state['step']} in the checkpoint of step {step}"
