@@ -12,6 +12,9 @@ Markdown summary overlaying several runs (see docs/report.md).
 ``megatron-rl-fp8 plan CONFIG.yaml [--gpus-per-node 8] [--nodes N] [section.key=value ...]``: per-GPU
 memory of the run, whether its layout fits, and the layouts that would (see docs/plan.md).
 
+``megatron-rl-fp8 study STUDY.yaml [--jobs N] [--report-only] [--out DIR]``: precision arms x
+seeds, each an ordinary run, and a report with intervals over seeds (see docs/study.md).
+
 ``megatron-rl-fp8 launch CONFIG.yaml [section.key=value ...] --dry-run [--nodes N ...]``: check a
 Slurm layout and print every node role's command (see slurm/README.md).
 """
@@ -171,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         "(`megatron-rl-fp8 plan -h`).",
     )
     sub.add_parser(
+        "study",
+        help="Precision arms x seeds side by side, with intervals (`megatron-rl-fp8 study -h`).",
+    )
+    sub.add_parser(
         "launch",
         help="Slurm: check a multi-node layout and print every node role's command "
         "(`megatron-rl-fp8 launch -h`).",
@@ -184,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_rl_fp8.plan.cli import main as plan_main
 
         return plan_main(argv[1:], prog="megatron-rl-fp8 plan")
+    if argv[:1] == ["study"]:  # its own parser, as plan's
+        from megatron_rl_fp8.study.cli import main as study_main
+
+        return study_main(argv[1:], prog="megatron-rl-fp8 study")
     if argv[:1] == ["launch"]:  # its own parser, as plan's
         from megatron_rl_fp8.launch.cli import main as launch_main
 

@@ -62,7 +62,7 @@ def exact_calibrated_clip_bounds(
     bf16_neg_unclipped = float(w16[neg & (x16 >= log_lower)].sum())
     if strategy == "shift":
         upper = lower * nominal_upper / nominal_lower
-    elif not bool(pos.any()) or bf16_neg_unclipped == 0:
+    elif strategy == "lower_only" or not bool(pos.any()) or bf16_neg_unclipped == 0:
         upper = nominal_upper
     else:
         balance = float(w16[pos & (x16 <= log_upper)].sum()) / bf16_neg_unclipped

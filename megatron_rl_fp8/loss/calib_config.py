@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from megatron_rl_fp8.config_utils import field
 
-Strategy = Literal["balance", "shift"]
+Strategy = Literal["balance", "shift", "lower_only"]
+STRATEGIES = ("balance", "shift", "lower_only")
 
 DEFAULT_BINS = 4096
 DEFAULT_LOG_RATIO_RANGE = (-2.0, 2.0)
@@ -37,7 +38,8 @@ class CalibConfig:
     strategy: Strategy = field(
         default="balance",
         help="Upper-bound rule: 'balance' matches BF16's positive/negative update "
-        "balance; 'shift' keeps the nominal log-width of the clip interval.",
+        "balance; 'shift' keeps the nominal log-width of the clip interval; 'lower_only' keeps "
+        "the nominal upper bound (the paper's ablation: it over-penalises).",
     )
     bins: int = field(
         default=DEFAULT_BINS,
@@ -105,9 +107,10 @@ def check_solver_args(
     owner: str = "",
 ) -> None:
     """Validate the calibration solver arguments; errors name ``owner + field``."""
-    if strategy not in ("balance", "shift"):
+    if strategy not in STRATEGIES:
         raise ValueError(
-            f"{owner}strategy={strategy!r} is not supported; use 'balance' (default) or 'shift'."
+            f"{owner}strategy={strategy!r} is not supported; use 'balance' (default), 'shift' "
+            "or 'lower_only'."
         )
     if not isinstance(bins, int) or bins < 16:
         raise ValueError(f"{owner}bins={bins!r} must be an int >= 16 (4096 is a good default).")

@@ -21,7 +21,8 @@ gives BF16 log ratios next to the FP8 ones for the same tokens:
    The FP8 upper bound u is chosen so that FP8's balance under (calibrated lower, u) equals BF16's
    balance under the nominal bounds. The numerator only grows with u, so u is found by inverting a
    cumulative histogram. ``strategy="shift"`` instead keeps the log-width of the nominal interval:
-   ``log u = log lower_fp8 + log((1 + eps_high) / (1 - eps_low))``.
+   ``log u = log lower_fp8 + log((1 + eps_high) / (1 - eps_low))``; ``strategy="lower_only"``
+   keeps the nominal upper bound, the ablation the paper reports over-penalising (kept to show it).
 3. Bounds are clamped to safety limits, and the trainer smooths successive calibrations with
    :func:`ema_bounds`.
 
@@ -272,7 +273,7 @@ def bounds_from_histogram(
     bf16_balance = _ratio(s["bf16_pos_unclipped"], s["bf16_neg_unclipped"])
     if strategy == "shift":
         upper = lower * nominal_upper / nominal_lower
-    elif n_pos == 0 or math.isnan(bf16_balance):
+    elif strategy == "lower_only" or n_pos == 0 or math.isnan(bf16_balance):
         upper = nominal_upper
     else:
         target = bf16_balance * fp8_neg_unclipped(log_l)

@@ -66,7 +66,7 @@ def test_calibration_restores_bf16_clip_share_and_balance():
     assert stats["hist_bytes"] == 8 * (4 * 4096 + 7)
 
 
-@pytest.mark.parametrize("strategy", ["balance", "shift"])
+@pytest.mark.parametrize("strategy", ["balance", "shift", "lower_only"])
 def test_histogram_bounds_agree_with_exact_reference(strategy):
     fp8, bf16, adv, mask = _fp8_biased_batch(seed=1)
     lower, upper = calibrated_clip_bounds(
@@ -80,6 +80,8 @@ def test_histogram_bounds_agree_with_exact_reference(strategy):
     if strategy == "shift":
         width = math.log((1 + EPS_HIGH) / (1 - EPS_LOW))
         assert math.log(upper) - math.log(lower) == pytest.approx(width, rel=1e-12)
+    if strategy == "lower_only":  # the ablation: the lower bound calibrated, the upper nominal
+        assert upper == 1 + EPS_HIGH and lower < 1 - EPS_LOW
 
 
 def test_masked_and_zero_advantage_tokens_are_ignored():

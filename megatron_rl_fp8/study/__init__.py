@@ -1,0 +1,1 @@
+"""Studies: precision arms x seeds run side by side, and their report with intervals."""

@@ -1,0 +1,74 @@
+"""``megatron-rl-fp8 study STUDY.yaml [--jobs N] [--report-only] [--out DIR]`` (see runner.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megatron_rl_fp8.config_utils import ConfigError
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Run a study (precision arms x seeds, each an ordinary run) and write its "
+        "report: per-arm means with 95%% intervals over seeds, differences from the reference "
+        "arm, curves with seed bands. Re-running resumes unfinished runs and skips finished ones.",
+    )
+    p.add_argument("study", help="Study file (examples/studies/*.yaml; format: docs/study.md).")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="Runs at a time (default: one per CPU core this process may use; each run gets "
+        "cores / jobs threads).",
+    )
+    p.add_argument(
+        "--out", default=None, help="Study directory (default: runs/studies/<study name>)."
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="Write the report from the runs that exist; run nothing.",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> int:
+    args = build_parser(prog).parse_args(argv)
+    from megatron_rl_fp8.study.report import write_study_report
+    from megatron_rl_fp8.study.runner import load_study, run_study
+
+    try:
+        if args.jobs is not None and args.jobs < 1:
+            raise ConfigError(f"--jobs {args.jobs}: give at least 1")
+        study = load_study(args.study, args.out)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        jobs = min(args.jobs or cores or 1, len(study.runs))
+        failed = 0
+        if not args.report_only:
+            print(
+                f"study {study.name}: {len(study.arms)} arms x {len(study.seeds)} seeds = "
+                f"{len(study.runs)} runs in {study.out}, {jobs} at a time"
+            )
+            counts = run_study(study, jobs)
+            print("study: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items())))
+            failed = counts.get("failed", 0)
+        arms = {
+            arm: {r.seed: r.path for r in study.runs if r.arm == arm and r.state() != "new"}
+            for arm in study.arms
+        }
+        arms = {a: seeds for a, seeds in arms.items() if seeds}
+        if study.reference not in arms:
+            raise ConfigError(
+                f"study {study.name}: the reference arm {study.reference!r} has no runs in "
+                f"{study.out} yet; run the study first"
+            )
+        title = study.name + (f": {study.description}" if study.description else "")
+        report = write_study_report(arms, study.reference, study.out / "report", title)
+        print(f"report: {report}")
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 1 if failed else 0

@@ -1,0 +1,306 @@
+"""``megatron-rl-fp8 study STUDY.yaml``: precision arms x seeds, each an ordinary run, side by side.
+
+A study file names a base config, the settings every run shares, the *arms* (name -> the settings
+that make it, e.g. BF16, FP8 rollout only, full FP8 with nominal or calibrated clip bounds) and the
+seeds::
+
+    name: calibration_tiny              # default: the file's stem
+    description: what the study asks    # optional, shown in the report
+    base: ../tiny_cpu.yaml              # relative to the study file
+    overrides: {train.steps: 20}        # every run
+    seeds: [1, 2, 3]                    # train.seed of each run; also pairs the arms' runs
+    reference: bf16                     # default: the first arm
+    arms:
+      bf16: {}
+      fp8_calibrated: {fp8.enabled: true, loss.calib.enabled: true}
+
+Each (arm, seed) is a run directory ``<study dir>/<arm>/seed<seed>`` holding its frozen config
+(``study_config.yaml``, the fully resolved settings) and everything a run writes. Running the
+command again resumes unfinished runs from their checkpoints and skips finished ones, so killing
+it (``kill -9`` included; its runs die with it) loses at most the steps since each run's last
+checkpoint. A run the guard stopped (exit 3) is a result, not a failure: it is not run again.
+
+Everything is checked before any run starts: the study file's keys, every arm's settings through
+the same validation as ``train`` (one line naming the arm and the field), and, for runs that
+already exist, that their frozen config is still what the study file says.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from megatron_rl_fp8.config import RunConfig, load_config
+from megatron_rl_fp8.config_utils import ConfigError, to_dict
+from megatron_rl_fp8.trainer import checkpoint
+from megatron_rl_fp8.trainer.run_dir import changed_settings
+from megatron_rl_fp8.utils.fs import atomic_write_text
+
+KEYS = ("name", "description", "base", "overrides", "seeds", "reference", "arms")
+RUN_CONFIG = "study_config.yaml"
+RUN_STATUS = "study_status.json"
+RUN_LOG = "study.log"
+GUARD_STOP_EXIT = 3
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+@dataclass
+class StudyRun:
+    arm: str
+    seed: int
+    path: Path
+    config: RunConfig
+
+    @property
+    def label(self) -> str:
+        return f"{self.arm} seed {self.seed}"
+
+    def state(self) -> str:
+        """``done`` (reached train.steps), ``stopped`` (by the guard), ``failed``, ``partial``
+        (checkpoints, not finished) or ``new``."""
+        status = _read_status(self.path)
+        if (
+            checkpoint.latest_name(self.path / "checkpoints")
+            == f"iter_{self.config.train.steps:07d}"
+        ):
+            return "done"
+        if status.get("state") == "stopped":
+            return "stopped"
+        if status.get("state") == "failed":
+            return "failed"
+        return "partial" if (self.path / "checkpoints").is_dir() else "new"
+
+    def last_step(self) -> int:
+        """The newest step in the run's metrics.jsonl (its last line; 0 when none yet)."""
+        try:
+            with open(self.path / "metrics.jsonl", "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+                lines = f.read().splitlines()
+            for line in reversed(lines):
+                step = json.loads(line).get("step")
+                if isinstance(step, int):
+                    return step
+        except (OSError, ValueError):
+            pass
+        return 0
+
+
+@dataclass
+class Study:
+    name: str
+    description: str
+    path: Path  # the study file
+    out: Path  # the study directory
+    reference: str
+    arms: dict[str, dict]
+    seeds: list[int]
+    runs: list[StudyRun]
+
+
+def _read_status(run_dir: Path) -> dict:
+    try:
+        status = json.loads((run_dir / RUN_STATUS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
+def _settings(value, where: str) -> dict:
+    """Overrides as a mapping of dotted keys: written as a mapping or as ``key=value`` strings."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise ConfigError(f"{where}: keys must be dotted setting names, got {bad[0]!r}")
+        return dict(value)
+    if isinstance(value, list) and all(isinstance(v, str) and "=" in v for v in value):
+        pairs = [v.split("=", 1) for v in value]
+        return {k.strip(): yaml.safe_load(v) for k, v in pairs}
+    raise ConfigError(
+        f"{where}: expected a mapping of settings (train.steps: 20) or a list of key=value "
+        f"strings, got {value!r:.60}"
+    )
+
+
+def _as_overrides(settings: dict) -> list[str]:
+    # JSON is YAML: every value reads back as written (strings stay strings, 1e-3 a number).
+    return [f"{k}={json.dumps(v)}" for k, v in settings.items()]
+
+
+def load_study(path: str | Path, out: str | Path | None = None) -> Study:
+    """Read and check a study file and plan its runs; every problem is one ConfigError line
+    naming the study file, before anything is written."""
+    path = Path(path)
+    where = f"study file {str(path)!r}"
+    if not path.is_file():
+        raise ConfigError(
+            f"{where} does not exist" + (" (it is a directory)" if path.is_dir() else "")
+        )
+    try:
+        data = yaml.safe_load(path.read_bytes().decode())
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise ConfigError(f"{where} is not a readable YAML file ({type(e).__name__})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must hold a mapping ({', '.join(KEYS)})")
+    unknown = sorted(set(map(str, data)) - set(KEYS))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys: "
+            f"{', '.join(KEYS)}"
+        )
+    if not data.get("base"):
+        raise ConfigError(f"{where}: 'base' (the config every run starts from) is missing")
+    base = (path.parent / str(data["base"])).resolve()
+    seeds = data.get("seeds")
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
+    ):
+        raise ConfigError(f"{where}: 'seeds' must be a non-empty list of integers, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"{where}: 'seeds' lists a seed twice: {seeds}")
+    arms = data.get("arms")
+    if not isinstance(arms, dict) or not arms:
+        raise ConfigError(f"{where}: 'arms' must map at least one arm name to its settings")
+    for name in arms:
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ConfigError(
+                f"{where}: arm name {name!r} must be letters, digits, '_', '-' or '.' (it names "
+                "the arm's directory)"
+            )
+    arm_settings = {a: _settings(v, f"{where}: arm {a!r}") for a, v in arms.items()}
+    reference = data.get("reference", next(iter(arms)))
+    if reference not in arms:
+        raise ConfigError(f"{where}: reference {reference!r} is not an arm ({', '.join(arms)})")
+    common = _settings(data.get("overrides"), f"{where}: 'overrides'")
+    name = str(data.get("name") or path.stem)
+    out = Path(out) if out is not None else Path("runs") / "studies" / name
+    runs = []
+    for seed in seeds:
+        for arm, settings in arm_settings.items():
+            run_dir = (out / arm / f"seed{seed}").absolute()
+            own = {"train.seed": seed, "train.output_dir": str(run_dir)}
+            try:
+                cfg = load_config(base, _as_overrides({**common, **settings, **own}))
+                cfg.validate(1)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: arm {arm!r}: {e}") from None
+            runs.append(StudyRun(arm, seed, run_dir, cfg))
+    study = Study(
+        name, str(data.get("description") or ""), path, out, reference, arm_settings, seeds, runs
+    )
+    _check_frozen(study, where)
+    return study
+
+
+def _check_frozen(study: Study, where: str) -> None:
+    """A run that exists must still be the run the study file describes."""
+    for run in study.runs:
+        frozen = run.path / RUN_CONFIG
+        if frozen.is_file():
+            changed = changed_settings(frozen, to_dict(run.config))
+            if changed:
+                raise ConfigError(
+                    f"{where}: {run.label} was started with other settings ({'; '.join(changed)}"
+                    f"); restore the study file, or give --out a new directory (or delete "
+                    f"{run.path})"
+                )
+
+
+# -- running -------------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the study process dies (Linux), so a killed
+    study leaves no run behind; a resumed study restarts them from their checkpoints."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _start(run: StudyRun, threads: int) -> subprocess.Popen:
+    run.path.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run.path / RUN_CONFIG, run.config.to_yaml())
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    log = open(run.path / RUN_LOG, "ab")
+    cmd = [sys.executable, "-m", "megatron_rl_fp8", "train", str(run.path / RUN_CONFIG)]
+    try:
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+        )
+    finally:
+        log.close()
+
+
+def _last_line(path: Path) -> str:
+    """The run's own last error line from its log (not library warnings)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    kinds = ("config error:", "data error:", "storage error:", "guard:", "error:", "sglang error:")
+    mine = [x.strip() for x in lines if x.strip().startswith(kinds)]
+    return (mine or [x for x in lines if x.strip()] or [""])[-1][:300]
+
+
+def run_study(study: Study, jobs: int, *, echo=print) -> dict[str, int]:
+    """Run every unfinished run, ``jobs`` at a time; returns the count of runs per final state."""
+    todo = [r for r in study.runs if r.state() not in ("done", "stopped")]
+    skipped = len(study.runs) - len(todo)
+    if skipped:
+        echo(f"study: {skipped} of {len(study.runs)} runs already finished; skipping them")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // max(1, jobs))
+    from tqdm.auto import tqdm
+
+    total = sum(r.config.train.steps for r in study.runs)
+    bar = tqdm(total=total, desc=f"study {study.name}", dynamic_ncols=True, leave=False)
+    running: dict[int, tuple[StudyRun, subprocess.Popen, float]] = {}
+    pending = list(todo)
+
+    def progress() -> None:
+        bar.n = sum(min(r.last_step(), r.config.train.steps) for r in study.runs)
+        bar.set_postfix_str(", ".join(f"{r.label}" for r, _, _ in running.values()))
+
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                run = pending.pop(0)
+                proc = _start(run, threads)
+                running[proc.pid] = (run, proc, time.perf_counter())
+            time.sleep(0.5)
+            for pid, (run, proc, t0) in list(running.items()):
+                rc = proc.poll()
+                if rc is None:
+                    continue
+                del running[pid]
+                state = "done" if rc == 0 else "stopped" if rc == GUARD_STOP_EXIT else "failed"
+                status = {"state": state, "rc": rc, "seconds": round(time.perf_counter() - t0, 1)}
+                if rc:
+                    status["line"] = _last_line(run.path / RUN_LOG)
+                atomic_write_text(run.path / RUN_STATUS, json.dumps(status) + "\n")
+                why = f": {status['line']}" if rc else ""
+                bar.write(f"study: {run.label}: {state} in {status['seconds']:.0f} s{why}")
+            progress()
+            bar.refresh()
+    finally:
+        for _, proc, _ in running.values():  # interrupted: the runs resume next time
+            proc.kill()
+            proc.wait()
+        bar.close()
+    counts: dict[str, int] = {}
+    for run in study.runs:
+        counts[run.state()] = counts.get(run.state(), 0) + 1
+    return counts

@@ -1,0 +1,161 @@
+"""``megatron-rl-fp8 study`` end to end on the tiny job: a 2-arm x 2-seed x 2-step study runs,
+writes its report, and a study killed after its first finished run and started again ends with
+exactly the runs of an uninterrupted one (each run resumes from its checkpoints or is skipped).
+The report's per-arm numbers are recomputed here from the runs' metrics.jsonl.
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_rl_fp8.metrics.logger import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+T_975_DF1 = 12.706204736  # Student t, 97.5% quantile, 1 degree of freedom (two seeds)
+
+
+def _study_file(tmp_path: Path, cache: Path, **changes) -> Path:
+    study = {
+        "name": "smoke",
+        "base": str(ROOT / "examples" / "tiny_cpu.yaml"),
+        "overrides": {
+            "sft.steps": 20,
+            "train.steps": 2,
+            "train.prompts_per_step": 8,
+            "train.eval_prompts": 8,
+            "train.eval_interval": 1,
+            "train.save_interval": 1,
+            "train.cache_dir": str(cache),
+        },
+        "seeds": [1, 2],
+        "arms": {"bf16": {}, "fp8_rollout": {"rollout.fp8.weight_quant": "blockwise"}},
+        **changes,
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study))
+    return path
+
+
+def _cmd(study: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "megatron_rl_fp8", "study", str(study), "--out", str(out), *extra]
+
+
+def _env() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+
+
+def _study(study: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _cmd(study, out, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600
+    )
+
+
+def _records(run_dir: Path) -> list[dict]:
+    """The run's metrics without its timings (which differ between any two runs)."""
+    return [
+        {k: v for k, v in r.items() if not k.startswith("perf/")} for r in read_metrics(run_dir)
+    ]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("study")
+    cache = tmp / "cache"
+    study = _study_file(tmp, cache)
+    proc = _study(study, tmp / "out", "--jobs", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, study, proc
+
+
+def test_a_study_runs_every_arm_and_seed_and_reports_them(finished):
+    tmp, _, proc = finished
+    out = tmp / "out"
+    assert "2 arms x 2 seeds = 4 runs" in proc.stdout and "study: 4 done" in proc.stdout
+    for arm in ("bf16", "fp8_rollout"):
+        for seed in (1, 2):
+            run = out / arm / f"seed{seed}"
+            assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+            assert yaml.safe_load((run / "study_config.yaml").read_text())["train"]["seed"] == seed
+    assert (out / "report" / "report.md").is_file() and (out / "report" / "curves.png").is_file()
+    # Same seed, same SFT start: the cached warm start was built once per seed, used by both arms.
+    step0 = {(a, s): read_metrics(out / a / f"seed{s}")[0] for a in ("bf16", "fp8_rollout")
+             for s in (1, 2)}  # fmt: skip
+    for s in (1, 2):
+        assert step0[("bf16", s)]["sft/final_loss"] == step0[("fp8_rollout", s)]["sft/final_loss"]
+
+
+def test_the_reports_numbers_are_the_runs_metrics(finished):
+    tmp, _, _ = finished
+    out = tmp / "out"
+    numbers = json.loads((out / "report" / "study.json").read_text())
+    for arm in ("bf16", "fp8_rollout"):
+        finals = []
+        for seed in (1, 2):
+            evals = [r["eval/reward_mean"] for r in read_metrics(out / arm / f"seed{seed}")
+                     if "eval/reward_mean" in r]  # fmt: skip
+            finals.append(evals[-1])
+        mean = sum(finals) / 2
+        half = T_975_DF1 * abs(finals[0] - finals[1]) / math.sqrt(2) / math.sqrt(2)
+        got = numbers["arms"][arm]["stats"]["final_accuracy"]
+        assert got["n"] == 2 and got["mean"] == pytest.approx(mean, abs=1e-12)
+        if half > 0:
+            assert got["lo"] == pytest.approx(mean - half, rel=1e-6)
+            assert got["hi"] == pytest.approx(mean + half, rel=1e-6)
+    diff = numbers["arms"]["fp8_rollout"]["diff"]["final_accuracy"]
+    assert diff["test"] == "paired"
+
+
+def test_a_killed_study_resumes_to_the_uninterrupted_result(finished, tmp_path):
+    tmp, study, _ = finished
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        _cmd(study, out, "--jobs", "1"),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 300
+        while not list(out.glob("*/seed*/study_status.json")) and time.time() < deadline:
+            time.sleep(0.2)
+        assert list(out.glob("*/seed*/study_status.json")), "no run finished in 300 s"
+        # The next run has started; kill the study in the middle of it (its runs die with it).
+        time.sleep(3)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    again = _study(study, out, "--jobs", "1")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "runs already finished; skipping them" in again.stdout
+    for arm in ("bf16", "fp8_rollout"):
+        for seed in (1, 2):
+            run = f"{arm}/seed{seed}"
+            assert _records(out / run) == _records(tmp / "out" / run), run
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"arm": {}}, "unknown key(s) 'arm'; valid keys: name, description, base"),
+        ({"seeds": []}, "'seeds' must be a non-empty list of integers"),
+        ({"arms": {"bf16": {"optim.lr": -1.0}}}, "arm 'bf16': optim"),
+        ({"arms": {"bf16": {"train.nope": 1}}}, "arm 'bf16': unknown key(s) 'nope' in train"),
+        ({"reference": "fp8"}, "reference 'fp8' is not an arm"),
+    ],
+)
+def test_bad_study_files_are_one_line_before_any_run(tmp_path, changes, message):
+    study = _study_file(tmp_path, tmp_path / "cache", **changes)
+    proc = _study(study, tmp_path / "out")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("config error:")]
+    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
