@@ -74,9 +74,10 @@ def test_fleet_wait_is_the_time_short_of_engines_in_flight():
     # Two engines; requests (sent, answered): both busy until 2, then one request left until 5.
     spans = [(0.0, 2.0), (0.0, 5.0), (0.0, 1.0), (1.0, 2.0)]
     assert short_of_engines(spans, 2) == pytest.approx(3.0)
-    # One engine waits on nothing but gaps without any request in flight.
+    # One engine never waits; a gap with no request in flight is the driver's, not an engine's.
     assert short_of_engines(spans, 1) == 0.0
-    assert short_of_engines([(0.0, 1.0), (2.0, 3.0)], 1) == pytest.approx(1.0)
+    assert short_of_engines([(0.0, 1.0), (2.0, 3.0)], 1) == 0.0
+    assert short_of_engines([(0.0, 1.0), (2.0, 4.0), (2.0, 3.0)], 2) == pytest.approx(2.0)
     # Fewer requests than engines: some engine idles the whole time.
     assert short_of_engines([(0.0, 4.0)], 3) == pytest.approx(4.0)
     assert short_of_engines([], 2) == 0.0

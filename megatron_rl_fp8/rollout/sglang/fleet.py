@@ -95,18 +95,20 @@ from megatron_rl_fp8.sync.buckets import Bucket
 
 
 def short_of_engines(spans: list[tuple[float, float]], engines: int) -> float:
-    """Seconds between the first request sent and the last answered during which fewer than
-    ``engines`` of the requests ``spans`` ((sent, answered) times) were in flight.
+    """Seconds between the first request sent and the last answered during which some but
+    fewer than ``engines`` of the requests ``spans`` ((sent, answered) times) were in flight.
 
-    Whatever the router did, at least one engine had nothing to do then: the rollout was waiting
-    on its slowest engines (typically the tail, where the longest completions finish). Zero
-    for one engine (in flight < 1 only between requests)."""
+    Whatever the router did, at least one engine had nothing to do then while another worked:
+    the rollout was waiting on its slowest engines (typically the tail, where the longest
+    completions finish). Moments with no request in flight at all (the driver's threads not yet
+    sending, on a loaded machine) are the driver's time, not an engine's: not counted, so one
+    engine never waits."""
     if not spans or engines < 1:
         return 0.0
     events = sorted([(t0, 1) for t0, _ in spans] + [(t1, -1) for _, t1 in spans])
     short, in_flight, last = 0.0, 0, events[0][0]
     for t, change in events:
-        if in_flight < engines:
+        if 0 < in_flight < engines:
             short += t - last
         in_flight += change
         last = t
