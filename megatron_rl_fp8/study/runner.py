@@ -229,19 +229,28 @@ def _die_with_parent() -> None:
         pass
 
 
-def _start(run: StudyRun, threads: int) -> subprocess.Popen:
+def _start(run: StudyRun, threads: int) -> tuple[subprocess.Popen, int]:
+    """Start (or resume) the run; (its process, its thread count). A resumed run keeps the
+    thread count it started with: CPU reductions depend on it, and a resume continues the
+    numbers of the run it resumes whatever ``--jobs`` is now."""
     run.path.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run.path / RUN_CONFIG, run.config.to_yaml())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    before = _read_status(run.path).get("threads")
+    threads = before if isinstance(before, int) and before > 0 else threads
     env.setdefault("OMP_NUM_THREADS", str(threads))
+    threads = int(env["OMP_NUM_THREADS"]) if env["OMP_NUM_THREADS"].isdigit() else threads
+    status = {"state": "running", "threads": threads}
+    atomic_write_text(run.path / RUN_STATUS, json.dumps(status) + "\n")
     log = open(run.path / RUN_LOG, "ab")
     cmd = [sys.executable, "-m", "megatron_rl_fp8", "train", str(run.path / RUN_CONFIG)]
     try:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
         )
     finally:
         log.close()
+    return proc, threads
 
 
 def _last_line(path: Path) -> str:
@@ -267,27 +276,28 @@ def run_study(study: Study, jobs: int, *, echo=print) -> dict[str, int]:
 
     total = sum(r.config.train.steps for r in study.runs)
     bar = tqdm(total=total, desc=f"study {study.name}", dynamic_ncols=True, leave=False)
-    running: dict[int, tuple[StudyRun, subprocess.Popen, float]] = {}
+    running: dict[int, tuple[StudyRun, subprocess.Popen, float, int]] = {}
     pending = list(todo)
 
     def progress() -> None:
         bar.n = sum(min(r.last_step(), r.config.train.steps) for r in study.runs)
-        bar.set_postfix_str(", ".join(f"{r.label}" for r, _, _ in running.values()))
+        bar.set_postfix_str(", ".join(f"{r.label}" for r, *_ in running.values()))
 
     try:
         while pending or running:
             while pending and len(running) < jobs:
                 run = pending.pop(0)
-                proc = _start(run, threads)
-                running[proc.pid] = (run, proc, time.perf_counter())
+                proc, used = _start(run, threads)
+                running[proc.pid] = (run, proc, time.perf_counter(), used)
             time.sleep(0.5)
-            for pid, (run, proc, t0) in list(running.items()):
+            for pid, (run, proc, t0, used) in list(running.items()):
                 rc = proc.poll()
                 if rc is None:
                     continue
                 del running[pid]
                 state = "done" if rc == 0 else "stopped" if rc == GUARD_STOP_EXIT else "failed"
-                status = {"state": state, "rc": rc, "seconds": round(time.perf_counter() - t0, 1)}
+                seconds = round(time.perf_counter() - t0, 1)
+                status = {"state": state, "rc": rc, "seconds": seconds, "threads": used}
                 if rc:
                     status["line"] = _last_line(run.path / RUN_LOG)
                 atomic_write_text(run.path / RUN_STATUS, json.dumps(status) + "\n")
@@ -296,7 +306,7 @@ def run_study(study: Study, jobs: int, *, echo=print) -> dict[str, int]:
             progress()
             bar.refresh()
     finally:
-        for _, proc, _ in running.values():  # interrupted: the runs resume next time
+        for _, proc, *_ in running.values():  # interrupted: the runs resume next time
             proc.kill()
             proc.wait()
         bar.close()

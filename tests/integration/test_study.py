@@ -65,6 +65,17 @@ def _records(run_dir: Path) -> list[dict]:
     ]
 
 
+def _finished(out: Path) -> list[Path]:
+    done = []
+    for status in out.glob("*/seed*/study_status.json"):
+        try:
+            if json.loads(status.read_text()).get("state") == "done":
+                done.append(status.parent)
+        except ValueError:  # being replaced right now
+            pass
+    return done
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("study")
@@ -117,7 +128,7 @@ def test_a_killed_study_resumes_to_the_uninterrupted_result(finished, tmp_path):
     tmp, study, _ = finished
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        _cmd(study, out, "--jobs", "1"),
+        _cmd(study, out, "--jobs", "2"),  # the fixture's: the same threads per run
         cwd=ROOT,
         env=_env(),
         stdout=subprocess.DEVNULL,
@@ -125,15 +136,15 @@ def test_a_killed_study_resumes_to_the_uninterrupted_result(finished, tmp_path):
     )
     try:
         deadline = time.time() + 300
-        while not list(out.glob("*/seed*/study_status.json")) and time.time() < deadline:
+        while not _finished(out) and time.time() < deadline:
             time.sleep(0.2)
-        assert list(out.glob("*/seed*/study_status.json")), "no run finished in 300 s"
+        assert _finished(out), "no run finished in 300 s"
         # The next run has started; kill the study in the middle of it (its runs die with it).
         time.sleep(3)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    again = _study(study, out, "--jobs", "1")
+    again = _study(study, out, "--jobs", "2")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "runs already finished; skipping them" in again.stdout
     for arm in ("bf16", "fp8_rollout"):
@@ -152,10 +163,11 @@ def test_a_killed_study_resumes_to_the_uninterrupted_result(finished, tmp_path):
         ({"reference": "fp8"}, "reference 'fp8' is not an arm"),
     ],
 )
-def test_bad_study_files_are_one_line_before_any_run(tmp_path, changes, message):
+def test_bad_study_files_are_one_line_before_any_run(tmp_path, capsys, changes, message):
+    from megatron_rl_fp8.cli import main
+
     study = _study_file(tmp_path, tmp_path / "cache", **changes)
-    proc = _study(study, tmp_path / "out")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [x for x in proc.stderr.splitlines() if x.startswith("config error:")]
-    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+    assert main(["study", str(study), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("config error: ") and message in err[0], err
     assert not (tmp_path / "out").exists()
