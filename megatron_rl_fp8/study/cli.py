@@ -13,7 +13,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Run a study (precision arms x seeds, each an ordinary run) and write its "
-        "report: per-arm means with 95%% intervals over seeds, differences from the reference "
+        "report: per-arm means with 95% intervals over seeds, differences from the reference "
         "arm, curves with seed bands. Re-running resumes unfinished runs and skips finished ones.",
     )
     p.add_argument("study", help="Study file (examples/studies/*.yaml; format: docs/study.md).")
