@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from megatron_rl_fp8.config_utils import ConfigError
@@ -38,14 +37,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> int:
     args = build_parser(prog).parse_args(argv)
     from megatron_rl_fp8.study.report import write_study_report
-    from megatron_rl_fp8.study.runner import load_study, run_study
+    from megatron_rl_fp8.study.runner import load_study, run_study, usable_cores
 
     try:
         if args.jobs is not None and args.jobs < 1:
             raise ConfigError(f"--jobs {args.jobs}: give at least 1")
         study = load_study(args.study, args.out)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        jobs = min(args.jobs or cores or 1, len(study.runs))
+        jobs = min(args.jobs or usable_cores(), len(study.runs))
         failed = 0
         if not args.report_only:
             print(

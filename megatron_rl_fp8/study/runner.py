@@ -264,14 +264,20 @@ def _last_line(path: Path) -> str:
     return (mine or [x for x in lines if x.strip()] or [""])[-1][:300]
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def run_study(study: Study, jobs: int, *, echo=print) -> dict[str, int]:
     """Run every unfinished run, ``jobs`` at a time; returns the count of runs per final state."""
     todo = [r for r in study.runs if r.state() not in ("done", "stopped")]
     skipped = len(study.runs) - len(todo)
     if skipped:
         echo(f"study: {skipped} of {len(study.runs)} runs already finished; skipping them")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) // max(1, jobs))
+    threads = max(1, usable_cores() // max(1, jobs))
     from tqdm.auto import tqdm
 
     total = sum(r.config.train.steps for r in study.runs)
