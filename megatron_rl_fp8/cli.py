@@ -4,7 +4,7 @@
 its resolved value, its default and its help (``*`` marks values that differ from the default).
 
 ``megatron-rl-fp8 convert hf-to-mcore|mcore-to-hf|export-fp8 ...``: checkpoint conversion
-(same as tools/convert_checkpoint.py; see docs/convert.md).
+(see docs/convert.md).
 
 ``megatron-rl-fp8 report RUN_DIR [RUN_DIR ...] --out DIR [--label NAME ...]``: PNG figures and a
 Markdown summary overlaying several runs (see docs/report.md).
@@ -37,7 +37,7 @@ def _train(args) -> int:
     cfg.validate(world_from_env()[1])
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.config_utils import ConfigError
-    from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError
+    from megatron_rl_fp8.rollout.errors import RolloutEngineError
     from megatron_rl_fp8.trainer.guard import GuardStop
     from megatron_rl_fp8.trainer.loop import Trainer
     from megatron_rl_fp8.utils.fs import storage_refusal
@@ -55,7 +55,7 @@ def _train(args) -> int:
         return 3
     except ConfigError:
         raise  # the one-line form, in main()
-    except SGLangServerError as e:
+    except RolloutEngineError as e:
         # The engines' side failed (an engine that will not start, none left serving): the
         # message names the setting and the engine log; the traceback adds nothing but goes to
         # the run directory all the same.

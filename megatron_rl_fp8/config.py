@@ -20,12 +20,21 @@ from megatron_rl_fp8.metrics.config import LoggingConfig
 from megatron_rl_fp8.metrics.logger import require_packages
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.memory import MemoryConfig
-from megatron_rl_fp8.models.pretrained import check_model_matches, fill_model_section
+from megatron_rl_fp8.models.pretrained import (
+    check_model_matches,
+    check_ref_checkpoint,
+    fill_model_section,
+)
 from megatron_rl_fp8.parallel import ParallelConfig, check_context_parallel
 from megatron_rl_fp8.reward.verifiers import RewardConfig
-from megatron_rl_fp8.rollout.base import RolloutConfig
-from megatron_rl_fp8.trainer.config import OptimConfig, PolicyLossConfig, SFTConfig, TrainConfig
-from megatron_rl_fp8.trainer.guard import GuardConfig
+from megatron_rl_fp8.rollout.config import RolloutConfig
+from megatron_rl_fp8.trainer.config import (
+    GuardConfig,
+    OptimConfig,
+    PolicyLossConfig,
+    SFTConfig,
+    TrainConfig,
+)
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 SFT_STEPS_FROM_SCRATCH = 300
@@ -77,8 +86,6 @@ class RunConfig:
         p, m, t = self.parallel, self.model, self.train
         check_model_matches(m, p.tensor_model_parallel_size)
         if self.loss.kl_coef > 0:
-            from megatron_rl_fp8.trainer.reference import check_ref_checkpoint
-
             check_ref_checkpoint(m)
         self._check_reward()
         # On every rank: only the driver logs, but a missing package must stop all of them.

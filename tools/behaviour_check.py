@@ -67,7 +67,9 @@ def compare(a: Path, b: Path) -> int:
     for i, (x, y) in enumerate(zip(ra, rb)):
         for key in sorted(set(x) | set(y)):
             if x.get(key, "<absent>") != y.get(key, "<absent>"):
-                diffs.append(f"record {i} (step {x.get('step')}): {key}: {x.get(key, '<absent>')} != {y.get(key, '<absent>')}")
+                diffs.append(
+                    f"record {i} (step {x.get('step')}): {key}: {x.get(key, '<absent>')} != {y.get(key, '<absent>')}"
+                )
     ga, gb = (p / "guard_events.jsonl" for p in (a, b))
     if (ga.read_text() if ga.exists() else "") != (gb.read_text() if gb.exists() else ""):
         diffs.append("guard_events.jsonl differs")

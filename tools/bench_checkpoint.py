@@ -1,5 +1,5 @@
 """What trusting a checkpoint costs: manifest hashing at save, and each resume verification, next
-to the save and the load themselves (trainer/checkpoint.py).
+to the save and the load themselves (megatron_rl_fp8/checkpoint/).
 
 One gloo rank saves a real dist checkpoint (``--tensors`` float32 ShardedTensors totalling
 ``--mb`` MB) and times, median of ``--repeat`` runs:
@@ -52,8 +52,8 @@ def main() -> None:
 
     import torch.distributed as dist
 
+    from megatron_rl_fp8 import checkpoint
     from megatron_rl_fp8.parallel import cpu_compat, free_port
-    from megatron_rl_fp8.trainer import checkpoint
 
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())

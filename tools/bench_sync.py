@@ -100,7 +100,7 @@ def bench_export(
     state: dict[str, torch.Tensor], mc: ModelConfig, bucket_mb: float, repeats: int = 2
 ) -> list[dict]:
     """Best of ``repeats`` for every row (the first pass also pays first-touch page faults)."""
-    from megatron_rl_fp8.rollout.sglang.transports import _flatten
+    from megatron_rl_fp8.rollout.sglang.transports import flatten_per_dtype
 
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     rows = []
@@ -128,7 +128,9 @@ def bench_export(
             for bucket in export_for_rollout(
                 state.items(), mc, fp8, bucket_mb=bucket_mb, dequantize_to=deq, stats=stats
             ):
-                _flatten(bucket.tensors)  # the tensor transport's copy into one shared buffer
+                flatten_per_dtype(
+                    bucket.tensors
+                )  # the tensor transport's copy into one shared buffer
             best = min(best, time.perf_counter() - t0)
         rows.append(
             {"step": label, "s": best, "buckets": stats.buckets, "out_gb": stats.bytes_out / 1e9}
@@ -149,8 +151,9 @@ def bench_fleet(
     import tempfile
 
     from megatron_rl_fp8.models.hf_mapping import hf_config
-    from megatron_rl_fp8.rollout.base import RolloutConfig, SGLangConfig
+    from megatron_rl_fp8.rollout.config import RolloutConfig
     from megatron_rl_fp8.rollout.sglang import SGLangFleet
+    from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
 
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     rows = []

@@ -32,7 +32,8 @@ from megatron_rl_fp8.config import EXAMPLES_DIR, load_config  # noqa: E402
 from megatron_rl_fp8.config_utils import ConfigError  # noqa: E402
 from megatron_rl_fp8.plan.hardware import GPUS  # noqa: E402
 from megatron_rl_fp8.plan.layouts import alternatives  # noqa: E402
-from megatron_rl_fp8.plan.memory import CHUNKED_LOGPROBS, GB, Layout, World, stage_params  # noqa: E402
+from megatron_rl_fp8.plan.memory import GB, Layout, World  # noqa: E402
+from megatron_rl_fp8.plan.model_bytes import CHUNKED_LOGPROBS, stage_params  # noqa: E402
 from megatron_rl_fp8.plan.presets import PRESETS, preset_overrides  # noqa: E402
 from megatron_rl_fp8.plan.time import (  # noqa: E402
     EFFICIENCY,
@@ -40,10 +41,10 @@ from megatron_rl_fp8.plan.time import (  # noqa: E402
     PRECISIONS,
     REFERENCE_GPU,
     Fleet,
-    _optimizer_seconds,
-    _trainer_pass_seconds,
+    optimizer_seconds,
     predict,
     train_flops_per_token,
+    trainer_pass_seconds,
 )
 
 EXAMPLE = EXAMPLES_DIR / "qwen3_8b_grpo_math_fp8.yaml"
@@ -305,11 +306,11 @@ def validation_table() -> str:
     from bench_actor import model_config
 
     m = model_config(False, 2048)
-    opt = _optimizer_seconds(stage_params(m, 1, 1, 0), REFERENCE_GPU, EFFICIENCY)
+    opt = optimizer_seconds(stage_params(m, 1, 1, 0), REFERENCE_GPU, EFFICIENCY)
 
     def step(tokens, forwards=3):
         return (
-            _trainer_pass_seconds(
+            trainer_pass_seconds(
                 m, REFERENCE_GPU, Layout(), tokens=tokens, seq=2048, forwards=forwards,
                 fp8_speedup=1.0, bubble=1.0, eff=EFFICIENCY,
             )

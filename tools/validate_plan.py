@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from megatron_rl_fp8.config import load_config
     from megatron_rl_fp8.plan import World, estimate
-    from megatron_rl_fp8.plan.memory import DEFAULT_LOGPROBS
+    from megatron_rl_fp8.plan.model_bytes import DEFAULT_LOGPROBS
 
     torch.set_num_threads(2)
     world = World(gpus_per_node=1, gpu_memory_gb=1e6, device="cpu")

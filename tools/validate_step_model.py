@@ -306,7 +306,7 @@ def fit(cfg, gpu, measured: dict, fill: float) -> dict[str, float]:
 
 
 def params_of(cfg) -> float:
-    from megatron_rl_fp8.plan.memory import stage_params
+    from megatron_rl_fp8.plan.model_bytes import stage_params
 
     return stage_params(cfg.model, tp=1, pp=1, stage=0)
 

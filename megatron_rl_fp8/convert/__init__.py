@@ -1,6 +1,6 @@
 """Checkpoint conversion: Hugging Face <-> Megatron dist checkpoints, and FP8 export for serving.
 
-Three commands (``tools/convert_checkpoint.py`` / ``megatron-rl-fp8 convert``), one mapping
+Three commands (``megatron-rl-fp8 convert``), one mapping
 (``models.hf_mapping``, shared with weight sync):
 
 * ``hf_to_mcore``: safetensors (memory-mapped) -> ``dist_checkpointing`` torch_dist checkpoint in

@@ -1,4 +1,4 @@
-"""``convert hf-to-mcore | mcore-to-hf | export-fp8`` (tools/convert_checkpoint.py, ``megatron-rl-fp8 convert``)."""
+"""``megatron-rl-fp8 convert hf-to-mcore | mcore-to-hf | export-fp8``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 
 
-def build_parser(prog: str = "convert_checkpoint.py") -> argparse.ArgumentParser:
+def build_parser(prog: str = "megatron-rl-fp8 convert") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -101,7 +101,7 @@ def run(args) -> dict:
     )
 
 
-def main(argv: list[str] | None = None, prog: str = "convert_checkpoint.py") -> int:
+def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 convert") -> int:
     args = build_parser(prog).parse_args(argv)
     from megatron_rl_fp8.convert.errors import ConvertError
 

@@ -1,11 +1,11 @@
 """``hf-to-mcore``: a Hugging Face checkpoint -> a Megatron dist checkpoint the trainer loads.
 
-Output layout (the trainer's checkpoint layout, ``trainer/checkpoint.py``)::
+Output layout (the trainer's checkpoint layout, ``megatron_rl_fp8/checkpoint/``)::
 
     <out>/iter_0000000/        dist_checkpointing files + trainer_state.json (conversion record)
     <out>/latest               "iter_0000000"
 
-``trainer.checkpoint.load(<out>/iter_0000000, actor.sharded_state_dict(with_optimizer=False))``
+``megatron_rl_fp8.checkpoint.load(<out>/iter_0000000, actor.sharded_state_dict(with_optimizer=False))``
 loads it at any TP/PP whose padded vocab equals the one chosen here (``--tp``).
 """
 

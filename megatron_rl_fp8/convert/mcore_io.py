@@ -146,7 +146,7 @@ def sharded_state_dict(items, *, num_layers: int, extra_state: bool) -> dict:
 
 
 def save(sd: dict, ckpt_dir: Path) -> None:
-    from megatron_rl_fp8.trainer.checkpoint import save_sharded
+    from megatron_rl_fp8.checkpoint import save_sharded
 
     save_sharded(sd, ckpt_dir)
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_rl_fp8.models.config import ModelConfig
-from megatron_rl_fp8.models.hf_mapping import _DIRECT
+from megatron_rl_fp8.models.hf_mapping import DIRECT
 
 
 class Piece(NamedTuple):
@@ -40,7 +40,7 @@ def hf_to_mcore_plan(model: ModelConfig) -> list[tuple[str, list[Piece]]]:
     plan: list[tuple[str, list[Piece]]] = [
         ("embedding.word_embeddings.weight", [Piece("model.embed_tokens.weight")])
     ]
-    inverse = {v: k for k, v in _DIRECT.items() if "layer_norm_weight" not in k}
+    inverse = {v: k for k, v in DIRECT.items() if "layer_norm_weight" not in k}
     for i in range(model.num_layers):
         p, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
         kinds = ("weight", "bias") if model.qkv_bias else ("weight",)

@@ -26,12 +26,13 @@ pi_theta / pi_old directly, which is why the loss side calibrates its clip bound
 Where things live: ``config`` (FP8Config, RolloutFP8Config), ``formats`` (constants),
 ``quantize`` (fake quant per granularity; real FP8 blockwise weights for rollout),
 ``emulation`` (the quantize-dequantize FP8 linear layer, any device), ``torch_backend`` (real FP8
-GEMMs through ``torch._scaled_mm``), ``te`` (mapping to Transformer Engine / Megatron) and
-``backend`` (which of the three runs, ``fp8.backend``).
+GEMMs through ``torch._scaled_mm``), ``torchao_backend`` (torchao's float8 matmul), ``te``
+(mapping to Transformer Engine / Megatron) and ``backend`` (which of the four runs,
+``fp8.backend``).
 Nothing here imports Transformer Engine or Megatron at import time.
 """
 
-from megatron_rl_fp8.fp8.backend import resolve_backend
+from megatron_rl_fp8.fp8.backend import resolve_backend, should_emulate
 from megatron_rl_fp8.fp8.config import FP8Config, RolloutFP8Config
 from megatron_rl_fp8.fp8.emulation import (
     DelayedScalingState,
@@ -52,7 +53,7 @@ from megatron_rl_fp8.fp8.quantize import (
     quantize_blockwise,
     quantize_per_tensor,
 )
-from megatron_rl_fp8.fp8.te import have_te, megatron_fp8_kwargs, should_emulate, te_recipe
+from megatron_rl_fp8.fp8.te import have_te, megatron_fp8_kwargs, te_recipe
 
 __all__ = [
     "DelayedScalingState",

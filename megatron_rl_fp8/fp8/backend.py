@@ -37,6 +37,7 @@ __all__ = [
     "cuda_toolkit_version",
     "have_blockwise_scaled_mm",
     "resolve_backend",
+    "should_emulate",
 ]
 
 FP8_MIN_CAPABILITY = (8, 9)
@@ -181,3 +182,9 @@ def resolve_backend(config: FP8Config, *, capability=...) -> str | None:
         if backend_problem(backend, config.recipe, capability, fmt=config.format) is None:
             return backend
     return "emulate"
+
+
+def should_emulate(config: FP8Config) -> bool:
+    """True when FP8 runs through the PyTorch emulation here (``fp8.backend``, resolved by
+    :func:`resolve_backend`: asked for, or neither TE nor the torch backend can run)."""
+    return resolve_backend(config) == "emulate"

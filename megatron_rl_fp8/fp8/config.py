@@ -2,10 +2,10 @@
 
 The trainer side (``FP8Config``) says how Megatron's linear layers run their GEMMs: which scaling
 recipe, which element formats, which layers stay in BF16, which backend runs them, and (emulation
-only) how the tensor core's limited-precision accumulation is modelled. Three backends run the
+only) how the tensor core's limited-precision accumulation is modelled. Four backends run the
 same recipes: Transformer Engine (``te.py``), real FP8 GEMMs through ``torch._scaled_mm``
-(``torch_backend.py``) and the quantize-dequantize emulation (``emulation.py``); ``backend.py``
-picks one for this machine. The rollout side (``RolloutFP8Config``) says how synced weights are
+(``torch_backend.py``), torchao's float8 matmul (``torchao_backend.py``) and the
+quantize-dequantize emulation (``emulation.py``); ``backend.py`` picks one for this machine. The rollout side (``RolloutFP8Config``) says how synced weights are
 quantized for the serving engine (W8A8 blockwise, DeepSeek-V3 style).
 """
 

@@ -71,7 +71,7 @@ E8M0_MAX_EXP = 127
 # ----------------------------------------------------------------------------------------------
 # scales
 # ----------------------------------------------------------------------------------------------
-def _round_up_pow2(s: torch.Tensor) -> torch.Tensor:
+def round_up_pow2(s: torch.Tensor) -> torch.Tensor:
     """Smallest power of two >= s (s > 0), computed exactly via frexp (no log2 rounding error)."""
     mant, exp = torch.frexp(s)  # s = mant * 2^exp, mant in [0.5, 1)
     exp = torch.where(mant == 0.5, exp - 1, exp)  # s already a power of two: keep it
@@ -94,14 +94,14 @@ def compute_scale_inv(amax: torch.Tensor, fmt: str = "e4m3", *, mode: str = "ama
     elif mode in ("amax", "pow2"):
         scale_inv = amax / FP8_MAX[fmt]
         if mode == "pow2":
-            scale_inv = _round_up_pow2(torch.where(nonzero, scale_inv, torch.ones_like(amax)))
+            scale_inv = round_up_pow2(torch.where(nonzero, scale_inv, torch.ones_like(amax)))
     else:
         raise ValueError(f"mode={mode!r} is not valid; choose 'amax', 'pow2' or 'mx'")
     # A zero group quantizes to zeros with any scale; 1 avoids 0/0 = NaN.
     return torch.where(nonzero, scale_inv, torch.ones_like(scale_inv))
 
 
-def _to_codes(x: torch.Tensor, scale_inv: torch.Tensor, fmt: str) -> torch.Tensor:
+def to_codes(x: torch.Tensor, scale_inv: torch.Tensor, fmt: str) -> torch.Tensor:
     """Scale, saturate and cast to FP8. ``x / scale_inv`` promotes bf16/fp16 x to float32."""
     fmax = FP8_MAX[fmt]
     # Division by scale_inv is what DeepSeek's reference and the serving engines' inverse
@@ -141,7 +141,7 @@ def _qdq_groups(xf: torch.Tensor, group: int, fmt: str, mode: str) -> torch.Tens
     xp = _pad_last(xf, group)
     xv = xp.reshape(*xp.shape[:-1], xp.shape[-1] // group, group)
     scale_inv = compute_scale_inv(xv.abs().amax(dim=-1, keepdim=True), fmt, mode=mode)
-    deq = _to_codes(xv, scale_inv, fmt).float().mul_(scale_inv)
+    deq = to_codes(xv, scale_inv, fmt).float().mul_(scale_inv)
     return deq.reshape(xp.shape)[..., :n]
 
 
@@ -154,7 +154,7 @@ def _qdq_blocks(xf: torch.Tensor, block: tuple[int, int], fmt: str, mode: str) -
     xv = xp.reshape(*lead, xp.shape[-2] // bm, bm, xp.shape[-1] // bn, bn)
     amax = xv.abs().amax(dim=(-3, -1), keepdim=True)
     scale_inv = compute_scale_inv(amax, fmt, mode=mode)
-    deq = _to_codes(xv, scale_inv, fmt).float().mul_(scale_inv)
+    deq = to_codes(xv, scale_inv, fmt).float().mul_(scale_inv)
     return deq.reshape(xp.shape)[..., :m, :n]
 
 
@@ -213,7 +213,7 @@ def fake_quant_tensor(
             if scale_inv is None
             else torch.as_tensor(scale_inv, dtype=torch.float32, device=t.device)
         )
-        return _to_codes(t, s, fmt).float() * s
+        return to_codes(t, s, fmt).float() * s
 
     return _apply(x, qdq)
 
@@ -224,7 +224,7 @@ def fake_quant_rows(x: torch.Tensor, fmt: str = "e4m3", *, dim: int = -1) -> tor
 
     def qdq(t: torch.Tensor) -> torch.Tensor:
         s = compute_scale_inv(t.abs().amax(dim=-1, keepdim=True), fmt)
-        return _to_codes(t, s, fmt).float() * s
+        return to_codes(t, s, fmt).float() * s
 
     return _apply(x, _along(dim, qdq))
 
@@ -280,7 +280,7 @@ def _blockwise_codes(wv: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.T
     # amax in the input dtype is exact (max of |x| loses nothing), and skips a float32 copy.
     amax = wv.abs().amax(dim=(1, 3), keepdim=True)
     scale_inv = compute_scale_inv(amax, "e4m3", mode=mode)
-    return _to_codes(wv, scale_inv, "e4m3"), scale_inv
+    return to_codes(wv, scale_inv, "e4m3"), scale_inv
 
 
 def quantize_blockwise(
@@ -358,7 +358,7 @@ def quantize_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         raise ValueError(f"quantize_per_tensor expects a floating point weight, got {weight.dtype}")
     w = weight.detach()
     scale_inv = compute_scale_inv(w.abs().amax(), "e4m3")
-    return _to_codes(w, scale_inv, "e4m3"), scale_inv
+    return to_codes(w, scale_inv, "e4m3"), scale_inv
 
 
 def dequantize_per_tensor(

@@ -39,7 +39,6 @@ __all__ = [
     "te_fp8_dims_problem",
     "fp8_weight_shapes",
     "megatron_fp8_kwargs",
-    "should_emulate",
     "te_recipe",
 ]
 
@@ -62,8 +61,8 @@ assert_dim_for_fp8_exec``, TE 2.x main read 2026-12-01; called on the input and 
 product of all dims but the last a multiple of ``TE_FP8_ROWS``, the last dim a multiple of
 ``TE_FP8_COLS``; anything else raises ValueError at the first FP8 forward. A linear's input is
 [S, B, hidden] (under sequence parallelism this rank's S / TP), so the actor pads every
-micro-batch's sequence length for it (``trainer/actor.py: seq_multiple``), and the model's widths
-per TP rank are checked at config validation (:func:`fp8_weight_shapes`)."""
+micro-batch's sequence length for it (``trainer/schedule.py: seq_multiple``), and the model's
+widths per TP rank are checked at config validation (:func:`fp8_weight_shapes`)."""
 
 
 TE_MXFP8_BLOCK = 32
@@ -112,14 +111,6 @@ def have_te() -> bool:
     """Whether Transformer Engine is importable (checked without importing it: TE's import
     initialises CUDA and is slow)."""
     return importlib.util.find_spec("transformer_engine") is not None
-
-
-def should_emulate(config: FP8Config) -> bool:
-    """True when FP8 runs through the PyTorch emulation here (``fp8.backend``, resolved by
-    ``backend.resolve_backend``: asked for, or neither TE nor the torch backend can run)."""
-    from megatron_rl_fp8.fp8.backend import resolve_backend
-
-    return resolve_backend(config) == "emulate"
 
 
 def _require_te_mappable(config: FP8Config, what: str) -> None:

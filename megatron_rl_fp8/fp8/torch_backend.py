@@ -75,7 +75,7 @@ import torch.nn.functional as F
 
 from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.fp8.emulation import FP8Linear, OperandRole
-from megatron_rl_fp8.fp8.quantize import _to_codes, compute_scale_inv
+from megatron_rl_fp8.fp8.quantize import compute_scale_inv, to_codes
 from megatron_rl_fp8.fp8.weight_cache import WeightCache
 
 __all__ = [
@@ -151,17 +151,17 @@ def quantize_gemm_operand(
         r, c = t.shape
         if gran == "tensor":
             s = compute_scale_inv(t.abs().amax(), fmt) if scale_inv is None else scale_inv.float()
-            return FP8Operand(_to_codes(t, s, fmt), s, gran)
+            return FP8Operand(to_codes(t, s, fmt), s, gran)
         if gran == "row":
             s = compute_scale_inv(t.abs().amax(dim=1, keepdim=True), fmt)  # [R, 1]
-            return FP8Operand(_to_codes(t, s, fmt), s, gran)
+            return FP8Operand(to_codes(t, s, fmt), s, gran)
         if gran == "group":
             tv = t.reshape(r, c // BLOCK, BLOCK)
             s = compute_scale_inv(tv.abs().amax(dim=-1, keepdim=True), fmt)  # [R, C/128, 1]
-            return FP8Operand(_to_codes(tv, s, fmt).reshape(r, c), s.reshape(r, c // BLOCK), gran)
+            return FP8Operand(to_codes(tv, s, fmt).reshape(r, c), s.reshape(r, c // BLOCK), gran)
         tv = t.reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK)
         s = compute_scale_inv(tv.abs().amax(dim=(1, 3), keepdim=True), fmt)
-        codes = _to_codes(tv, s, fmt).reshape(r, c)
+        codes = to_codes(tv, s, fmt).reshape(r, c)
         return FP8Operand(codes, s.reshape(r // BLOCK, c // BLOCK).contiguous(), gran)
 
 

@@ -7,8 +7,8 @@ exactly the engines whose URLs the trainer was given, on the ports and GPUs the 
 and the sglang-router on the node the layout puts it on. The trainer attaches to them by URL
 (``rollout.sglang.engine_urls`` / ``router_url``) and syncs their weights by broadcast.
 
-How it differs from the trainer's own fleet (``rollout/sglang/fleet.py``), which launches engines
-on its node and relaunches them:
+How it differs from the trainer's own fleet (``rollout/sglang/fleet.py``; its ``pool.py``
+launches engines on the trainer's node and relaunches them):
 
 * **Addresses.** The engines are reached from other nodes, so they cannot listen on
   ``rollout.sglang.host``'s default 127.0.0.1 (:func:`listen_host`).
@@ -206,7 +206,7 @@ def serve_node(cfg: RunConfig, layout: Layout, k: int, *, log_dir: Path | None =
     or until one of them exits (exit 1). A start that fails is one line on stderr and exit 2;
     a config that cannot start raises ConfigError (the CLI prints it)."""
     from megatron_rl_fp8.rollout.sglang.process import (
-        _kill_group,
+        kill_group,
         launch_logged,
         resolve_python,
         server_env,
@@ -262,7 +262,7 @@ def serve_node(cfg: RunConfig, layout: Layout, k: int, *, log_dir: Path | None =
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
         for proc in procs.values():
-            _kill_group(proc)
+            kill_group(proc)
         for sig, handler in old.items():
             signal.signal(sig, handler)
 
@@ -301,7 +301,7 @@ def _write_model(cfg: RunConfig, model_dir: Path, *, dtype: str, fp8_checkpoint:
 def _wait_ready(launches, procs, logs, timeout_s: float) -> str | None:
     """Wait (one deadline for all) until every engine and the router answer /health; None, or
     the first failure in one line."""
-    from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError, _first_line
+    from megatron_rl_fp8.rollout.errors import RolloutEngineError, first_line
     from megatron_rl_fp8.rollout.sglang.http import Http
     from megatron_rl_fp8.rollout.sglang.process import wait_healthy
 
@@ -311,13 +311,13 @@ def _wait_ready(launches, procs, logs, timeout_s: float) -> str | None:
         left = max(deadline - time.monotonic(), 0.5)
         try:
             wait_healthy(procs[p.name], Http(p.url), logs[p.name], port=port, timeout_s=left)
-        except SGLangServerError as e:
+        except RolloutEngineError as e:
             if procs[p.name].poll() is None and "not healthy after" in str(e):
                 return (
                     f"{p.name} ({p.url}) not healthy after rollout.sglang.startup_timeout_s="
                     f"{timeout_s:g}s; see {logs[p.name]}"
                 )
-            return _first_line(e).replace("SGLang server", f"{p.name} ({p.url})")
+            return first_line(e).replace("SGLang server", f"{p.name} ({p.url})")
     return None
 
 

@@ -139,7 +139,7 @@ def check_solver_args(
         )
 
 
-def _check_eps(eps_low: float, eps_high: float) -> None:
+def check_eps(eps_low: float, eps_high: float) -> None:
     if not 0 < eps_low < 1 or not eps_high > 0:
         raise ValueError(
             f"eps_low={eps_low!r}, eps_high={eps_high!r} must satisfy "

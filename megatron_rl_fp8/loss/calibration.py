@@ -55,7 +55,7 @@ from megatron_rl_fp8.loss.calib_config import (
     DEFAULT_UPPER_LIMITS,
     CalibConfig,
     Strategy,
-    _check_eps,
+    check_eps,
     check_solver_args,
 )
 from megatron_rl_fp8.loss.histogram import hist_inverse_mass, hist_mass_below
@@ -234,7 +234,7 @@ def bounds_from_histogram(
     Both bounds are finally clamped to ``lower_limits`` / ``upper_limits``; the balance is solved
     with the clamped lower bound. Returns ``(lower, upper, stats)`` with Python floats.
     """
-    _check_eps(eps_low, eps_high)
+    check_eps(eps_low, eps_high)
     check_solver_args(
         strategy=strategy,
         bins=bins,
@@ -342,7 +342,7 @@ def calibrated_clip_bounds(
         return_stats: also return the diagnostics dict of :func:`bounds_from_histogram`
             (clip shares before/after, balances, ``hist_bytes`` all-reduced per calibration).
     """
-    _check_eps(eps_low, eps_high)
+    check_eps(eps_low, eps_high)
     check_solver_args(
         strategy=strategy,
         bins=bins,

@@ -1,58 +1,104 @@
-"""Sum / max / min accumulation of per-micro-batch metrics, reduced over a process group.
+"""Sum / max / min accumulation of per-micro-batch metrics on the device, reduced over a process
+group and read to the host once.
 
 Per-token metrics are accumulated as token-weighted *sums* (so micro-batches and data-parallel
 ranks combine into exact token means when divided by the summed token count at the end); a few
 are extremes (``ratio_max``, ``ratio_min``) and combine with max / min instead, and a few are
-fixed-bin histograms (``vectors``, e.g. the importance ratio's), summed bin by bin. One accumulator
-holds all four kinds and reduces them with one float64 all-reduce for the sums and histograms and
-one per extreme.
+fixed-bin histograms (``vectors``, e.g. the importance ratio's), summed bin by bin.
+
+Values stay where they were made (a GPU's memory, as 0-d float64 tensors): adding one costs no
+synchronisation, where a ``.item()`` per metric per micro-batch would cost one each.
+:meth:`MetricAccumulator.reduce` packs everything into one float64 vector, all-reduces it (one
+collective per kind: sums and histograms, maxima, minima) and reads it to the host in one copy.
+Float64 throughout, in the order the values were added: the sums are the ones Python floats
+would give.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
 
 
+@dataclasses.dataclass
+class Totals:
+    """The host-side result of :meth:`MetricAccumulator.reduce`."""
+
+    sums: dict[str, float]
+    maxima: dict[str, float]
+    minima: dict[str, float]
+    vectors: dict[str, torch.Tensor]  # float64, on the CPU
+
+
+def _f64(value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(torch.float64)
+    return torch.tensor(float(value), dtype=torch.float64)
+
+
 class MetricAccumulator:
     def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.maxima: dict[str, float] = {}
-        self.minima: dict[str, float] = {}
+        self.sums: dict[str, torch.Tensor] = {}
+        self.maxima: dict[str, torch.Tensor] = {}
+        self.minima: dict[str, torch.Tensor] = {}
         self.vectors: dict[str, torch.Tensor] = {}
 
+    def add(self, key: str, value: torch.Tensor | float) -> None:
+        v = _f64(value)
+        self.sums[key] = self.sums[key] + v if key in self.sums else v
+
     def add_vector(self, key: str, values: torch.Tensor) -> None:
-        """Add ``values`` (a 1-D tensor of fixed length per key) element-wise, in float64 on the
-        host: one device-to-host copy per call."""
-        values = values.detach().to("cpu", torch.float64)
-        self.vectors[key] = self.vectors[key] + values if key in self.vectors else values
+        """Add ``values`` (a 1-D tensor of fixed length per key) element-wise."""
+        v = _f64(values)
+        self.vectors[key] = self.vectors[key] + v if key in self.vectors else v
 
-    def add(self, key: str, value: float) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + value
+    def max(self, key: str, value: torch.Tensor | float) -> None:
+        v = _f64(value)
+        self.maxima[key] = torch.maximum(self.maxima[key], v) if key in self.maxima else v
 
-    def max(self, key: str, value: float) -> None:
-        self.maxima[key] = max(self.maxima.get(key, value), value)
+    def min(self, key: str, value: torch.Tensor | float) -> None:
+        v = _f64(value)
+        self.minima[key] = torch.minimum(self.minima[key], v) if key in self.minima else v
 
-    def min(self, key: str, value: float) -> None:
-        self.minima[key] = min(self.minima.get(key, value), value)
-
-    def all_reduce(self, group, device) -> None:
-        """Combine every rank's accumulator in ``group`` in place (collective; ``device`` is the
-        backend's: NCCL reduces CUDA tensors only). Sums go in one float64 vector, sorted by key
-        so every rank packs them in the same order."""
-        keys, vkeys = sorted(self.sums), sorted(self.vectors)
-        scalars = torch.tensor([self.sums[k] for k in keys], dtype=torch.float64)
-        vec = torch.cat([scalars, *(self.vectors[k] for k in vkeys)]).to(device)
-        dist.all_reduce(vec, group=group)
-        vec = vec.cpu()
-        self.sums = dict(zip(keys, vec[: len(keys)].tolist()))
-        offset = len(keys)
-        for k in vkeys:
-            n = self.vectors[k].numel()
-            self.vectors[k] = vec[offset : offset + n]
-            offset += n
-        for table, op in ((self.maxima, dist.ReduceOp.MAX), (self.minima, dist.ReduceOp.MIN)):
-            for k in sorted(table):
-                t = torch.tensor([table[k]], dtype=torch.float64, device=device)
-                dist.all_reduce(t, op=op, group=group)
-                table[k] = t.item()
+    def reduce(self, group=None, device=None) -> Totals:
+        """Every rank's accumulator in ``group`` combined (collective when ``group`` is given;
+        ``device`` is the backend's: NCCL reduces CUDA tensors only), read to the host in one
+        copy. Keys are packed sorted, so every rank packs them in the same order."""
+        kinds = [
+            (sorted(self.sums), self.sums, dist.ReduceOp.SUM),
+            (sorted(self.vectors), self.vectors, dist.ReduceOp.SUM),
+            (sorted(self.maxima), self.maxima, dist.ReduceOp.MAX),
+            (sorted(self.minima), self.minima, dist.ReduceOp.MIN),
+        ]
+        sums_and_vectors = [self.sums[k].reshape(1) for k in kinds[0][0]]
+        sums_and_vectors += [self.vectors[k].reshape(-1) for k in kinds[1][0]]
+        packed = [
+            sums_and_vectors,
+            [self.maxima[k].reshape(1) for k in kinds[2][0]],
+            [self.minima[k].reshape(1) for k in kinds[3][0]],
+        ]
+        if device is None:  # where the values are (a Python float added is a CPU scalar)
+            found = [t.device for part in packed for t in part if t.device.type != "cpu"]
+            device = found[0] if found else torch.device("cpu")
+        flat = []
+        for parts, op in zip(packed, (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)):
+            vec = torch.cat([p.to(device) for p in parts]) if parts else torch.zeros(0)
+            vec = vec.to(device, torch.float64)
+            if group is not None and parts:
+                dist.all_reduce(vec, op=op, group=group)
+            flat.append(vec)
+        host = torch.cat(flat).cpu()  # the one read
+        values = host.tolist()
+        out = Totals({}, {}, {}, {})
+        offset = 0
+        for (keys, table, _), target in zip(kinds, (out.sums, out.vectors, out.maxima, out.minima)):
+            for k in keys:
+                n = table[k].numel()
+                if target is out.vectors:
+                    target[k] = host[offset : offset + n]
+                else:
+                    target[k] = values[offset]
+                offset += n
+        return out

@@ -42,3 +42,29 @@ def print_step(step: int, metrics: dict, progress=None) -> None:
     ]
     line = f"step {step}: " + " ".join(parts)
     (progress.write if progress is not None else print)(line)
+
+
+class StepProgress:
+    """The driver's console during RL: the progress bar, its reward, a headline line every
+    ``log_interval`` steps. Silent on the other ranks."""
+
+    def __init__(self, enabled: bool, total: int, initial: int, log_interval: int):
+        self.enabled = enabled
+        self.log_interval = log_interval
+        self.bar = progress_bar(enabled, total, initial)
+
+    def done(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}")
+        if step % self.log_interval == 0:
+            print_step(step, metrics, self.bar)
+
+    def rewound(self, step: int) -> None:
+        """A rollback: the bar goes back to ``step`` (the replayed steps count again)."""
+        self.bar.n = step
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()

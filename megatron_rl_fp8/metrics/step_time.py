@@ -97,3 +97,21 @@ class StepClock:
             if key in metrics or key in self.totals:  # from the first step that has the phase
                 self.totals[key] += metrics.get(key, 0.0)
                 metrics[amortised_key(key)] = self.totals[key] / self.steps
+
+
+class Throughput:
+    """Tokens that carried gradient per second: of one step's training phases (rollout to sync:
+    evaluations and checkpoints excluded), and of this process's run (time lost to rolled-back
+    steps and dynamic-sampling refills counts against it). The run's clock starts here."""
+
+    def __init__(self):
+        self.tokens = 0.0
+        self.started = time.perf_counter()
+
+    def add(self, metrics: dict, step_started: float) -> None:
+        """``perf/useful_tokens_per_s`` and ``perf/useful_tokens_per_s_run`` into ``metrics``."""
+        tokens = metrics["perf/useful_tokens"]
+        self.tokens += tokens
+        now = time.perf_counter()
+        metrics["perf/useful_tokens_per_s"] = tokens / (now - step_started)
+        metrics["perf/useful_tokens_per_s_run"] = self.tokens / (now - self.started)

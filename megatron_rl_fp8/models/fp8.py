@@ -1,6 +1,6 @@
 """FP8 in the actor: TE autocast, real FP8 GEMMs via torch, or emulated FP8 linears; one switch.
 
-Which of the three runs is ``fp8.backend`` (``fp8/backend.py: resolve_backend``). Under ``te``
+Which of the four backends runs is ``fp8.backend`` (``fp8/backend.py: resolve_backend``). Under ``te``
 (GPU, TE spec), FP8 is Megatron-Core's own: ``TransformerConfig.fp8`` and ``fp8_recipe``
 (``fp8.te.megatron_fp8_kwargs``) make every TE linear run FP8 GEMMs.
 
@@ -22,6 +22,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.fp8.emulation import FP8LinearEmulator, quantization_error
@@ -209,3 +210,22 @@ def load_fp8_scaling_state(model, state: dict[str, dict], device) -> None:
     for name, roles in state.items():
         for role, scaling in gemms[name].emulator.scaling_states().items():
             scaling.load_state_dict(roles[role], device)
+
+
+def gather_weight_quantization_errors(model, fp8: FP8Config, groups) -> dict[str, float]:
+    """:func:`weight_quantization_errors` of every pipeline stage's layers on the driver, as
+    ``fp8/weight_qerr/<layer>`` plus their mean (``{}`` on the other ranks). Tensor-parallel
+    rank 0's shards stand for the layer. Collective over all ranks; ``{}`` without FP8 training
+    (and no collective)."""
+    if not fp8.enabled:
+        return {}
+    g = groups
+    mine = {}
+    if g.dp_rank == 0 and g.cp_rank == 0 and g.tp_rank == 0:
+        mine = weight_quantization_errors(model, fp8)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged = {f"fp8/weight_qerr/{k}": v for d in everyone for k, v in d.items()}
+    if merged:
+        merged["fp8/weight_qerr_mean"] = sum(merged.values()) / len(merged)
+    return merged if g.is_driver else {}

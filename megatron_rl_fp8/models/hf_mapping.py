@@ -25,7 +25,7 @@ from megatron_rl_fp8.models.config import ModelConfig
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 # Megatron per-layer suffix -> HF per-layer suffix, for the tensors that map one to one.
-_DIRECT = {
+DIRECT = {
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
@@ -164,8 +164,8 @@ def mcore_to_hf(
         raise MappingError(f"no HF mapping for Megatron tensor {name!r} (arch {model.arch})")
     layer, suffix = int(m.group(1)), m.group(2)
     prefix = f"model.layers.{layer}."
-    if suffix in _DIRECT:
-        return [(prefix + _DIRECT[suffix], tensor)]
+    if suffix in DIRECT:
+        return [(prefix + DIRECT[suffix], tensor)]
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = suffix.rsplit(".", 1)[1]
         q, k, v = _split_qkv(tensor, model)
@@ -232,7 +232,7 @@ def hf_state_to_mcore(
     }
     if not model.tie_word_embeddings:
         out["output_layer.weight"] = pad_vocab(hf["lm_head.weight"])
-    inverse = {v: k for k, v in _DIRECT.items() if "layer_norm_weight" not in k}
+    inverse = {v: k for k, v in DIRECT.items() if "layer_norm_weight" not in k}
     for i in range(model.num_layers):
         p, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
         for hf_suffix, mc_suffix in inverse.items():

@@ -9,11 +9,9 @@ Two moments, two functions:
   with the checkpoint; if not, the error names both values. ``RunConfig.validate`` repeats the
   comparison on the built config (:func:`check_model_matches`), which also covers configs made in
   Python, and checks that a converted checkpoint's vocab padding fits the run's TP.
-* **Build time** (:func:`load_hf_weights`, :func:`load_converted`): each rank fills *its own*
-  parameters. For an HF folder that is one Megatron tensor at a time, assembled from memory-mapped
-  safetensors by the converter's plan (``convert/plan.py``), padded for the run's TP and cut to
-  this rank's shard, so no rank ever holds more than one full tensor of the model in host memory.
-  A converted checkpoint is read with ``dist_checkpointing``, which already loads at any layout.
+* **Build time** (``convert/start_weights.py``: ``load_hf_weights``, ``load_converted``): each
+  rank fills *its own* parameters, one Megatron tensor at a time from an HF folder, or with
+  ``dist_checkpointing`` (any layout) from a converted checkpoint.
 """
 
 from __future__ import annotations
@@ -23,8 +21,6 @@ import json
 import math
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.models.config import ModelConfig
@@ -49,13 +45,13 @@ _MAX_POSITIONS = "max_position_embeddings"
 CONVERSION_RECORD = "trainer_state.json"  # what hf-to-mcore writes next to the shards
 
 
-def _expand(path: str) -> Path:
+def expand_path(path: str) -> Path:
     return Path(path).expanduser()
 
 
 def converted_dir(load: str | Path) -> Path:
     """The checkpoint directory ``model.load`` names: itself, or what its ``latest`` names."""
-    path = _expand(str(load))
+    path = expand_path(str(load))
     if (path / "latest").is_file():
         path = path / (path / "latest").read_text().strip()
     return path
@@ -91,7 +87,7 @@ def source_model(*, hf_checkpoint: str | None, load: str | None) -> tuple[ModelC
         return ModelConfig(**{k: v for k, v in state["model"].items() if k in fields}), str(record)
     if hf_checkpoint is None:
         return None
-    folder = _expand(hf_checkpoint)
+    folder = expand_path(hf_checkpoint)
     if not folder.is_dir():
         raise ConfigError(
             f"model.hf_checkpoint={hf_checkpoint!r} is not a folder; give the local directory of "
@@ -184,83 +180,39 @@ def check_model_matches(model: ModelConfig, tensor_model_parallel_size: int) -> 
             )
 
 
-# -- loading weights ----------------------------------------------------------------------------
-# Transformer Engine layer specs keep the pre-attention / pre-MLP norms inside the fused linears;
-# the conversion plan uses the local-spec names.
-_TE_NORMS = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-}
-_VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+def is_hf_folder(path: str | Path) -> bool:
+    """An HF model folder has a config.json; a converted or trainer checkpoint does not."""
+    return (Path(path).expanduser() / "config.json").is_file()
 
 
-def _plan_name(name: str, model: ModelConfig) -> str:
-    if name == "output_layer.weight" and model.tie_word_embeddings:
-        # Tied embeddings under PP > 1: the last stage's output layer is a copy of the embedding.
-        return "embedding.word_embeddings.weight"
-    for te, local in _TE_NORMS.items():
-        if name.endswith(te):
-            return name[: -len(te)] + local
-    return name
-
-
-@torch.no_grad()
-def load_hf_weights(
-    module: torch.nn.Module, hf_dir: str | Path, model: ModelConfig, *, tp_rank: int, tp_size: int
-) -> int:
-    """Copy an HF checkpoint's weights into this rank's parameters; returns how many it filled.
-
-    Every parameter must be filled (the model is built without random init when it starts from a
-    checkpoint), so a tensor the plan does not cover is an error, as is any missing, extra or
-    misshapen tensor in the checkpoint (listed together, before anything is copied).
-    """
-    from megatron_rl_fp8.convert.hf_io import HFCheckpoint
-    from megatron_rl_fp8.convert.hf_to_mcore import check_hf_tensors
-    from megatron_rl_fp8.convert.plan import assemble_pieces, hf_to_mcore_plan
-    from megatron_rl_fp8.sync.gather import _global_names, split_tp_shard, unwrap
-
-    module = unwrap(module)
-    plan = dict(hf_to_mcore_plan(model))
-    names = _global_names(module)
-    padded = model.padded_vocab_size(tp_size)
-    filled = 0
-    with HFCheckpoint(_expand(str(hf_dir))) as ckpt:
-        check_hf_tensors(ckpt, model)
-        for local, param in module.named_parameters():
-            key = _plan_name(names[local], model)
-            if key not in plan:
-                raise RuntimeError(
-                    f"parameter {names[local]} has no source in the HF checkpoint plan; the "
-                    "layer spec and convert/plan.py disagree"
-                )
-            cache: dict[str, torch.Tensor] = {}  # q/k/v are read once, not once per head
-
-            def get(hf_name: str, _cache=cache) -> torch.Tensor:
-                if hf_name not in _cache:
-                    _cache[hf_name] = ckpt.get(hf_name)
-                return _cache[hf_name]
-
-            full = assemble_pieces(plan[key], get)
-            if key in _VOCAB_TENSORS and padded > full.shape[0]:
-                # Padding rows are zeros; logprobs mask them out (models/logprobs.py).
-                full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
-            shard = split_tp_shard(key, full, tp_rank, tp_size)
-            if tuple(shard.shape) != tuple(param.shape):
-                raise RuntimeError(
-                    f"{names[local]}: checkpoint shard {tuple(shard.shape)} != parameter "
-                    f"{tuple(param.shape)} (TP={tp_size})"
-                )
-            param.copy_(shard)
-            filled += 1
-    return filled
-
-
-def load_converted(actor, load: str | Path) -> Path:
-    """Weights of a converted (or trainer) checkpoint into ``actor``; optimizer state is not read.
-    Collective over all ranks. Returns the directory read."""
-    from megatron_rl_fp8.trainer import checkpoint
-
-    path = converted_dir(load)
-    loaded, _state = checkpoint.load(path, actor.sharded_state_dict(with_optimizer=False))
-    actor.load_sharded(loaded)
-    return path
+def check_ref_checkpoint(model: ModelConfig) -> None:
+    """``model.ref_checkpoint``, when set, is a checkpoint of the actor's architecture (where
+    it records one: a trainer checkpoint does not, and its loader checks the shapes). Raises
+    ConfigError naming the field; reads only small metadata files."""
+    path = model.ref_checkpoint
+    if path is None:
+        return
+    hf = is_hf_folder(path)
+    if not hf and not (converted_dir(path) / "trainer_state.json").is_file():
+        raise ConfigError(
+            f"model.ref_checkpoint={path!r} is neither a Hugging Face model folder (config.json, "
+            "*.safetensors) nor a converted checkpoint (an hf-to-mcore output, a run's "
+            "checkpoints folder or one iter_* in it); point it at one, or null for the run's "
+            "starting weights"
+        )
+    try:
+        source = source_model(hf_checkpoint=path if hf else None, load=None if hf else path)
+    except ConfigError as e:
+        raise ConfigError(f"model.ref_checkpoint: {e}") from None
+    if source is None:
+        return
+    theirs, where = source
+    for name in ARCH_FIELDS:
+        mine, other = getattr(model, name), getattr(theirs, name)
+        if name == "head_dim":  # None means hidden / heads on either side
+            mine, other = model.kv_channels, theirs.kv_channels
+        if mine != other:
+            raise ConfigError(
+                f"model.ref_checkpoint={path!r} has {name}={other!r} ({where}) but the actor has "
+                f"model.{name}={mine!r}: the reference must have the actor's architecture"
+            )

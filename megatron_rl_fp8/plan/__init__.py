@@ -3,20 +3,17 @@ which layouts of the same GPUs would (``megatron-rl-fp8 plan``; docs/plan.md); a
 model, what each phase of a step costs (``plan --time``; docs/scaling.md).
 
 ``memory`` holds the estimate (a pure function of the config and the world: no GPU, no
-torch.distributed, no Megatron), ``layouts`` the search over alternatives, ``time`` the step-time
-model on top of them, ``hardware`` and ``presets`` its GPU and model parameter sets, ``cli`` the
-tables.
+torch.distributed, no Megatron), ``model_bytes`` the per-piece counts it adds up, ``layouts`` the
+search over alternatives, ``time`` the step-time model on top of them, ``hardware`` and
+``presets`` its GPU and model parameter sets, ``cli`` the tables.
 """
 
 from megatron_rl_fp8.plan.layouts import alternatives
-from megatron_rl_fp8.plan.memory import (
+from megatron_rl_fp8.plan.memory import Estimate, Layout, World, estimate
+from megatron_rl_fp8.plan.model_bytes import (
     CHUNKED_LOGPROBS,
     UNCHUNKED_LOGPROBS,
-    Estimate,
-    Layout,
     LogitsCost,
-    World,
-    estimate,
     layer_activation_bytes,
 )
 from megatron_rl_fp8.plan.time import Efficiency, Fleet, Prediction, predict

@@ -9,17 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_rl_fp8.plan.memory import (
-    DEFAULT_LOGPROBS,
-    GB,
-    PHASES,
-    RUNTIME_ALLOWANCE_GB,
-    Estimate,
-    World,
-    estimate,
-    param_bytes,
-    stage_params,
-)
+from megatron_rl_fp8.plan.memory import GB, PHASES, RUNTIME_ALLOWANCE_GB, Estimate, World, estimate
+from megatron_rl_fp8.plan.model_bytes import DEFAULT_LOGPROBS, param_bytes, stage_params
 
 # The model fields the planner needs when the start checkpoint, which would supply them, is not
 # on this machine (a plan is often made before the download).

@@ -19,11 +19,12 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from megatron_rl_fp8.plan.memory import Estimate, Layout, Spec, World, estimate
+from megatron_rl_fp8.plan.memory import Estimate, Layout, World, estimate
+from megatron_rl_fp8.plan.model_bytes import Spec
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.config import RunConfig
-    from megatron_rl_fp8.plan.memory import LogitsCost
+    from megatron_rl_fp8.plan.model_bytes import LogitsCost
 
 RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}
 

@@ -45,15 +45,8 @@ from typing import TYPE_CHECKING, Literal
 
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.plan.hardware import GPU, GPUS
-from megatron_rl_fp8.plan.memory import (
-    Estimate,
-    Layout,
-    Spec,
-    World,
-    estimate,
-    layer_linear_weights,
-    stage_params,
-)
+from megatron_rl_fp8.plan.memory import Estimate, Layout, World, estimate
+from megatron_rl_fp8.plan.model_bytes import Spec, layer_linear_weights, stage_params
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.config import RunConfig
@@ -165,7 +158,8 @@ def train_flops_per_token(m: ModelConfig, seq: float) -> tuple[float, float]:
     return 6.0 * linear_weights(m), 12.0 * m.num_layers * seq * q
 
 
-def _optimizer_seconds(params: float, gpu: GPU, eff: Efficiency) -> float:
+def optimizer_seconds(params: float, gpu: GPU, eff: Efficiency) -> float:
+    """Seconds of one Adam step over ``params`` parameters on one GPU: memory-bound."""
     # Adam with fp32 main weights: read grad, main, m, v (16 B), write main, m, v (12 B) and the
     # bf16 weight (2 B).
     return params * 30 / (gpu.hbm_bytes_s * eff.optimizer_hbm)
@@ -182,7 +176,7 @@ def _rest_seconds_per_flop(eff: Efficiency) -> float:
     tokens = 8 * 2048
     lin, attn = train_flops_per_token(m, 2048)
     gemm = tokens * lin / (REFERENCE_GPU.bf16_flops * eff.gemm_bf16)
-    opt = _optimizer_seconds(stage_params(m, tp=1, pp=1, stage=0), REFERENCE_GPU, eff)
+    opt = optimizer_seconds(stage_params(m, tp=1, pp=1, stage=0), REFERENCE_GPU, eff)
     rest = eff.actor_step_s - gemm - opt
     return rest / (tokens * (lin + attn))
 
@@ -291,7 +285,7 @@ def _rollout(
     }
 
 
-def _trainer_pass_seconds(
+def trainer_pass_seconds(
     m: ModelConfig,
     gpu: GPU,
     lay: Layout,
@@ -393,8 +387,8 @@ def predict(
         micro = max(1, math.ceil(per_rank / t.micro_batch_size))
     bubble = 1 + (lay.pp - 1) / micro
     run = dict(tokens=tokens, seq=seq, bubble=bubble, eff=eff)
-    forward_fp8 = _trainer_pass_seconds(m, gpu, lay, forwards=1, fp8_speedup=speed, **run)
-    forward_bf16 = _trainer_pass_seconds(m, gpu, lay, forwards=1, fp8_speedup=1.0, **run)
+    forward_fp8 = trainer_pass_seconds(m, gpu, lay, forwards=1, fp8_speedup=speed, **run)
+    forward_bf16 = trainer_pass_seconds(m, gpu, lay, forwards=1, fp8_speedup=1.0, **run)
     reference = forward_fp8 if cfg.loss.kl_coef > 0 else 0.0
     phases["old_logprobs"] = forward_fp8 + reference
 
@@ -406,10 +400,10 @@ def predict(
     phases["shadow"] = shadow
 
     forwards = 3 + (1 if lay.recompute == "full" else 0)
-    update = _trainer_pass_seconds(m, gpu, lay, forwards=forwards, fp8_speedup=speed, **run)
+    update = trainer_pass_seconds(m, gpu, lay, forwards=forwards, fp8_speedup=speed, **run)
     params = stage_params(m, lay.tp, lay.pp, stage=0)
     shard = params / (lay.dp * lay.cp) if lay.distributed_optimizer else params
-    update += t.updates_per_step * _optimizer_seconds(shard, gpu, eff)
+    update += t.updates_per_step * optimizer_seconds(shard, gpu, eff)
     n = lay.dp * lay.cp
     if n > 1:  # DP gradient reduction, fp32, not overlapped (ASSUMPTION: an upper bound)
         per_gpu = (4 + 2 if lay.distributed_optimizer else 2 * 4) * params * (n - 1) / n

@@ -1,11 +1,14 @@
-"""Rollout engines: the contract (``base``), the in-process CPU engine (``local``), and the
+"""Rollout engines: the contract (``base``), their config (``config``: ``rollout.*``) and errors
+(``errors``), the in-process CPU engine (``local``), the SGLang engines (``sglang``), and the
 factory the trainer calls so the engine kind is one config value."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from megatron_rl_fp8.rollout.base import Completion, RolloutConfig, RolloutEngine, SGLangConfig
+from megatron_rl_fp8.rollout.base import Completion, RolloutEngine
+from megatron_rl_fp8.rollout.config import RolloutConfig
+from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
 
 
 def build_engine(

@@ -1,91 +1,23 @@
-"""The rollout side's contract: what any engine (in-process, SGLang server) must offer the trainer."""
+"""The rollout side's contract: what any engine (in-process, SGLang servers) must offer the
+trainer, which talks to every engine through it alone.
+
+    generate              sample completions (the driver's engine)
+    begin_sync / end_sync one weight sync, planned and finished by the driver's engine; in between
+                          the sending ranks push their buckets (:class:`SyncPlan` says which ranks,
+                          :class:`SyncSender` is a rank's side)
+    release / resume      colocated placement: the engines' GPU memory handed to the trainer and
+                          back around each training phase
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
-
-from megatron_rl_fp8.config_utils import check_literals, field
-from megatron_rl_fp8.fp8.config import RolloutFP8Config
-from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.sync.buckets import Bucket
-
-
-@dataclasses.dataclass(kw_only=True)
-class RolloutConfig:
-    """How completions are sampled."""
-
-    engine: Literal["local", "sglang"] = field(
-        "local",
-        help="local = in-process transformers engine on the driver rank (CPU boxes); "
-        "sglang = SGLang engines (one or a fleet behind sglang-router) launched by the driver "
-        "rank or attached to, synced from the ranks holding the weights "
-        "(rollout.sglang; install: tools/install_sglang_cpu.sh on CPU).",
-    )
-    sglang: SGLangConfig = field(
-        default_factory=SGLangConfig, help="The SGLang engines (used when engine is sglang)."
-    )
-    placement: Literal["dedicated", "colocated"] = field(
-        "dedicated",
-        help="Where SGLang engines run: dedicated = GPUs of their own (other nodes, or GPUs of "
-        "this node after the trainer's); colocated = on the trainer's GPUs, releasing their "
-        "memory while the trainer trains and resuming it for the sync and the rollout.",
-    )
-    offload_trainer: bool = field(
-        True,
-        help="Colocated placement: the trainer's weights, gradients and optimizer state wait in "
-        "host memory while the engines generate (on CPU the same copies run, so the path is "
-        "exercised).",
-    )
-    n_samples_per_prompt: int = field(8, help="Group size: completions sampled per prompt (GRPO).")
-    temperature: float = field(1.0, help="Sampling temperature (logprobs use the same).")
-    top_p: float = field(1.0, help="Nucleus sampling mass; 1.0 keeps logprobs unbiased.")
-    max_new_tokens: int = field(8, help="Longest completion in tokens.")
-    seed: int = field(1234, help="Base seed; step s samples with seed + s (resumable).")
-    fp8: RolloutFP8Config = field(
-        default_factory=RolloutFP8Config,
-        help="FP8 rollout numerics: how synced weights are quantized (and activations, in the "
-        "in-process engine). weight_quant=bf16 keeps the rollout in full precision.",
-    )
-
-    def __post_init__(self):
-        check_literals(self, "rollout")
-        if self.n_samples_per_prompt < 1:
-            raise ValueError(
-                f"rollout.n_samples_per_prompt must be >= 1, got {self.n_samples_per_prompt}"
-            )
-        if self.temperature <= 0:
-            raise ValueError(
-                f"rollout.temperature must be > 0, got {self.temperature}; "
-                "use a small value such as 1e-3 for near-greedy sampling"
-            )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.placement == "colocated" and self.engine != "sglang":
-            raise ValueError(
-                "rollout.placement=colocated applies to SGLang engines; the local engine "
-                "always runs inside the trainer (set rollout.engine=sglang or placement=dedicated)"
-            )
-        if self.engine == "sglang" and self.fp8.weight_quant == "per_tensor":
-            # SGLang 0.5.23 (layers/quantization/fp8.py, Fp8LinearMethod.
-            # process_weights_after_loading), run at start-up on the placeholder weights: a
-            # per-tensor FP8 linear's weight becomes a transposed Parameter without weight_loader
-            # (its scale a per-channel one on SM89+), so no hot update can land in it: fused
-            # qkv / gate_up loads fail and a square o_proj would take its codes untransposed.
-            # Block-quantized layers keep their loadable parameters. Checked against SGLang's
-            # code in tests/unit/test_sglang_contracts.py.
-            raise ValueError(
-                "rollout.fp8.weight_quant=per_tensor is not supported with rollout.engine=sglang: "
-                "SGLang's per-tensor FP8 layers replace their weight by a transposed Parameter "
-                "without a weight_loader at start-up, so synced weights cannot be loaded into "
-                "them; use rollout.fp8.weight_quant=blockwise (or rollout.engine=local for "
-                "per-tensor numerics)"
-            )
+    from megatron_rl_fp8.sync.timing import SyncTimes
 
 
 def eos_ids(eos_token_id: int | Iterable[int]) -> tuple[int, ...]:
@@ -105,6 +37,39 @@ class Completion:
     response_ids: list[int]
     response_logprobs: list[float]
     finished: bool  # ended with an eos id (False = truncated at max_new_tokens)
+
+
+@dataclasses.dataclass(kw_only=True)
+class SyncPlan:
+    """One weight sync as the driver's engine plans it (``begin_sync``); picklable: the driver
+    broadcasts it to every rank."""
+
+    version: int
+    export_options: dict
+    """How the engine wants its weights exported: keyword arguments of
+    ``sync.buckets.export_for_rollout`` (``bucket_mb``, ``dequantize_to``)."""
+    from_stages: bool = False
+    """False: the driver gathers every pipeline stage's full tensors and pushes them all (an
+    in-process engine, reachable from the driver alone). True: each pipeline stage's sending
+    rank pushes its own stage's, one stage after the other (servers that every rank reaches)."""
+
+    def new_sender(self) -> SyncSender:
+        """The sending side of a rank other than the driver (``from_stages``), kept for the next
+        syncs. The driver pushes with its engine's ``sender``."""
+        raise TypeError(f"{type(self).__name__}: only the driver pushes weights into this engine")
+
+
+class SyncSender(Protocol):
+    """One sending rank's side of a sync: pushes its buckets into the engines of a plan."""
+
+    times: SyncTimes
+    """The last push's ``transfer`` and ``load`` seconds (``sync/timing.py``)."""
+
+    def push(self, plan: SyncPlan, buckets: Iterable[Bucket]) -> str | None:
+        """Send every bucket; returns the first failure (the rest of the stream is then only
+        consumed: the export is a collective), or None."""
+
+    def close(self) -> None: ...
 
 
 @runtime_checkable
@@ -132,7 +97,27 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, buckets: Iterable[Bucket], *, version: int) -> None:
         """Load new weights (buckets of HF-named full tensors, as ``export_for_rollout`` makes
-        them), then serve only that version."""
+        them), then serve only that version: a whole sync from this one process."""
+
+    def begin_sync(self, version: int) -> SyncPlan:
+        """Prepare sync ``version`` on the driver; returns the plan every rank pushes by."""
+
+    @property
+    def sender(self) -> SyncSender:
+        """The driver's sending side: the driver's own share of every sync goes through it."""
+
+    def end_sync(self, plan: SyncPlan, errors: list[str | None]) -> None:
+        """Finish ``plan`` after every sending rank pushed (``errors``: each rank's failure, or
+        None), then serve only ``plan.version``. Raises ``rollout.errors.SyncFailed`` when the
+        sync is to be run again."""
+
+    def release_memory(self, tags: tuple[str, ...]) -> None:
+        """Colocated placement: give the GPU memory of ``tags`` (``weights``, ``kv_cache``) to
+        the trainer. Released weights are gone: generating needs a sync first."""
+
+    def resume_memory(self, tags: tuple[str, ...]) -> None:
+        """Colocated placement: take the memory of ``tags`` back (weights before a sync, the KV
+        cache before generating)."""
 
     def weight_version(self) -> int: ...
 

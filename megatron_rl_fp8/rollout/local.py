@@ -9,19 +9,44 @@ FP8 rollout (``fp8.weight_quant`` blockwise / per_tensor) runs the numerics of a
 linear weights arrive as e4m3 codes + ``weight_scale_inv`` (the sync path quantizes them) and are
 dequantized on load; every input to those linears is fake-quantized to e4m3 with one dynamic scale
 per 1 x ``act_group`` elements, as block-FP8 serving kernels quantize activations on the fly.
+
+Syncs: the engine lives in the driver's process, so the driver gathers every pipeline stage's
+weights and pushes them all (its :class:`~.base.SyncPlan` leaves ``from_stages`` off); the push
+is ``update_weights``. It shares the trainer's memory, so there is none to release or resume.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
 
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.fp8.quantize import fake_quant_groups
-from megatron_rl_fp8.rollout.base import Completion, eos_ids
+from megatron_rl_fp8.rollout.base import Completion, SyncPlan, eos_ids
 from megatron_rl_fp8.sync.buckets import Bucket
 from megatron_rl_fp8.sync.quantize import dequantize_stream, is_fp8_weight
+from megatron_rl_fp8.sync.timing import SyncTimes, timed
+
+
+class InProcessSender:
+    """The driver's side of a sync into the in-process engine: the buckets go straight to its
+    ``update_weights``, whose time less the stream it pulls is the sync's engine load."""
+
+    def __init__(self, engine: LocalEngine):
+        self.engine = engine
+        self.times = SyncTimes()
+
+    def push(self, plan: SyncPlan, buckets: Iterable[Bucket]) -> str | None:
+        pulled = SyncTimes()
+        t0 = time.perf_counter()
+        self.engine.update_weights(timed(buckets, pulled, "export"), version=plan.version)
+        self.times = SyncTimes(load=time.perf_counter() - t0 - pulled.export)
+        return None  # an incomplete update raises (update_weights)
+
+    def close(self) -> None:
+        pass
 
 
 class LocalEngine:
@@ -46,6 +71,7 @@ class LocalEngine:
         self._version = -1
         # One batched call generates every row: nothing waits on a slower engine.
         self.wait_s = 0.0
+        self.sender = InProcessSender(self)
         if self.fp8.enabled:
             self._quantize_linear_inputs()
 
@@ -92,6 +118,19 @@ class LocalEngine:
             self._version = -1
             raise RuntimeError(f"weight update incomplete, missing {sorted(missing)[:5]}...")
         self._version = version
+
+    def begin_sync(self, version: int) -> SyncPlan:
+        return SyncPlan(version=version, export_options=self.export_options)
+
+    def end_sync(self, plan: SyncPlan, errors: list[str | None]) -> None:
+        pass  # the push loaded every weight or raised
+
+    # -- memory: shared with the trainer (colocated placement is for server engines) ----------
+    def release_memory(self, tags: tuple[str, ...]) -> None:
+        pass
+
+    def resume_memory(self, tags: tuple[str, ...]) -> None:
+        pass
 
     def metrics(self) -> dict[str, float]:
         return {}

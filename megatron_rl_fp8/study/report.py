@@ -40,14 +40,14 @@ from functools import lru_cache
 from pathlib import Path
 
 from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.metrics.figures import DPI
 from megatron_rl_fp8.metrics.logger import EVENTS_FILE, METRICS_FILE, read_metrics
-from megatron_rl_fp8.metrics.report import (
-    _DPI,
+from megatron_rl_fp8.metrics.runs import (
     Run,
-    _config_value,
-    _number,
-    _read_config,
-    _read_guard_events,
+    config_value,
+    finite_number,
+    read_guard_events,
+    read_run_config,
 )
 from megatron_rl_fp8.utils.fs import atomic_write_text
 
@@ -241,7 +241,7 @@ def entropy_stats(steps: list[int], entropy: list[float], limit: float) -> dict:
 
 def run_stats(run: Run) -> dict[str, float | None]:
     """Every statistic of ``STATS`` for one run (None where the run lacks the data)."""
-    limit = _number(_config_value(run.config, "guard.max_entropy_rise"))
+    limit = finite_number(config_value(run.config, "guard.max_entropy_rise"))
     limit = DEFAULT_ENTROPY_RISE if limit is None else limit
     out = {**accuracy_stats(*run.series(EVAL)), **entropy_stats(*run.series(ENTROPY), limit)}
     for name, key in STEP_MEANS.items():
@@ -270,8 +270,8 @@ def load_arms(arms: dict[str, dict[int, Path]], reference: str) -> dict[str, dic
                 )
             records = [r for r in read_metrics(p) if isinstance(r, dict)]
             # records=[]: no events file means no events here (not the metrics' guard keys).
-            events = _read_guard_events(p, []) if (p / EVENTS_FILE).is_file() else []
-            loaded[arm][seed] = Run(f"{arm} seed {seed}", p, records, _read_config(p), events)
+            events = read_guard_events(p, []) if (p / EVENTS_FILE).is_file() else []
+            loaded[arm][seed] = Run(f"{arm} seed {seed}", p, records, read_run_config(p), events)
     return loaded
 
 
@@ -353,7 +353,7 @@ def _png(fig) -> bytes:
     from PIL import Image  # matplotlib's own dependency
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=_DPI)
+    fig.savefig(buf, format="png", dpi=DPI)
     image = Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
     image = image.quantize(64, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE)
     buf = io.BytesIO()

@@ -40,9 +40,9 @@ from pathlib import Path
 
 import yaml
 
+from megatron_rl_fp8 import checkpoint
 from megatron_rl_fp8.config import RunConfig, load_config
 from megatron_rl_fp8.config_utils import ConfigError, to_dict
-from megatron_rl_fp8.trainer import checkpoint
 from megatron_rl_fp8.trainer.run_dir import changed_settings
 from megatron_rl_fp8.utils.fs import atomic_write_text
 

@@ -65,7 +65,7 @@ def split_tp_shard(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) ->
     return full.chunk(tp_size, dim=dim)[tp_rank]
 
 
-def _global_names(module: torch.nn.Module) -> dict[str, str]:
+def global_names(module: torch.nn.Module) -> dict[str, str]:
     """Local parameter name -> name with global layer numbering."""
     layers = getattr(getattr(module, "decoder", None), "layers", [])
     offsets = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
@@ -106,7 +106,7 @@ def iter_full_params(
     module = unwrap(model)
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     pp_size = dist.get_world_size(pp_group) if pp_group is not None else 1
-    names = _global_names(module)
+    names = global_names(module)
     params = dict(module.named_parameters())
     local = [(names[n], p) for n, p in params.items() if not _tied_output_duplicate(module, n)]
     device = next(iter(params.values())).device

@@ -21,11 +21,11 @@ import torch
 
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.fp8.quantize import (
-    _round_up_pow2,
     dequantize_blockwise,
     dequantize_per_tensor,
     quantize_blockwise,
     quantize_per_tensor,
+    round_up_pow2,
 )
 
 SCALE_SUFFIX = "_scale_inv"
@@ -107,7 +107,7 @@ def modelopt_quantize(t: torch.Tensor, cfg: RolloutFP8Config) -> tuple[torch.Ten
         # Host sync: one bool over the (small) scale tensor per call, to spot all-zero blocks.
         if pow2 or bool((scale == 0).any()):
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-            scale = _round_up_pow2(scale) if pow2 else scale
+            scale = round_up_pow2(scale) if pow2 else scale
             qt, scale = FP8QTensor.quantize(w, scale, block_sizes=block_sizes)
         # ``_quantized_data`` is how modelopt's own HF export reads the codes; for ragged shapes it
         # is a view into the padded result, hence the copy.

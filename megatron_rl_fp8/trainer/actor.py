@@ -1,6 +1,7 @@
 """The actor: a Megatron GPTModel wrapped in Megatron DDP with Megatron's optimizer.
 
-Every forward/backward goes through ``get_forward_backward_func`` so PP=1 and PP>1 share one path.
+Every forward/backward goes through ``get_forward_backward_func`` so PP=1 and PP>1 share one path
+(``trainer/schedule.py``: the micro-batch split and ``run_schedule``).
 Loss scaling, written down once: the schedule divides each micro-batch loss by the number of
 micro-batches and Megatron DDP averages gradients over data-parallel ranks. Our losses are already
 normalised by the *global* token count of the mini-batch (so summing them over micro-batches and
@@ -9,13 +10,13 @@ rank's own ``num_microbatches`` (under ``train.max_tokens_per_gpu`` DP ranks may
 counts: each divides by its own, and DDP averages over DP with a plain 1 / dp_size).
 
 The learning rate follows Megatron's ``OptimizerParamScheduler`` (``optim.lr_*``), owned here next
-to the optimizer: one scheduler step per *applied* optimizer step, as Megatron's training loop.
+to the optimizer: one scheduler step per *applied* optimizer step, as Megatron's training loop
+(``trainer/optimizer.py`` builds it, and repairs a distributed optimizer's checkpoint load).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 
@@ -23,7 +24,7 @@ import torch
 
 from megatron_rl_fp8.fp8.backend import resolve_backend
 from megatron_rl_fp8.fp8.config import FP8Config
-from megatron_rl_fp8.fp8.te import have_te, megatron_fp8_kwargs, te_fp8_align
+from megatron_rl_fp8.fp8.te import have_te, megatron_fp8_kwargs
 from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.fp8 import (
@@ -37,175 +38,15 @@ from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
 from megatron_rl_fp8.models.logprobs import token_logprobs, token_logprobs_and_entropy
 from megatron_rl_fp8.models.memory import MemoryConfig
 from megatron_rl_fp8.parallel import Groups, ParallelConfig, check_context_parallel
-from megatron_rl_fp8.trainer.batch import merge_rows, pack_by_tokens, row_lengths, take_rows
 from megatron_rl_fp8.trainer.config import OptimConfig
-from megatron_rl_fp8.trainer.context_parallel import gather_from_cp, split_for_cp
-
-
-def build_opt_param_scheduler(optimizer, optim_cfg: OptimConfig, lr_decay_steps: int):
-    """Megatron's scheduler for ``optim_cfg`` at its step 0 (it sets every param group's lr now).
-
-    ``optimizer`` is anything with ``param_groups``; a group's own ``max_lr`` / ``min_lr`` (Megatron's
-    param groups carry them) take precedence over the scheduler's.
-    """
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,  # Megatron's warmup starts at 0
-        max_lr=optim_cfg.lr,
-        min_lr=optim_cfg.min_lr,
-        lr_warmup_steps=optim_cfg.lr_warmup_steps,
-        lr_decay_steps=lr_decay_steps,
-        lr_decay_style=optim_cfg.lr_decay_style,
-        start_wd=optim_cfg.weight_decay,
-        end_wd=optim_cfg.weight_decay,
-        wd_incr_steps=0,
-        wd_incr_style="constant",
-        # On resume the run's config decides the schedule and the checkpoint only its position
-        # (so a resumed run may extend train.steps); load_state_dict then just replays num_steps.
-        use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=True,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class MicroBatches:
-    """A batch's rows split into micro-batches, and the way back to the batch's row order."""
-
-    batches: list[dict]
-    # Batch rows of each micro-batch under a token budget; None: consecutive rows, in order.
-    groups: list[list[int]] | None = None
-    width: int | None = None  # the batch's S, which merged per-token outputs get back
-
-    @property
-    def variable_shapes(self) -> bool:
-        return self.groups is not None
-
-    def merge(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """Per-micro-batch per-token outputs as one [B, S] tensor in the batch's row order (the
-        positions padded for ``seq_multiple`` cut off again)."""
-        if self.groups is None:
-            merged = torch.cat(parts)
-            return merged if self.width is None else merged[:, : self.width]
-        return merge_rows(parts, self.groups, self.width)
-
-
-def seq_multiple(config) -> int:
-    """What every micro-batch's sequence length must be a multiple of under this Megatron config:
-    context parallelism cuts sequences into 2 * CP chunks, sequence parallelism splits each CP
-    rank's share over the TP ranks. Under Transformer Engine FP8 (``config.fp8`` set) each rank's
-    share of a sequence is also a multiple of what TE's FP8 GEMMs need of their rows (8; 32 under
-    MXFP8), so that a linear's input rows (that share x the micro-batch's rows, any row count)
-    meet TE's rule (``fp8/te.py: te_fp8_align``)."""
-    cp = config.context_parallel_size
-    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    if config.fp8:
-        rows = te_fp8_align(getattr(config, "fp8_recipe", None))[0]
-        return rows * cp * tp  # a multiple of 2 * CP too
-    return (2 * cp if cp > 1 else 1) * tp
-
-
-def split_micro_batches(
-    batch: dict[str, torch.Tensor],
-    micro_batch_size: int,
-    max_tokens: int | None = None,
-    *,
-    multiple: int = 1,
-) -> MicroBatches:
-    """``micro_batch_size`` consecutive rows at a time, each padded to the batch's S; or, with a
-    token budget ``max_tokens``, rows grouped by ``pack_by_tokens`` over their real lengths
-    (``row_lengths`` of ``loss_mask``, rounded up to ``multiple``), each micro-batch cut to its
-    own longest row (``micro_batch_size`` unused). Sequence lengths are padded up to a multiple
-    of ``multiple`` (``seq_multiple``: sequence / context parallelism split them)."""
-    n, width = batch["input_ids"].shape
-    padded = math.ceil(width / multiple) * multiple
-    if padded != width:
-        # Right padding (token 0, no loss): causal attention keeps it from the real positions.
-        batch = {
-            k: torch.nn.functional.pad(v, (0, padded - width)) if v.dim() >= 2 else v
-            for k, v in batch.items()
-        }
-    if max_tokens is None:
-        return MicroBatches(
-            [
-                {k: v[i : i + micro_batch_size] for k, v in batch.items()}
-                for i in range(0, n, micro_batch_size)
-            ],
-            width=width,
-        )
-    lengths = [
-        min(math.ceil(length / multiple) * multiple, padded)
-        for length in row_lengths(batch["loss_mask"])
-    ]
-    groups = pack_by_tokens(lengths, max_tokens)
-    # Rows come longest first: a micro-batch's first row is its longest.
-    batches = [take_rows(batch, rows, lengths[rows[0]]) for rows in groups]
-    return MicroBatches(batches, groups, width)
-
-
-def split_for_model(
-    batch: dict, micro_batch_size: int, max_tokens: int | None, config, groups: Groups
-) -> MicroBatches:
-    """``split_micro_batches`` for a model built with Megatron ``config`` on ``groups``: lengths
-    padded for its sequence / context split, and the token budget per GPU (a CP rank holds
-    1 / CP of each sequence's tokens). The actor and the KL reference split alike."""
-    return split_micro_batches(
-        batch,
-        micro_batch_size,
-        max_tokens * groups.cp_size if max_tokens is not None else None,
-        multiple=seq_multiple(config),
-    )
-
-
-def run_schedule(
-    model, device, micro_batches: MicroBatches, loss_fn: Callable, *, forward_only: bool
-) -> list[dict]:
-    """Megatron's forward(/backward) schedule over ``micro_batches`` (PP=1 and PP>1 alike);
-    returns the per-micro-batch dicts of ``loss_fn`` (last pipeline stage only). The actor and
-    the frozen KL reference both run their passes through it."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.utils import get_model_config
-
-    if micro_batches.variable_shapes:
-        # Micro-batches differ in rows and length (token budget): the pipeline's p2p then sends
-        # each activation's [S, rows, hidden] shape ahead of it (both dims may vary), and the
-        # seq_length / micro_batch_size below are only the schedule's unused shape hints. Only
-        # the p2p reads this flag (PP=1 has none); every stage of a pipeline sees the same
-        # micro-batches, so all set it in the same call.
-        get_model_config(model).variable_seq_lengths = True
-    micro_batches = micro_batches.batches
-    cp_size = get_model_config(model).context_parallel_size
-    cp_rank = parallel_state.get_context_parallel_rank() if cp_size > 1 else 0
-
-    def forward_step(data_iterator, model):
-        # Batches are built on the host; the model's device is CUDA on GPU clusters.
-        mb = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
-        if cp_size > 1:
-            # This CP rank's tokens of every sequence; loss_fn sees the same share.
-            mb = split_for_cp(mb, cp_size, cp_rank)
-            pos = mb.pop("position_ids")
-        else:
-            ids = mb["input_ids"]
-            pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-        # attention_mask=None: the local spec applies a causal mask; right padding never
-        # influences earlier (real) positions under a causal mask.
-        output = model(mb["input_ids"], pos, None)
-        return output, functools.partial(loss_fn, mb)
-
-    fwd_bwd = get_forward_backward_func()
-    seq_len = micro_batches[0]["input_ids"].shape[1]
-    return fwd_bwd(
-        forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
-        model=[model],
-        num_microbatches=len(micro_batches),
-        seq_length=seq_len,
-        micro_batch_size=micro_batches[0]["input_ids"].shape[0],
-        forward_only=forward_only,
-    )
-
+from megatron_rl_fp8.trainer.context_parallel import gather_from_cp
+from megatron_rl_fp8.trainer.optimizer import (
+    allocate_distributed_optimizer_state,
+    build_opt_param_scheduler,
+    megatron_optimizer_config,
+    restore_adam_step,
+)
+from megatron_rl_fp8.trainer.schedule import MicroBatches, run_schedule, split_for_model
 
 _BACKEND_WORDS = {
     "te": "Transformer Engine",
@@ -240,7 +81,7 @@ class Actor:
         total_steps: int | None = None,
     ):
         """``init_weights=False`` skips Megatron's random init (minutes of host time at 8B) for
-        a model whose every weight is loaded next (``models/pretrained.py``).
+        a model whose every weight is loaded next (``convert/start_weights.py``).
         ``total_steps``: optimizer steps of the whole run (``train.steps *
         train.updates_per_step``), the decay horizon when ``optim.lr_decay_steps`` is null.
         ``parallel``: the scale features (sequence parallelism, the distributed optimizer,
@@ -250,7 +91,6 @@ class Actor:
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
-        from megatron.core.optimizer import OptimizerConfig
 
         self.model_cfg = model_cfg
         self.optim_cfg = self.base_optim_cfg = optim_cfg
@@ -298,21 +138,7 @@ class Actor:
         self.model = DistributedDataParallel(
             config=self.config, ddp_config=ddp_config, module=module
         )
-        self.optimizer_config = OptimizerConfig(
-            optimizer="adam",
-            lr=optim_cfg.lr,
-            min_lr=optim_cfg.min_lr,  # each param group's max_lr / min_lr come from these two
-            weight_decay=optim_cfg.weight_decay,
-            adam_beta1=optim_cfg.adam_beta1,
-            adam_beta2=optim_cfg.adam_beta2,
-            adam_eps=optim_cfg.adam_eps,
-            clip_grad=optim_cfg.clip_grad,
-            bf16=self.config.bf16,
-            params_dtype=self.config.params_dtype,
-            use_distributed_optimizer=parallel.use_distributed_optimizer,
-            overlap_param_gather=parallel.overlap_param_gather,
-            **memory.optimizer_kwargs(),
-        )
+        self.optimizer_config = megatron_optimizer_config(optim_cfg, self.config, parallel, memory)
         self.reset_optimizer()
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.model.no_sync
@@ -492,11 +318,11 @@ class Actor:
         PP ranks hold different gradient shards, so all must agree before anyone steps). One
         reduction over this rank's gradient buffer (its sum is NaN/inf when any element is, or
         when the gradients are so large that their norm would overflow too; no buffer-sized
-        temporary) and one one-element all-reduce."""
-        bad = any(not torch.isfinite(o["loss"]).all() for o in out)
-        for buffer in self.model.buffers:
-            bad = bad or not bool(torch.isfinite(buffer.grad_data.sum()))
-        flag = torch.tensor([float(bad)], device=self.groups.device)
+        temporary) and one one-element all-reduce; one host read, however many micro-batches."""
+        checks = [torch.isfinite(o["loss"]).all() for o in out]
+        checks += [torch.isfinite(buffer.grad_data.sum()) for buffer in self.model.buffers]
+        finite = torch.stack(checks).all() if checks else torch.tensor(True)
+        flag = (~finite).to(self.groups.device, torch.float32).reshape(1)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return flag.item() == 0.0
 
@@ -538,35 +364,11 @@ class Actor:
                 # another DP size (same TP x PP).
                 kwargs = {"metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}
                 if is_loading:
-                    self._allocate_distributed_optimizer_state()
+                    allocate_distributed_optimizer_state(self.optimizer)
             sd["optimizer"] = self.optimizer.sharded_state_dict(
                 model_sd, is_loading=is_loading, **kwargs
             )
         return sd
-
-    def _allocate_distributed_optimizer_state(self) -> None:
-        """Give a fresh distributed optimizer its Adam state before a load fills it. Without
-        Apex / TE, Megatron's wrapper reads the torch Adam's ``step`` even when loading, which a
-        torch optimizer creates only at its first step; Megatron's own loader (Megatron-FSDP
-        path) allocates it by a step with zero gradients, and so does this. The loaded values
-        then replace every tensor it touched (weights, fp32 main weights, moments, step)."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            if not opt.optimizer.state:
-                opt._init_optimizer_states_with_dummy_values()
-
-    def _restore_adam_step(self, loaded: dict) -> None:
-        """Give a torch Adam's per-parameter state the checkpoint's step, one tensor each.
-        Megatron 0.16's distributed optimizer (without Apex / TE) loads the step from the param
-        groups as *one* tensor shared by every parameter, which torch's Adam then increments once
-        per parameter at the next step (bias correction as if thousands of steps had passed),
-        and its bucket-space format copies this process's own step (the zero-gradient
-        allocation's 1) over it. TE's and apex's Adam keep the step in the param groups."""
-        (opt,) = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-        (step,) = {group["step"] for group in loaded["optimizer"]["param_groups"]}
-        for state in opt.optimizer.state.values():
-            if "step" in state:
-                old = state["step"]
-                state["step"] = torch.full_like(old, step)
 
     @torch.no_grad()
     def load_sharded(self, loaded: dict) -> None:
@@ -576,7 +378,7 @@ class Actor:
         if "optimizer" in loaded:
             self.optimizer.load_state_dict(loaded["optimizer"])
             if self.parallel.use_distributed_optimizer:
-                self._restore_adam_step(loaded["optimizer"])
+                restore_adam_step(self.optimizer, loaded["optimizer"])
         else:
             self.params_changed()
 

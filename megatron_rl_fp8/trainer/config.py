@@ -252,3 +252,100 @@ class TrainConfig:
                 f"micro-batch), got {self.max_tokens_per_gpu}"
             )
         check_literals(self, "train")
+
+
+# Severity order: when several rules fire, the strongest action is taken.
+ACTIONS = ("skip", "recalibrate", "bf16", "rollback", "stop")
+RULES = ("nonfinite", "entropy", "mismatch", "reward", "garbled")
+
+
+@dataclasses.dataclass(kw_only=True)
+class GuardConfig:
+    """Rules on each step's metrics and the action each one takes (``trainer/guard.py``)."""
+
+    enabled: bool = field(True, help="Check every step's metrics against the rules below.")
+    window: int = field(5, help="Healthy steps remembered for the entropy and reward baselines.")
+    max_entropy_rise: float | None = field(
+        1.0,
+        help="Nats train/entropy may rise above its minimum over the window (null = off). A "
+        "collapsing policy heads for log(vocab): 3.97 for the tiny model, ~11.9 for Qwen3.",
+    )
+    max_mismatch: float | None = field(
+        None,
+        help="Upper limit of fp8/token_mult_prob_error, the mean exp|logp_rollout - logp_train| "
+        "(1.0 = identical; healthy FP8 runs stay within a few percent of 1; null = off).",
+    )
+    reward_collapse_ratio: float | None = field(
+        None,
+        help="Fires when rollout/reward_mean falls below this fraction of the best reward of the "
+        "window (e.g. 0.25; null = off; noisy with few prompts per step).",
+    )
+    max_garbled_frac: float | None = field(
+        None,
+        help="Upper limit of rollout/garbled_frac (undecodable, repetitive or answerless "
+        "responses; null = off). Set it above the starting model's share.",
+    )
+    on_nonfinite: Literal["skip", "rollback", "stop"] = field(
+        "skip",
+        help="Action when the loss or grad norm is NaN/inf (weights that overflow: rollback).",
+    )
+    on_entropy: Literal["rollback", "bf16", "stop"] = field(
+        "rollback", help="Action when entropy rises past max_entropy_rise."
+    )
+    on_mismatch: Literal["recalibrate", "bf16", "rollback", "stop"] = field(
+        "recalibrate", help="Action when the mismatch passes max_mismatch."
+    )
+    on_reward: Literal["rollback", "stop"] = field(
+        "rollback", help="Action when the reward collapses."
+    )
+    on_garbled: Literal["rollback", "bf16", "stop"] = field(
+        "rollback", help="Action when the garbled share passes max_garbled_frac."
+    )
+    max_consecutive_skips: int = field(
+        3, help="Skipped updates in a row before the guard rolls back instead."
+    )
+    rollback_lr_factor: float = field(
+        0.5, help="Each rollback multiplies the learning rate (optim.lr, optim.min_lr) by this."
+    )
+    max_rollbacks: int = field(3, help="Rollbacks per run; one more event that wants one stops.")
+    bf16_steps: int = field(10, help="Steps trained without FP8 after a bf16 action.")
+
+    def __post_init__(self):
+        check_literals(self, "guard")
+        if self.window < 1:
+            raise ValueError(f"guard.window must be >= 1, got {self.window}")
+        for name in ("max_entropy_rise", "max_garbled_frac", "reward_collapse_ratio"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ValueError(f"guard.{name} must be a number > 0 or null (off), got {v}")
+        if self.max_mismatch is not None and not (
+            math.isfinite(self.max_mismatch) and self.max_mismatch > 1
+        ):
+            raise ValueError(
+                f"guard.max_mismatch must be > 1 (1.0 = rollout and training agree exactly) or "
+                f"null, got {self.max_mismatch}"
+            )
+        if self.reward_collapse_ratio is not None and self.reward_collapse_ratio >= 1:
+            raise ValueError(
+                f"guard.reward_collapse_ratio must be in (0, 1), got {self.reward_collapse_ratio}"
+            )
+        if not 0 < self.rollback_lr_factor <= 1:
+            raise ValueError(
+                f"guard.rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}"
+            )
+        for name in ("max_consecutive_skips", "max_rollbacks", "bf16_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"guard.{name} must be >= 0, got {getattr(self, name)}")
+
+    def actions_in_use(self) -> set[str]:
+        """The actions some enabled rule may take (for cross-section checks)."""
+        used = {self.on_nonfinite}
+        for threshold, action in (
+            (self.max_entropy_rise, self.on_entropy),
+            (self.max_mismatch, self.on_mismatch),
+            (self.reward_collapse_ratio, self.on_reward),
+            (self.max_garbled_frac, self.on_garbled),
+        ):
+            if threshold is not None:
+                used.add(action)
+        return used if self.enabled else set()

@@ -2,12 +2,15 @@
 back and forth around each generation when they share the trainer's GPUs (colocated).
 
     sync(version)        Megatron shards -> full tensors -> export (HF names, rollout FP8,
-                         buckets) -> the engines: through the driver (in-process engine) or from
-                         each pipeline stage's sending rank (SGLang fleet); retried on SyncFailed
+                         buckets) -> the engines, between the driver engine's begin_sync and
+                         end_sync: through the driver, or from each pipeline stage's sending rank,
+                         as the engine's plan says; retried on SyncFailed
     generation(phase)    trainer state to host memory, engines' KV cache back, phase(), and the
                          reverse; a rollout whose engines lost the weights is synced and rerun
 
-Every method is collective over all ranks; the driver (global rank 0) owns the engine.
+It knows engines only by the ``RolloutEngine`` protocol (``rollout/base.py``) and their errors
+(``rollout/errors.py``). Every method is collective over all ranks; the driver (global rank 0)
+owns the engine.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ import torch.distributed as dist
 from megatron_rl_fp8.config import RunConfig
 from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.parallel import Groups
-from megatron_rl_fp8.rollout.sglang.errors import RolloutLost, SyncFailed
-from megatron_rl_fp8.rollout.sglang.sender import WeightSender
+from megatron_rl_fp8.rollout.base import RolloutEngine, SyncPlan, SyncSender
+from megatron_rl_fp8.rollout.errors import RolloutLost, SyncFailed
 from megatron_rl_fp8.sync.buckets import export_for_rollout
 from megatron_rl_fp8.sync.gather import iter_full_params
 from megatron_rl_fp8.sync.timing import SyncTimes, timed
@@ -44,7 +47,7 @@ class EngineLink:
         cfg: RunConfig,
         groups: Groups,
         actor: Actor,
-        engine,
+        engine: RolloutEngine | None,
         offload: TrainerOffload | None,
     ):
         self.cfg = cfg
@@ -53,10 +56,10 @@ class EngineLink:
         self.engine = engine
         self.offload = offload
         self.is_driver = groups.is_driver
-        self.fleet = cfg.rollout.engine == "sglang"  # synced by each stage's sending rank
         self.colocated = cfg.rollout.placement == "colocated"
-        # A pipeline stage's sending rank's side of a fleet sync (the driver's is the fleet's).
-        self.weight_sender = engine.sender if self.is_driver and self.fleet else None
+        # A non-driver sending rank's side of the syncs (the driver's is its engine's ``sender``),
+        # made from the first plan that has this rank send.
+        self.weight_sender: SyncSender | None = None
         self.synced_version = -1
         self.times = SyncTimes()  # the last sync's parts (the driver's; sync/timing.py)
 
@@ -65,10 +68,10 @@ class EngineLink:
         HF names, rollout FP8, buckets) -> engine. Collective over the DP-rank-0 replica (its
         CP-rank-0 ranks: the other CP ranks hold the same weights), and a barrier for the rest.
 
-        SGLang engines are fed by each pipeline stage's sending rank (:meth:`_push_to_fleet`);
-        the in-process engine gets everything through the driver. A sync that the engines could
-        not complete (``SyncFailed``: an engine died during it and was relaunched) runs again:
-        the engines' weights are unknown, the trainer's are not. Colocated engines get their
+        The driver's engine plans each sync (``begin_sync``) and finishes it (``end_sync``); in
+        between the plan's sending ranks push (:meth:`_push`). A sync that the engines could not
+        complete (``SyncFailed``: an engine died during it and was relaunched) runs again: the
+        engines' weights are unknown, the trainer's are not. Colocated engines get their
         weights' memory back before it (their KV cache before they generate).
 
         Returns its seconds; ``self.times`` gets its parts on the driver (every attempt's;
@@ -78,8 +81,7 @@ class EngineLink:
         if self.colocated and self.is_driver:
             self.engine.resume_memory(("weights",))
         for attempt in range(1, self.cfg.rollout.sglang.max_restarts + 2):
-            push = self._push_to_fleet if self.fleet else self._push_to_driver
-            failure = push(version, times)
+            failure = self._sync_once(version, times)
             failure = broadcast_object(failure, self.groups.driver_rank)  # also the barrier
             if failure is None:
                 break
@@ -89,64 +91,17 @@ class EngineLink:
         self.synced_version = version
         return time.perf_counter() - t0
 
-    def _push_to_driver(self, version: int, times: SyncTimes) -> None:
-        """Every stage's full tensors to the driver, which feeds its engine. In-process: nothing
-        is transferred, and the engine's load is its update_weights less the stream it pulls."""
-        if self.groups.dp_rank == 0 and self.groups.cp_rank == 0:
-            full = iter_full_params(
-                self.actor.model,
-                tp_group=self.groups.tp,
-                pp_group=self.groups.pp,
-                dst_global_rank=self.groups.driver_rank,
-            )
-            options = self.engine.export_options if self.is_driver else {}
-            buckets = export_for_rollout(
-                timed(full, times, "gather"), self.cfg.model, self.cfg.rollout.fp8, **options
-            )
-            if self.is_driver:
-                exported = times.export
-                t0 = time.perf_counter()
-                self.engine.update_weights(timed(buckets, times, "export"), version=version)
-                times.load += time.perf_counter() - t0 - (times.export - exported)
-            else:
-                # Drive the gather's collectives; non-driver ranks receive nothing.
-                collections.deque(buckets, maxlen=0)
-
-    def _push_to_fleet(self, version: int, times: SyncTimes) -> str | None:
-        """One fleet sync: the driver begins it; each pipeline stage's sending rank (its TP-rank-0
-        rank of the DP-rank-0 / CP-rank-0 replica) gathers its stage's TP shards and broadcasts
-        its own buckets to every engine, one stage after the other (NCCL groups sharing engines
-        must not interleave); the driver ends it. Returns the failure to retry on, or None.
-        ``times`` gets every sender's parts (stages push one after the other, so they add up)
-        and the begin / end calls as engine load."""
+    def _sync_once(self, version: int, times: SyncTimes) -> str | None:
+        """One sync: the driver begins it, the plan's sending ranks push (:meth:`_push`), the
+        driver ends it. Returns the failure to retry on, or None. ``times`` gets every sender's
+        parts (stages push one after the other, so they add up) and the begin / end calls as
+        engine load."""
         g = self.groups
         t0 = time.perf_counter()
         plan = self.engine.begin_sync(version) if self.is_driver else None
         begin = time.perf_counter() - t0
         plan = broadcast_object(plan, g.driver_rank)
-        error = None
-        mine = SyncTimes()
-        replica = g.dp_rank == 0 and g.cp_rank == 0
-        sender = dist.get_process_group_ranks(g.tp)[0] if g.tp is not None else g.rank
-        for stage in range(g.pp_size):
-            if replica and stage == g.pp_rank:
-                full = iter_full_params(self.actor.model, tp_group=g.tp, dst_global_rank=sender)
-                buckets = export_for_rollout(
-                    timed(full, mine, "gather"),
-                    self.cfg.model,
-                    self.cfg.rollout.fp8,
-                    **plan.export_options,
-                )
-                if g.rank == sender:
-                    if self.weight_sender is None:
-                        self.weight_sender = WeightSender()
-                    error = self.weight_sender.push(plan, timed(buckets, mine, "export"))
-                    mine.transfer += self.weight_sender.times.transfer
-                    mine.load += self.weight_sender.times.load
-                else:
-                    collections.deque(buckets, maxlen=0)  # the TP gather's collectives
-                    mine = SyncTimes()  # a sender's TP peers: the same gather, not added again
-            dist.barrier()
+        error, mine = self._push(plan)
         # One gather carries every sender's failure and its parts' seconds.
         reports = [None] * dist.get_world_size()
         dist.all_gather_object(reports, (error, mine))
@@ -162,6 +117,54 @@ class EngineLink:
             finally:
                 times.load += time.perf_counter() - t0
         return None
+
+    def _push(self, plan: SyncPlan) -> tuple[str | None, SyncTimes]:
+        """This rank's part of ``plan``: (its push's failure or None, its parts' seconds).
+
+        ``plan.from_stages`` (servers every rank reaches): each pipeline stage's sending rank
+        (its TP-rank-0 rank of the DP-rank-0 / CP-rank-0 replica) gathers its stage's TP shards
+        and pushes its own buckets, one stage after the other (NCCL groups sharing engines must
+        not interleave). Otherwise (an in-process engine) every stage's full tensors go to the
+        driver, which pushes them all. The ranks that only take part in a gather drive its
+        collectives and report no parts."""
+        g = self.groups
+        if plan.from_stages:  # this stage's sender, in its turn
+            sender = dist.get_process_group_ranks(g.tp)[0] if g.tp is not None else g.rank
+            stages, pp_group = range(g.pp_size), None
+        else:  # the driver, in one gather over every stage
+            sender, stages, pp_group = g.driver_rank, [g.pp_rank], g.pp
+        error, mine = None, SyncTimes()
+        replica = g.dp_rank == 0 and g.cp_rank == 0
+        for stage in stages:
+            if replica and stage == g.pp_rank:
+                full = iter_full_params(
+                    self.actor.model, tp_group=g.tp, pp_group=pp_group, dst_global_rank=sender
+                )
+                buckets = export_for_rollout(
+                    timed(full, mine, "gather"),
+                    self.cfg.model,
+                    self.cfg.rollout.fp8,
+                    **plan.export_options,
+                )
+                if g.rank == sender:
+                    pusher = self._sender(plan)
+                    error = pusher.push(plan, timed(buckets, mine, "export"))
+                    mine.transfer += pusher.times.transfer
+                    mine.load += pusher.times.load
+                else:
+                    collections.deque(buckets, maxlen=0)  # the gather's collectives
+                    mine = SyncTimes()  # a sender's peers: the same gather, not added again
+            if plan.from_stages:
+                dist.barrier()
+        return error, mine
+
+    def _sender(self, plan: SyncPlan) -> SyncSender:
+        """This rank's sending side: the driver's engine's, or one of its own made by the plan."""
+        if self.is_driver:
+            return self.engine.sender
+        if self.weight_sender is None:
+            self.weight_sender = plan.new_sender()
+        return self.weight_sender
 
     def generation(self, phase: Callable[[], T], *, release: tuple[str, ...]) -> T:
         """``phase()``, a phase that generates on the engines (the rollout, an evaluation).

@@ -20,6 +20,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from megatron_rl_fp8.metrics.logger import print_rank0
+
 
 class PreemptionSignal:
     """Catches ``signum`` (SIGUSR1) while the run trains; :meth:`requested` is collective."""
@@ -50,6 +52,15 @@ class PreemptionSignal:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+    def stopped(self, step: int) -> None:
+        """After the checkpoint of ``step``: no rank may exit before every rank's part is on
+        disk (the launcher kills the others as soon as one exits). Collective."""
+        dist.barrier()
+        print_rank0(
+            f"preemption: stopped after step {step} with its checkpoint; a run in the same "
+            "train.output_dir resumes from it"
+        )
 
     def close(self) -> None:
         """Restore the handler that was there before."""

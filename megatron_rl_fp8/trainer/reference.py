@@ -3,13 +3,13 @@
 A second GPTModel of the actor's architecture and layout (same TP/PP, same kernel spec, so its
 parameters pair one to one with the actor's), with no DDP wrapper, no optimizer and no gradients.
 Once per step, in the old-logprob phase, it runs one forward over this rank's rollout rows through
-the actor's own pipeline schedule (``actor.run_schedule``, so PP > 1 needs nothing more) and gives
+the actor's own pipeline schedule (``schedule.run_schedule``, so PP > 1 needs nothing more) and gives
 ``ref_logprobs``, a [B, S] tensor aligned with ``labels`` like ``old_logprobs``.
 
 Its weights, set once before step 1 (:meth:`Reference.load_weights`):
 
 * ``model.ref_checkpoint``: an HF folder or a converted / trainer checkpoint folder, read with the
-  actor's loaders (``models/pretrained.py``) at this rank's layout;
+  actor's loaders (``convert/start_weights.py``) at this rank's layout;
 * null: the policy RL starts from. A fresh run copies the actor right before step 1 (after the
   start weights and any SFT warm start). When that policy cannot be read again from the start
   checkpoint (a random init, or SFT on top of it), the copy is also saved, weights only, under
@@ -32,68 +32,22 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8 import checkpoint
+from megatron_rl_fp8.config import RunConfig
+from megatron_rl_fp8.convert.start_weights import load_hf_weights
 from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
 from megatron_rl_fp8.models.logprobs import token_logprobs
-from megatron_rl_fp8.models.pretrained import (
-    ARCH_FIELDS,
-    converted_dir,
-    load_hf_weights,
-    source_model,
-)
-from megatron_rl_fp8.trainer import checkpoint
-from megatron_rl_fp8.trainer.actor import Actor, run_schedule, split_for_model
+from megatron_rl_fp8.models.pretrained import check_ref_checkpoint, converted_dir, is_hf_folder
+from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.context_parallel import gather_from_cp
-
-if TYPE_CHECKING:  # megatron_rl_fp8.config may call check_ref_checkpoint: no import cycle
-    from megatron_rl_fp8.config import RunConfig
-    from megatron_rl_fp8.models.config import ModelConfig
+from megatron_rl_fp8.trainer.schedule import run_schedule, split_for_model
 
 SNAPSHOT_DIR = "reference"  # under train.output_dir
 _SNAPSHOT_NAME = "rl_start"
-
-
-def is_hf_folder(path: str | Path) -> bool:
-    """An HF model folder has a config.json; a converted or trainer checkpoint does not."""
-    return (Path(path).expanduser() / "config.json").is_file()
-
-
-def check_ref_checkpoint(model: ModelConfig) -> None:
-    """``model.ref_checkpoint``, when set, is a checkpoint of the actor's architecture (where
-    it records one: a trainer checkpoint does not, and its loader checks the shapes). Raises
-    ConfigError naming the field; reads only small metadata files."""
-    path = model.ref_checkpoint
-    if path is None:
-        return
-    hf = is_hf_folder(path)
-    if not hf and not (converted_dir(path) / "trainer_state.json").is_file():
-        raise ConfigError(
-            f"model.ref_checkpoint={path!r} is neither a Hugging Face model folder (config.json, "
-            "*.safetensors) nor a converted checkpoint (an hf-to-mcore output, a run's "
-            "checkpoints folder or one iter_* in it); point it at one, or null for the run's "
-            "starting weights"
-        )
-    try:
-        source = source_model(hf_checkpoint=path if hf else None, load=None if hf else path)
-    except ConfigError as e:
-        raise ConfigError(f"model.ref_checkpoint: {e}") from None
-    if source is None:
-        return
-    theirs, where = source
-    for name in ARCH_FIELDS:
-        mine, other = getattr(model, name), getattr(theirs, name)
-        if name == "head_dim":  # None means hidden / heads on either side
-            mine, other = model.kv_channels, theirs.kv_channels
-        if mine != other:
-            raise ConfigError(
-                f"model.ref_checkpoint={path!r} has {name}={other!r} ({where}) but the actor has "
-                f"model.{name}={mine!r}: the reference must have the actor's architecture"
-            )
 
 
 class Reference:

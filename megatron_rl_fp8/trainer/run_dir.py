@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import yaml
 
 from megatron_rl_fp8.config_utils import ConfigError
@@ -127,3 +128,23 @@ def prepare(cfg, *, is_driver: bool, rank: int = 0) -> tuple[RunLock | None, str
     except ConfigError as e:
         return None, str(e)
     return lock, None
+
+
+def claim(cfg, groups) -> RunLock | None:
+    """One writer per run directory, writable paths: checked on every rank before any compute,
+    and refused on all ranks together (one gather) so none is left waiting in a collective.
+    Returns the lock (the driver's; None elsewhere). Collective."""
+    lock, problem = prepare(cfg, is_driver=groups.is_driver, rank=dist.get_rank())
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    if any(problems):
+        if lock is not None:
+            lock.release()
+        raise ConfigError(next(p for p in problems if p))
+    if lock is not None and lock.previous:
+        who = lock.previous
+        print_rank0(
+            f"run directory: taking over from pid {who.get('pid')} on {who.get('host')}, "
+            "which ended without releasing it"
+        )
+    return lock

@@ -29,7 +29,7 @@ from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.reward import Rewarder
 from megatron_rl_fp8.reward.verifiers import FORMAT_CHECKS
 from megatron_rl_fp8.rollout.base import Completion
-from megatron_rl_fp8.rollout.sglang.errors import RolloutLost
+from megatron_rl_fp8.rollout.errors import RolloutLost
 from megatron_rl_fp8.trainer.collectives import broadcast_object
 
 T = TypeVar("T")

@@ -19,7 +19,6 @@ includes it; ``train/kl`` is the mean per-token estimate over the step's respons
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 
 import torch
@@ -28,19 +27,12 @@ import torch.distributed as dist
 from megatron_rl_fp8.config import RunConfig
 from megatron_rl_fp8.loss import aggregate_loss, kl_penalty, masked_mean, policy_loss
 from megatron_rl_fp8.metrics.accumulator import MetricAccumulator
-from megatron_rl_fp8.metrics.ratios import log_ratio_histogram, ratio_stats
+from megatron_rl_fp8.metrics.ratios import log_ratio_histogram
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
-from megatron_rl_fp8.trainer.collectives import broadcast_object
 from megatron_rl_fp8.trainer.reference import Reference
-
-# Policy-loss metrics that combine with max / min instead of a token-weighted mean.
-_MAX_KEYS = ("ratio_max",)
-_MIN_KEYS = ("ratio_min",)
-# Shares of the negative / positive-advantage tokens only: weighted by those tokens' counts, so
-# micro-batches, token budgets and CP ranks with different mixes combine into the exact share.
-_CONDITIONAL = {"pg_clipfrac_neg_lower": "_nneg", "pg_clipfrac_pos_upper": "_npos"}
+from megatron_rl_fp8.trainer.update_metrics import TokenStats, account, reduce
 
 
 def global_loss_counts(local: dict, *, agg: str, updates: int, groups) -> list[float]:
@@ -60,7 +52,7 @@ def global_loss_counts(local: dict, *, agg: str, updates: int, groups) -> list[f
 
 def _phase_done(t: torch.Tensor) -> None:
     """Wait for the kernels that made ``t`` when it is on a GPU (nothing on CPU), so the phase
-    that made it owns their time (perf/ timers; the passes that follow read .item() anyway)."""
+    that made it owns their time (perf/ timers; one synchronisation per phase, not per metric)."""
     if t.is_cuda:
         torch.cuda.synchronize(t.device)
 
@@ -126,13 +118,13 @@ class PolicyUpdate:
         mask = local["loss_mask"] if first else torch.zeros_like(local["loss_mask"])
         # rollout - train: positive when the rollout engine was more confident.
         diff = (local["rollout_logprobs"] - old["logprobs"]) * mask
-        acc.add("n_tokens", mask.sum().item())
-        acc.add("train/entropy", (old["entropy"] * mask).sum().item())
-        acc.add("fp8/logprob_abs_diff", diff.abs().sum().item())
+        acc.add("n_tokens", mask.sum())
+        acc.add("train/entropy", (old["entropy"] * mask).sum())
+        acc.add("fp8/logprob_abs_diff", diff.abs().sum())
         # NeMo RL's metric: mean of exp(|logp_rollout - logp_train|); 1.0 = identical.
-        acc.add("fp8/token_mult_prob_error", (torch.exp(diff.abs()) * mask).sum().item())
+        acc.add("fp8/token_mult_prob_error", (torch.exp(diff.abs()) * mask).sum())
         # KL(rollout || train) from rollout samples, k3 estimator (>= 0, low variance).
-        acc.add("fp8/rollout_train_kl", ((torch.exp(-diff) - 1 + diff) * mask).sum().item())
+        acc.add("fp8/rollout_train_kl", ((torch.exp(-diff) - 1 + diff) * mask).sum())
         return shadow_time
 
     def ref_logprobs(self, local: dict) -> None:
@@ -186,56 +178,12 @@ class PolicyUpdate:
                 kl, m["kl"] = self._kl_loss(mb, logprobs, counts)
                 loss = loss + loss_cfg.kl_coef * kl
             # pg_loss is already divided by the global count, as the loss is: it sums over
-            # micro-batches and ranks. The other metrics are per-token means of this micro-batch:
-            # weighted sums, so micro-batches and DP ranks combine into token means.
-            pg_loss = m.pop("pg_loss").detach()
-            ntok = mb["loss_mask"].sum()
-            adv = mb["advantages"]
-            adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
-            sides = {
-                "_nneg": (mb["loss_mask"] * adv.lt(0)).sum(),
-                "_npos": (mb["loss_mask"] * adv.gt(0)).sum(),
-            }
-            weighted = {k: v.detach() * sides.get(_CONDITIONAL.get(k), ntok) for k, v in m.items()}
-            carries = mb["loss_mask"] * adv.ne(0)
-            private = {
-                **sides,
-                "_pg_loss": pg_loss,
-                "_ntok": ntok,
-                # Tokens whose gradient is not zero by construction (throughput per useful update).
-                "_useful": carries.sum(),
-                "_ratio_hist": log_ratio_histogram(logprobs - mb["old_logprobs"], mb["loss_mask"]),
-            }
-            return loss, {**weighted, **private}
+            # micro-batches and ranks. The other metrics are per-token means of this micro-batch,
+            # weighted into sums (update_metrics.py), so micro-batches and ranks combine.
+            hist = log_ratio_histogram(logprobs - mb["old_logprobs"], mb["loss_mask"])
+            return loss, {"stats": TokenStats.of(mb, m.pop("pg_loss"), m, hist)}
 
         return token_loss
-
-    @staticmethod
-    def _account(outs: list[dict], acc: MetricAccumulator, applied: bool) -> None:
-        """Token-weighted sums (and extremes) over micro-batches: how rows are grouped into
-        micro-batches (``train.max_tokens_per_gpu``) does not change the step's metrics."""
-        for o in outs:
-            acc.add("train/loss", o["loss"].item())
-            acc.add("train/pg_loss", o["_pg_loss"].item())
-            acc.add("useful_tokens", o["_useful"].item() if applied else 0.0)
-            acc.add_vector("ratio_hist", o["_ratio_hist"])
-            for k, v in o.items():
-                if k in ("loss", "_ntok", "_nneg", "_npos", "_pg_loss", "_useful", "_ratio_hist"):
-                    continue
-                if k.endswith(_MAX_KEYS + _MIN_KEYS):
-                    # A micro-batch without response tokens (a token budget groups such rows)
-                    # has no extreme: it adds the identity, -inf for a max and +inf for a min
-                    # (its weighted value, 0, would pass for a ratio_min). The key stays, as the
-                    # all-reduce needs the same keys on every rank.
-                    largest = k.endswith(_MAX_KEYS)
-                    ntok = o["_ntok"].item()
-                    value = v.item() / ntok if ntok > 0 else (-math.inf if largest else math.inf)
-                    (acc.max if largest else acc.min)(k, value)
-                else:
-                    acc.add("pg/" + k, v.item())
-            acc.add("pg_tokens", o["_ntok"].item())
-            for count in _CONDITIONAL.values():
-                acc.add("pg_tokens" + count, o[count].item())
 
     def __call__(self, batch: dict, step: int) -> dict:
         """Old logprobs and the optimizer steps on ``batch`` (this rank's rows of the ordered
@@ -257,9 +205,9 @@ class PolicyUpdate:
         if g.is_driver:
             metrics["train/param_norm"] = self.param_norm
             metrics["train/bf16_step"] = float(self.bf16)
-            # Disjoint phases of the driver's clock (metrics/step_time.py); each ends in a host
-            # read of its results (.item() of the accounted sums, the norm), so no device sync
-            # is added. The update is the rest of this call.
+            # Disjoint phases of the driver's clock (metrics/step_time.py); each ends in a wait
+            # for its kernels (_phase_done) or a host read of its results (the statistics' one
+            # read, the norm). The update is the rest of this call.
             metrics["perf/logprob_time_s"] = logprob_time
             metrics["perf/update_time_s"] = time.perf_counter() - t0 - logprob_time - shadow_time
             if calibrating:
@@ -276,6 +224,7 @@ class PolicyUpdate:
         if self.reference is not None:
             self.ref_logprobs(local)
             _phase_done(local["ref_logprobs"])
+        _phase_done(local["old_logprobs"])  # the statistics stay on the device: wait here
         # The FP8 (and reference) passes only: the BF16 shadow pass inside is its own phase.
         logprob_time = time.perf_counter() - t0 - shadow_time
 
@@ -309,9 +258,9 @@ class PolicyUpdate:
             )
             grad_norms.append(grad_norm)
             skipped += not applied
-            self._account(outs, acc, applied)
+            account(outs, acc, applied)
 
-        metrics = self._reduce(acc)
+        metrics = reduce(acc, g, cfg.train.updates_per_step)
         if g.is_driver:
             metrics["train/grad_norm"] = grad_norms[-1]
             metrics["train/skipped_updates"] = float(skipped)
@@ -321,38 +270,3 @@ class PolicyUpdate:
             if calibrating:
                 metrics.update(calib_metrics)
         return metrics, logprob_time, shadow_time
-
-    def _reduce(self, acc: MetricAccumulator) -> dict:
-        """Sum over DP on the last stage, divide into means, hand the result to the driver."""
-        g = self.groups
-        result = None
-        if g.is_last_stage and g.tp_rank == 0:
-            # Token statistics of the update are per CP rank's tokens: summed over DP x CP.
-            if g.dp_size * g.cp_size > 1:
-                acc.all_reduce(g.dp_cp if g.cp_size > 1 else g.dp, g.device)
-            total = {k: acc.sums[k] for k in sorted(acc.sums)}
-            n = max(total.pop("n_tokens", 0.0), 1.0)
-            pg_n = max(total.pop("pg_tokens", 0.0), 1.0)
-            side_n = {
-                key: max(total.pop("pg_tokens" + count, 0.0), 1.0)
-                for key, count in _CONDITIONAL.items()
-            }
-            result = {"perf/useful_tokens": total.pop("useful_tokens", 0.0)}
-            if "ratio_hist" in acc.vectors:
-                stats = ratio_stats(acc.vectors["ratio_hist"])
-                result.update({"train/" + k: v for k, v in stats.items()})
-            for k, v in total.items():
-                if k in ("train/loss", "train/pg_loss"):  # per update, summed over micro-batches
-                    result[k] = v / self.cfg.train.updates_per_step
-                elif k.startswith("pg/"):
-                    result["train/" + k[3:]] = v / side_n.get(k[3:], pg_n)
-                else:
-                    result[k] = v / n
-            # A step without response tokens keeps the identities; report the on-policy ratio 1,
-            # as policy_loss does for an empty mask.
-            for table, identity in ((acc.maxima, -math.inf), (acc.minima, math.inf)):
-                result.update({"train/" + k: 1.0 if v == identity else v for k, v in table.items()})
-            result["train/response_tokens"] = n
-        if g.last_stage_rank != g.driver_rank:
-            result = broadcast_object(result, g.last_stage_rank)
-        return result if g.is_driver else {}

@@ -14,7 +14,7 @@ modes are meant to share entries), so an entry is used under a lock and trusted 
   checks, loads or builds the entry. A second run wanting the same entry waits for the first and
   then loads what it wrote: the SFT runs once. A killed builder's lock is taken over and its
   partial ``.tmp`` replaced.
-* **Published whole.** An entry is written as a checkpoint (``trainer/checkpoint.py``): into a
+* **Published whole.** An entry is written as a checkpoint (``megatron_rl_fp8/checkpoint/``): into a
   ``.tmp`` directory, its manifest last, then renamed; no other file of the cache is touched.
 * **Verified before use.** Every file of the entry is checked against its manifest, checksums
   included (the load reads it all anyway). A damaged entry, or one without a manifest, is said in
@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rl_fp8 import checkpoint
 from megatron_rl_fp8.config import RunConfig
 from megatron_rl_fp8.config_utils import ConfigError, to_dict
 from megatron_rl_fp8.data import PromptDataset, collate, sft_examples_from_records
 from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.parallel import Groups
-from megatron_rl_fp8.trainer import checkpoint
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.batch import build_sft_batch, rows_for_rank
 from megatron_rl_fp8.trainer.collectives import broadcast_object

@@ -12,9 +12,8 @@ from tests.dist_utils import run_distributed
 
 
 def _body(rank, world, ckpt_dir, dtype="float32"):
-    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8 import checkpoint, parallel
     from megatron_rl_fp8.models.config import ModelConfig
-    from megatron_rl_fp8.trainer import checkpoint
     from megatron_rl_fp8.trainer.actor import Actor
     from megatron_rl_fp8.trainer.config import OptimConfig
 
@@ -99,11 +98,10 @@ def _delayed_body(rank, world, ckpt_dir, pp):
     """Two ranks, emulated tensorwise_delayed FP8: at DP=2 each rank's amax histories come from
     its own data, at PP=2 from its own layers; either way they differ between ranks and each
     rank's checkpoint file must bring back its own."""
-    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8 import checkpoint, parallel
     from megatron_rl_fp8.fp8 import FP8Config
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.models.fp8 import fp8_scaling_state
-    from megatron_rl_fp8.trainer import checkpoint
     from megatron_rl_fp8.trainer.actor import Actor
     from megatron_rl_fp8.trainer.config import OptimConfig
 

@@ -1,4 +1,4 @@
-"""Checkpoints you can trust (trainer/checkpoint.py): each damage a user met falls back to the
+"""Checkpoints you can trust (megatron_rl_fp8/checkpoint/): each damage a user met falls back to the
 newest intact checkpoint with one line naming what was wrong, or refuses with one line when none
 is left; never a bare EOFError or a silent restart from step 0.
 
@@ -48,7 +48,7 @@ def _matches(loaded: dict, rank: int, step: int) -> bool:
 
 
 def _save_two(root: Path, rank: int, world: int) -> None:
-    from megatron_rl_fp8.trainer import checkpoint
+    from megatron_rl_fp8 import checkpoint
 
     for step in (2, 4):
         checkpoint.save(root, f"iter_{step:07d}", _state(rank, world, step), {"step": step})
@@ -154,8 +154,8 @@ CASES = {
 def _resume(root: Path, rank: int, world: int, verify: str):
     """(outcome, console lines): outcome is (name, step, tensors equal the saved ones, the "w"
     float the test overwrites), None, or ("ConfigError", message)."""
+    from megatron_rl_fp8 import checkpoint
     from megatron_rl_fp8.config_utils import ConfigError
-    from megatron_rl_fp8.trainer import checkpoint
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -310,18 +310,17 @@ def test_no_checkpoint_is_a_fresh_start(cases):
 def _two_ranks_body(rank, world, tmp):
     import torch.distributed as dist
 
+    from megatron_rl_fp8.checkpoint import layout, read, write
     from megatron_rl_fp8.parallel import cpu_compat
-    from megatron_rl_fp8.trainer import checkpoint
 
     cpu_compat.enable()
     hashed: list[str] = []
-    plain = checkpoint.file_checksum
 
     def spy(path):
         hashed.append(f"{Path(path).parent.name}/{Path(path).name}")
-        return plain(path)
+        return layout.file_checksum(path)
 
-    checkpoint.file_checksum = spy
+    read.file_checksum = write.file_checksum = spy  # where the save and the verify call it
     root = Path(tmp)
     _save_two(root, rank, world)
     at_save = sorted(h for h in hashed if h.startswith("iter_0000004.tmp/"))
@@ -374,7 +373,7 @@ def _names(root: Path) -> list[str]:
 
 
 def test_prune_keeps_the_newest_the_protected_and_latest(tmp_path):
-    from megatron_rl_fp8.trainer import checkpoint
+    from megatron_rl_fp8 import checkpoint
 
     # iter_6 is newer than latest (left over from before a fallback): it is not counted.
     _fake_run(tmp_path, range(1, 7), "iter_0000005")
@@ -388,7 +387,7 @@ def test_prune_keeps_the_newest_the_protected_and_latest(tmp_path):
 
 
 def test_discard_from_points_latest_at_the_newest_left(tmp_path):
-    from megatron_rl_fp8.trainer import checkpoint
+    from megatron_rl_fp8 import checkpoint
 
     _fake_run(tmp_path, range(1, 6), "iter_0000005")
     assert checkpoint.discard_from(tmp_path, 4) == ["iter_0000004", "iter_0000005"]
@@ -399,7 +398,7 @@ def test_discard_from_points_latest_at_the_newest_left(tmp_path):
 
 def test_find_resumable_needs_no_process_group(tmp_path, capsys):
     """Rank-0 tools call it without torch.distributed: it is then a one-rank check."""
-    from megatron_rl_fp8.trainer import checkpoint
+    from megatron_rl_fp8 import checkpoint
 
     for step in (1, 2):
         ckpt = tmp_path / f"iter_{step:07d}"
@@ -430,8 +429,8 @@ def _refusing_storage_body(rank, world, tmp):
 
     import torch.distributed as dist
 
+    from megatron_rl_fp8 import checkpoint
     from megatron_rl_fp8.parallel import cpu_compat
-    from megatron_rl_fp8.trainer import checkpoint
     from megatron_rl_fp8.utils.fs import StorageError
 
     cpu_compat.enable()
@@ -467,6 +466,7 @@ def _refusing_storage_body(rank, world, tmp):
             builtins.open = real_open
         dist.barrier()
         seen[case + "_left"] = sorted(p.name for p in root.iterdir())
+        dist.barrier()  # before rank 0 starts the next case's save (its .tmp)
     return seen
 
 

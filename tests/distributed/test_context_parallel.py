@@ -59,6 +59,7 @@ def _check(g, rank, agg):
     from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
     from megatron_rl_fp8.trainer.context_parallel import cp_positions, gather_from_cp, split_for_cp
     from megatron_rl_fp8.trainer.update import PolicyUpdate
+    from megatron_rl_fp8.trainer.update_metrics import account, reduce
 
     cfg = load_config("examples/tiny_cpu.yaml", [f"loss.agg={agg}", "loss.kl_coef=0.1"])
     mb, current = _micro_batch()
@@ -86,8 +87,8 @@ def _check(g, rank, agg):
         # The old-logprob pass counts the whole sequences' tokens on CP rank 0 (it sees them
         # gathered; PolicyUpdate.old_logprobs): the denominator of the token means.
         acc.add("n_tokens", mask.sum().item() if groups.cp_rank == 0 else 0.0)
-        update._account([{"loss": loss.detach(), **metrics}], acc, applied=True)
-        return loss.detach(), logprobs.grad, update._reduce(acc)
+        account([{"loss": loss.detach(), **metrics}], acc, applied=True)
+        return loss.detach(), logprobs.grad, reduce(acc, groups, cfg.train.updates_per_step)
 
     # The whole micro-batch on one rank (no collective: a one-rank view of the groups).
     one = parallel.Groups(None, None, None, 0, 1, 0, 1, 0, 1, True, True, device=g.device)

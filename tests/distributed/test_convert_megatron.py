@@ -32,11 +32,10 @@ def _hf_logits(hf_dir, ids):
 def _logits_body(rank, world, root, tp):
     import torch.distributed as dist
 
-    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8 import checkpoint, parallel
     from megatron_rl_fp8.convert import hf_to_mcore
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
-    from megatron_rl_fp8.trainer import checkpoint
 
     g = parallel.initialize(parallel.ParallelConfig(tensor_model_parallel_size=tp), seed=0)
     ids = torch.randint(0, 53, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -82,10 +81,9 @@ def test_logits_match_transformers_tp2_two_rank_conversion(tmp_path):
 
 
 def _pp_body(rank, world, hf, out):
-    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8 import checkpoint, parallel
     from megatron_rl_fp8.convert import hf_to_mcore
     from megatron_rl_fp8.models.config import ModelConfig
-    from megatron_rl_fp8.trainer import checkpoint
     from megatron_rl_fp8.trainer.actor import Actor
     from megatron_rl_fp8.trainer.config import OptimConfig
 

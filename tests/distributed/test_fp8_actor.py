@@ -317,7 +317,7 @@ def _saved_bytes_body(rank, world):
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
     from megatron_rl_fp8.models.fp8 import emulated_linears
-    from megatron_rl_fp8.plan.memory import layer_activation_bytes
+    from megatron_rl_fp8.plan.model_bytes import layer_activation_bytes
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     try:

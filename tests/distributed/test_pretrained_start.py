@@ -52,12 +52,13 @@ def _logprobs_body(rank, world, config_path, tp, rows, extra=(), hf_dir=None):
 
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.config import load_config
+    from megatron_rl_fp8.trainer import startup
     from megatron_rl_fp8.trainer.loop import Trainer
 
     cfg = load_config(config_path, [f"parallel.tensor_model_parallel_size={tp}", *extra])
     trainer = Trainer(cfg)
     try:
-        trainer.load_start_weights()
+        startup.load_start_weights(trainer.cfg, trainer.actor, trainer.groups)
         ids = torch.tensor(rows)
         labels = torch.roll(ids, -1, dims=1)
         out = trainer.actor.compute_logprobs({"input_ids": ids, "labels": labels}, len(rows))
@@ -112,6 +113,7 @@ def _bf16_step_body(rank, world, config_path):
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.config import load_config
     from megatron_rl_fp8.sync.gather import iter_full_params
+    from megatron_rl_fp8.trainer import startup
     from megatron_rl_fp8.trainer.loop import Trainer
 
     # A learning rate so small that one step cannot move a bf16 weight: whatever changes after
@@ -119,7 +121,7 @@ def _bf16_step_body(rank, world, config_path):
     cfg = load_config(config_path, ["model.params_dtype=bfloat16", "optim.lr=1e-30"])
     trainer = Trainer(cfg)
     try:
-        trainer.load_start_weights()
+        startup.load_start_weights(trainer.cfg, trainer.actor, trainer.groups)
         before = {n: t.float().clone() for n, t in iter_full_params(trainer.actor.model)}
         ids = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(0))
         batch = {"input_ids": ids, "labels": torch.roll(ids, -1, 1)}

@@ -101,8 +101,7 @@ def _two_ranks_body(rank, world, ckpt_dir):
     step after it; then, in the same processes, TP=2 with and without sequence parallelism."""
     from megatron.core import parallel_state
 
-    from megatron_rl_fp8 import parallel
-    from megatron_rl_fp8.trainer import checkpoint
+    from megatron_rl_fp8 import checkpoint, parallel
 
     g = parallel.initialize(parallel.ParallelConfig(), seed=1)
     results = {}
@@ -127,9 +126,8 @@ def _two_ranks_body(rank, world, ckpt_dir):
 def _one_rank_body(rank, world, ckpt_dir):
     """One rank: the data-parallel configurations' reference, then the DP=2 distributed-optimizer
     checkpoint loaded here (DP=1) and the third step taken."""
-    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8 import checkpoint, parallel
     from megatron_rl_fp8.models.config import ModelConfig
-    from megatron_rl_fp8.trainer import checkpoint
     from megatron_rl_fp8.trainer.actor import Actor
     from megatron_rl_fp8.trainer.config import OptimConfig
 

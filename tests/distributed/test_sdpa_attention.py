@@ -101,7 +101,7 @@ def _saved_body(rank, world):
 
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
-    from megatron_rl_fp8.plan.memory import layer_activation_bytes
+    from megatron_rl_fp8.plan.model_bytes import layer_activation_bytes
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     try:

@@ -31,16 +31,11 @@ import torch
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.hf_mapping import hf_config
-from megatron_rl_fp8.rollout.base import RolloutConfig, SGLangConfig
+from megatron_rl_fp8.rollout.config import RolloutConfig
+from megatron_rl_fp8.rollout.errors import RolloutEngineError, RolloutLost, SyncFailed
 from megatron_rl_fp8.rollout.local import LocalEngine
-from megatron_rl_fp8.rollout.sglang import (
-    KillServerAt,
-    RolloutLost,
-    SGLangFleet,
-    SGLangServerError,
-    SyncFailed,
-    server_group_pids,
-)
+from megatron_rl_fp8.rollout.sglang import KillServerAt, SGLangFleet, server_group_pids
+from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
 from megatron_rl_fp8.sync.buckets import rollout_buckets
 from megatron_rl_fp8.sync.quantize import quantize_for_rollout
 
@@ -62,15 +57,15 @@ LOGPROB_TOL = 1e-4
 EOS = [2, 3]  # two end ids, as Qwen's chat models have (<|im_end|>, <|endoftext|>)
 
 
-def _hf_cfg():
+def hf_cfg():
     return hf_config(MC, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def _weights(seed: int) -> dict[str, torch.Tensor]:
+def seeded_weights(seed: int) -> dict[str, torch.Tensor]:
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_hf_cfg(), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg(), dtype=torch.float32)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for k, v in sd.items():  # larger weights than the init: peaked, seed-dependent outputs
         v.mul_(1.0 if "norm" in k else 4.0)
@@ -82,7 +77,7 @@ def _buckets(eng, named):
     return rollout_buckets(named, eng.fp8, **eng.export_options)
 
 
-def _engine(py, tmp, transport, **kw) -> SGLangFleet:
+def sglang_engine(py, tmp, transport, **kw) -> SGLangFleet:
     cfg = RolloutConfig(
         engine="sglang",
         fp8=FP8,
@@ -96,22 +91,24 @@ def _engine(py, tmp, transport, **kw) -> SGLangFleet:
             **kw,
         ),
     )
-    return SGLangFleet(cfg, _hf_cfg(), pad_token_id=0, eos_token_id=EOS)
+    return SGLangFleet(cfg, hf_cfg(), pad_token_id=0, eos_token_id=EOS)
 
 
-def _sync(eng, sd, version):
+def sync_weights(eng, sd, version):
     eng.update_weights(_buckets(eng, quantize_for_rollout(sd.items(), FP8)), version=version)
 
 
-def _local(sd, version):
+def local_engine(sd, version):
     # Same FP8 weights, no activation quantization: the weights-only numerics of SGLang on CPU.
-    eng = LocalEngine(_hf_cfg(), pad_token_id=0, eos_token_id=EOS, fp8=RolloutFP8Config())
+    eng = LocalEngine(hf_cfg(), pad_token_id=0, eos_token_id=EOS, fp8=RolloutFP8Config())
     eng.update_weights(_buckets(eng, quantize_for_rollout(sd.items(), FP8)), version=version)
     return eng
 
 
 def _assert_greedy_match(eng, sd, version):
-    ref = _local(sd, version).generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
+    ref = local_engine(sd, version).generate(
+        PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0
+    )
     got = eng.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
     for a, b in zip(got, ref):
         assert a.response_ids == b.response_ids
@@ -122,7 +119,7 @@ def _assert_greedy_match(eng, sd, version):
 
 @pytest.fixture(scope="module")
 def one(sglang_py, tmp_path_factory):
-    eng = _engine(sglang_py, tmp_path_factory.mktemp("sgl"), "tensor")
+    eng = sglang_engine(sglang_py, tmp_path_factory.mktemp("sgl"), "tensor")
     yield eng
     pgid = _pgid(eng)
     eng.shutdown()
@@ -140,8 +137,8 @@ def test_both_transports_greedy_match_local_engine_across_syncs(one):
     # middle one through the private gloo group.
     for version, transport in enumerate(("tensor", "distributed", "tensor")):
         one.cfg.transport = transport
-        sd = _weights(seed=version)
-        _sync(one, sd, version)
+        sd = seeded_weights(seed=version)
+        sync_weights(one, sd, version)
         assert one.weight_version() == version and one.health()
         # Both transports time their parts (perf/sync_transfer_time_s, perf/sync_load_time_s).
         assert one.sender.times.transfer > 0 and one.sender.times.load > 0, transport
@@ -156,8 +153,8 @@ def test_sampled_logprobs_are_log_softmax_at_temperature(one):
 
     eng, t = one, 0.7
     version = eng.weight_version()
-    sd = dict(quantize_for_rollout(_weights(seed=version).items(), FP8))
-    model = transformers.AutoModelForCausalLM.from_config(_hf_cfg(), dtype=torch.float32)
+    sd = dict(quantize_for_rollout(seeded_weights(seed=version).items(), FP8))
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg(), dtype=torch.float32)
     from megatron_rl_fp8.sync.quantize import dequantize_stream
 
     model.load_state_dict(dict(dequantize_stream(sd.items())))
@@ -182,7 +179,7 @@ def test_generation_stops_on_every_end_id(one):
     decoding emits that token first, and the server stops there iff it is one of the end ids."""
     eng = one
     for target in (*EOS, 7):
-        sd = _weights(seed=0)
+        sd = seeded_weights(seed=0)
         for name, w in sd.items():
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 w.zero_()
@@ -190,7 +187,7 @@ def test_generation_stops_on_every_end_id(one):
         sd["model.norm.weight"].fill_(1.0)
         sd["lm_head.weight"].zero_()
         sd["lm_head.weight"][target] = 1.0
-        _sync(eng, sd, eng.weight_version() + 1)
+        sync_weights(eng, sd, eng.weight_version() + 1)
         got = eng.generate(PROMPTS[:2], n=1, greedy=True, max_new_tokens=5, temperature=1.0)
         if target in EOS:
             assert all(c.response_ids == [target] and c.finished for c in got), got
@@ -222,13 +219,13 @@ class _Recorder(KillServerAt):
 def test_engine_killed_during_a_sync_is_relaunched_and_the_sync_runs_again(one, spec):
     # What the trainer does (trainer/engine_link.py EngineLink.sync): a SyncFailed sync is run again.
     version = one.weight_version() + 1
-    sd, pgid, before = _weights(seed=version), _pgid(one), one.stats["restarts"]
+    sd, pgid, before = seeded_weights(seed=version), _pgid(one), one.stats["restarts"]
     one.fault_hook = hook = _Recorder(one, spec)
     try:
         with pytest.raises(SyncFailed, match=f"sync to version {version} failed"):
-            _sync(one, sd, version)
+            sync_weights(one, sd, version)
         assert one.weight_version() == -1  # nothing is vouched for after a failed sync
-        _sync(one, sd, version)
+        sync_weights(one, sd, version)
     finally:
         one.fault_hook = None
     assert hook.fired == [spec if "@" in spec else spec + "@1"]
@@ -244,12 +241,12 @@ def test_engine_killed_in_a_rollout_and_again_in_its_relaunch_is_resynced(one):
     # A fleet of one cannot finish a rollout whose engine died: RolloutLost asks the trainer to
     # sync the relaunched engine (here killed once more while starting) and roll out again.
     version = one.weight_version()
-    sd, before = _weights(seed=version), one.stats["restarts"]
+    sd, before = seeded_weights(seed=version), one.stats["restarts"]
     one.fault_hook = hook = KillServerAt(one, "generate,startup")
     try:
         with pytest.raises(RolloutLost, match=f"weight version {version}"):
             one.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
-        _sync(one, sd, version)
+        sync_weights(one, sd, version)
     finally:
         one.fault_hook = None
     assert hook.fired == ["generate@1", "startup@1"]
@@ -268,10 +265,10 @@ def test_restarts_are_bounded_and_a_failure_leaves_nothing_running(one):
         with pytest.raises(RolloutLost):
             one.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
         with pytest.raises(
-            SGLangServerError,
+            RolloutEngineError,
             match=r"rollout\.sglang\.max_restarts=1.*its log: .*engine0-\d+\.log",
         ):
-            _sync(one, _weights(0), one.weight_version() + 1)
+            sync_weights(one, seeded_weights(0), one.weight_version() + 1)
     finally:
         one.fault_hook = None
     relaunched = _pgid(one)
@@ -288,10 +285,10 @@ def test_a_server_that_cannot_bind_its_port_fails_fast_with_a_clear_error(sglang
         port = taken.getsockname()[1]
         t0 = time.monotonic()
         with pytest.raises(
-            SGLangServerError,
+            RolloutEngineError,
             match=rf"could not bind port {port}.*max_restarts=0",
         ):
-            _engine(sglang_py, tmp_path, "tensor", port=port, max_restarts=0)
+            sglang_engine(sglang_py, tmp_path, "tensor", port=port, max_restarts=0)
     assert time.monotonic() - t0 < 120
     assert server_group_pids(int((tmp_path / "engine0.pid").read_text())) == []
 
@@ -299,9 +296,9 @@ def test_a_server_that_cannot_bind_its_port_fails_fast_with_a_clear_error(sglang
 # A trainer in miniature: it launches one engine, syncs it and waits.
 _TRAINER = """
 import sys
-from tests.sglang.test_engine import _engine, _sync, _weights
-eng = _engine(sys.argv[1], sys.argv[2], "tensor")
-_sync(eng, _weights(0), 0)
+from tests.sglang.test_engine import sglang_engine, sync_weights, seeded_weights
+eng = sglang_engine(sys.argv[1], sys.argv[2], "tensor")
+sync_weights(eng, seeded_weights(0), 0)
 print("serving", flush=True)
 sys.stdin.read()  # until killed
 """

@@ -26,15 +26,13 @@ from pathlib import Path
 import pytest
 
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
-from megatron_rl_fp8.rollout.base import RolloutConfig, SGLangConfig
-from megatron_rl_fp8.rollout.sglang import (
-    SGLangFleet,
-    SGLangServerError,
-    server_group_pids,
-)
+from megatron_rl_fp8.rollout.config import RolloutConfig
+from megatron_rl_fp8.rollout.errors import RolloutEngineError
+from megatron_rl_fp8.rollout.sglang import SGLangFleet, server_group_pids
+from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
 from megatron_rl_fp8.rollout.sglang.http import Http, generate_request, parse_completion
 from megatron_rl_fp8.sync.buckets import rollout_buckets
-from tests.sglang.test_engine import EOS, LOGPROB_TOL, PROMPTS, _hf_cfg, _local, _weights
+from tests.sglang.test_engine import EOS, LOGPROB_TOL, PROMPTS, hf_cfg, local_engine, seeded_weights
 
 pytestmark = pytest.mark.sglang
 FP8 = RolloutFP8Config(weight_quant="blockwise")
@@ -56,7 +54,7 @@ def fleet(sglang_py, tmp_path_factory):
             request_timeout_s=120,
         ),
     )
-    fl = SGLangFleet(cfg, _hf_cfg(), pad_token_id=0, eos_token_id=EOS)
+    fl = SGLangFleet(cfg, hf_cfg(), pad_token_id=0, eos_token_id=EOS)
     yield fl
     groups = [e.proc.pid for e in fl.engines if e.proc is not None] + [fl.router.proc.pid]
     fl.shutdown()
@@ -65,7 +63,7 @@ def fleet(sglang_py, tmp_path_factory):
 
 
 def _sync(fleet, seed, version):
-    sd = _weights(seed)
+    sd = seeded_weights(seed)
     fleet.update_weights(rollout_buckets(sd.items(), FP8, **fleet.export_options), version=version)
     return sd
 
@@ -97,7 +95,7 @@ def _assert_same(got, ref):
 
 
 def _reference(sd, version):
-    return _local(sd, version).generate(
+    return local_engine(sd, version).generate(
         PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0
     )
 
@@ -123,9 +121,9 @@ def test_every_engine_serves_the_broadcast_weights_and_the_router_uses_both(flee
 def test_colocated_memory_calls_come_in_order_and_guard_sync_and_rollout(fleet):
     fleet.memory_calls.clear()
     fleet.release_memory()
-    with pytest.raises(SGLangServerError, match="released"):
+    with pytest.raises(RolloutEngineError, match="released"):
         _sync(fleet, 13, 3)
-    with pytest.raises(SGLangServerError, match="released"):
+    with pytest.raises(RolloutEngineError, match="released"):
         fleet.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0)
     fleet.resume_memory(("weights",))
     sd = _sync(fleet, 13, 3)

@@ -135,9 +135,8 @@ def colocated_body(rank, world_size, overrides):
         def note(name):
             return lambda *args, **kwargs: events.append(name)
 
-        fleet._memory = _Recorded(
-            fleet._memory,
-            lambda call, tags: events.append(f"{call.split('_')[0]} {'+'.join(tags)}"),
+        fleet.memory_calls = _Noted(
+            lambda call, tags: events.append(f"{call.split('_')[0]} {'+'.join(tags)}")
         )
         fleet.begin_sync = _Recorded(fleet.begin_sync, note("sync"))
         fleet.generate = _Recorded(fleet.generate, note("generate"))
@@ -150,6 +149,19 @@ def colocated_body(rank, world_size, overrides):
         trainer.close()
         parallel.destroy()
     return (read_metrics(trainer.cfg.train.output_dir), events) if rank == 0 else None
+
+
+class _Noted(list):
+    """A list that calls ``note(*item)`` on every item appended (the fleet appends each memory
+    call it makes to ``memory_calls``, in order)."""
+
+    def __init__(self, note):
+        super().__init__()
+        self._note = note
+
+    def append(self, item):
+        self._note(*item)
+        super().append(item)
 
 
 class _Recorded:

@@ -142,7 +142,7 @@ def test_take_and_merge_rows_restore_the_batch_order():
 
 
 def test_split_micro_batches_fixed_and_by_tokens():
-    from megatron_rl_fp8.trainer.actor import split_micro_batches
+    from megatron_rl_fp8.trainer.schedule import split_micro_batches
 
     mask = torch.zeros(6, 10)
     for i, n in enumerate([2, 9, 3, 9, 1, 4]):
@@ -172,43 +172,45 @@ def test_split_micro_batches_fixed_and_by_tokens():
 
 
 def test_metrics_do_not_depend_on_how_rows_are_grouped():
-    """PolicyUpdate._account: token-weighted sums and extremes; a micro-batch without response
+    """update_metrics.account: token-weighted sums and extremes; a micro-batch without response
     tokens (a token budget puts such rows together) adds nothing, not a ratio_min of 0."""
     from megatron_rl_fp8.metrics.accumulator import MetricAccumulator
-    from megatron_rl_fp8.trainer.update import PolicyUpdate
+    from megatron_rl_fp8.trainer.update_metrics import TokenStats, account
 
     def out(ntok, clipfrac, ratio_min, ratio_max, loss, nneg, neg_lower):
         t = torch.tensor
-        return {
-            "loss": t(loss),
-            "_pg_loss": t(loss),
-            "_ntok": t(float(ntok)),
-            "_nneg": t(float(nneg)),
-            "_npos": t(float(ntok - nneg)),
-            # a share of the negative-advantage tokens, weighted by their count
-            "pg_clipfrac_neg_lower": t(neg_lower * nneg),
-            "_useful": t(float(ntok)),
-            "_ratio_hist": torch.zeros(4),
-            # policy_loss's per-micro-batch means, weighted by the micro-batch's tokens
-            "pg_clipfrac": t(clipfrac * ntok),
-            "ratio_min": t(ratio_min * ntok),
-            "ratio_max": t(ratio_max * ntok),
-        }
+        stats = TokenStats(
+            pg_loss=t(loss),
+            tokens=t(float(ntok)),
+            neg_tokens=t(float(nneg)),
+            pos_tokens=t(float(ntok - nneg)),
+            useful=t(float(ntok)),
+            ratio_hist=torch.zeros(4),
+            weighted={
+                # a share of the negative-advantage tokens, weighted by their count
+                "pg_clipfrac_neg_lower": t(neg_lower * nneg),
+                # policy_loss's per-micro-batch means, weighted by the micro-batch's tokens
+                "pg_clipfrac": t(clipfrac * ntok),
+                "ratio_min": t(ratio_min * ntok),
+                "ratio_max": t(ratio_max * ntok),
+            },
+        )
+        return {"loss": t(loss), "stats": stats}
 
     # The same 6 response tokens: 2 + 4 in two micro-batches, or 6 plus an empty one.
     # Negative-advantage tokens: 1 (clipped) + 3 (none clipped), or all 4 together (1/4).
     two = [out(2, 0.5, 0.9, 1.1, 0.25, 1, 1.0), out(4, 0.25, 0.8, 1.3, 0.5, 3, 0.0)]
     empty = [out(6, 1 / 3, 0.8, 1.3, 0.75, 4, 0.25), out(0, 0.0, 1.0, 1.0, 0.0, 0, 0.0)]
-    accs = []
+    totals = []
     for outs in (two, empty):
         acc = MetricAccumulator()
-        PolicyUpdate._account(outs, acc, applied=True)
-        accs.append(acc)
-    a, b = accs
-    for acc in (a, b):
-        assert acc.maxima == {"ratio_max": pytest.approx(1.3)}
-        assert acc.minima == {"ratio_min": pytest.approx(0.8)}
+        account(outs, acc, applied=True)
+        totals.append(acc.reduce())
+    a, b = totals
+    for tot in (a, b):
+        assert tot.maxima == {"ratio_max": pytest.approx(1.3)}
+        assert tot.minima == {"ratio_min": pytest.approx(0.8)}
     assert a.sums == pytest.approx(b.sums)
     assert a.sums["pg/pg_clipfrac"] / a.sums["pg_tokens"] == pytest.approx(2 / 6)
-    share = a.sums["pg/pg_clipfrac_neg_lower"] / a.sums["pg_tokens_nneg"]
+    share = a.sums["pg/pg_clipfrac_neg_lower"] / a.sums["pg_tokens_neg"]
     assert share == pytest.approx(1 / 4)

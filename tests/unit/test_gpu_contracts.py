@@ -23,7 +23,7 @@ from megatron_rl_fp8.fp8.backend import backend_problem, resolve_backend
 from megatron_rl_fp8.fp8.te import fp8_weight_shapes, te_fp8_dims_problem
 from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch, fp8_mm, quantize_gemm_operand
 from megatron_rl_fp8.models.config import ModelConfig
-from megatron_rl_fp8.trainer.actor import seq_multiple, split_micro_batches
+from megatron_rl_fp8.trainer.schedule import seq_multiple, split_micro_batches
 from tests import aten_scaled_mm
 from tests.aten_scaled_mm import block_scaled_mm
 

@@ -8,7 +8,8 @@ import pytest
 
 from megatron_rl_fp8.config import load_config
 from megatron_rl_fp8.config_utils import ConfigError
-from megatron_rl_fp8.trainer.guard import GuardConfig, StabilityGuard, event_metrics, strongest
+from megatron_rl_fp8.trainer.config import GuardConfig
+from megatron_rl_fp8.trainer.guard import StabilityGuard, event_metrics, strongest
 
 HEALTHY = {
     "train/loss": 0.1,

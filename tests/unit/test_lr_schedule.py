@@ -10,8 +10,8 @@ import torch
 
 from megatron_rl_fp8.config import load_config
 from megatron_rl_fp8.config_utils import ConfigError
-from megatron_rl_fp8.trainer.actor import build_opt_param_scheduler
 from megatron_rl_fp8.trainer.config import OptimConfig
+from megatron_rl_fp8.trainer.optimizer import build_opt_param_scheduler
 from tests.dist_utils import run_distributed
 
 

@@ -67,4 +67,5 @@ def test_accumulator_vectors_sum_and_stay_separate_from_scalars():
     acc.add("n", 2.0)
     acc.add_vector("h", torch.tensor([1.0, 0.0]))
     acc.add_vector("h", torch.tensor([0.5, 2.0]))
-    assert acc.sums == {"n": 2.0} and acc.vectors["h"].tolist() == [1.5, 2.0]
+    totals = acc.reduce()
+    assert totals.sums == {"n": 2.0} and totals.vectors["h"].tolist() == [1.5, 2.0]

@@ -11,7 +11,8 @@ from megatron_rl_fp8 import cli
 from megatron_rl_fp8.config import EXAMPLES_DIR, RunConfig
 from megatron_rl_fp8.config_utils import from_dict
 from megatron_rl_fp8.plan import UNCHUNKED_LOGPROBS, Layout, World, alternatives, estimate
-from megatron_rl_fp8.plan.memory import GB, fp8_linear_params, layer_activation_bytes, layer_params
+from megatron_rl_fp8.plan.memory import GB
+from megatron_rl_fp8.plan.model_bytes import fp8_linear_params, layer_activation_bytes, layer_params
 
 # qwen3 (QK-norm), hidden 64, 4 query heads / 2 KV groups of 16, SwiGLU 128, vocab 256 (no
 # padding at TP 1 or 2), untied output layer, bf16.

@@ -183,7 +183,8 @@ def test_bad_inputs_are_one_line_config_errors(tmp_path, capsys, case, message):
 
 
 def test_missing_values_never_reach_the_numbers(tmp_path):
-    from megatron_rl_fp8.metrics.report import load_runs, summary_row
+    from megatron_rl_fp8.metrics.report import summary_row
+    from megatron_rl_fp8.metrics.runs import load_runs
 
     records = [{"step": 0}, {"step": 1, "rollout/reward_mean": None, "train/entropy": "nan"}]
     (run,) = load_runs([_run_dir(tmp_path, "r", records)])
@@ -193,18 +194,13 @@ def test_missing_values_never_reach_the_numbers(tmp_path):
 
 
 def test_throughput_panel_never_mixes_two_token_counts(tmp_path):
-    from megatron_rl_fp8.metrics.report import (
-        RESPONSE_THROUGHPUT,
-        RESPONSE_TOKENS_PER_S,
-        THROUGHPUT,
-        _resolve,
-        load_runs,
-    )
+    from megatron_rl_fp8.metrics.figures import RESPONSE_THROUGHPUT, THROUGHPUT, resolve_panel
+    from megatron_rl_fp8.metrics.runs import RESPONSE_TOKENS_PER_S, load_runs
 
     new = _records(3, True, 0.0)
     for rec in new[1:]:
         rec["perf/useful_tokens_per_s"] = 150.0
     a, b = load_runs([_run_dir(tmp_path, "a", new), _run_dir(tmp_path, "b", _records(3, True, 0))])
-    assert _resolve(THROUGHPUT, [a]) is THROUGHPUT
-    assert _resolve(THROUGHPUT, [a, b]) is RESPONSE_THROUGHPUT  # b predates the key
+    assert resolve_panel(THROUGHPUT, [a]) is THROUGHPUT
+    assert resolve_panel(THROUGHPUT, [a, b]) is RESPONSE_THROUGHPUT  # b predates the key
     assert b.series(RESPONSE_TOKENS_PER_S) == ([1, 2, 3], [200.0, 200.0, 200.0])

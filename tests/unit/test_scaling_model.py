@@ -16,16 +16,16 @@ from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.plan import Layout, World, estimate
 from megatron_rl_fp8.plan.hardware import GPUS, get_gpu
-from megatron_rl_fp8.plan.memory import stage_params
+from megatron_rl_fp8.plan.model_bytes import stage_params
 from megatron_rl_fp8.plan.presets import PRESETS, preset_overrides
 from megatron_rl_fp8.plan.time import (
     EFFICIENCY,
     REFERENCE_GPU,
-    _optimizer_seconds,
-    _trainer_pass_seconds,
     linear_weights,
+    optimizer_seconds,
     predict,
     train_flops_per_token,
+    trainer_pass_seconds,
 )
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
@@ -91,7 +91,7 @@ def test_the_fitted_reference_step_is_reproduced():
         sys.path.remove(str(TOOLS))
     m = model_config(False, 2048)
     lay = Layout()
-    step = _trainer_pass_seconds(
+    step = trainer_pass_seconds(
         m,
         REFERENCE_GPU,
         lay,
@@ -101,7 +101,7 @@ def test_the_fitted_reference_step_is_reproduced():
         fp8_speedup=1.0,
         bubble=1.0,
         eff=EFFICIENCY,
-    ) + _optimizer_seconds(stage_params(m, 1, 1, 0), REFERENCE_GPU, EFFICIENCY)
+    ) + optimizer_seconds(stage_params(m, 1, 1, 0), REFERENCE_GPU, EFFICIENCY)
     assert step == pytest.approx(EFFICIENCY.actor_step_s, rel=1e-9)
 
 

@@ -12,21 +12,21 @@ import torch
 from megatron_rl_fp8.config import load_config
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.rollout import build_engine
-from megatron_rl_fp8.rollout.base import RolloutConfig, SGLangConfig
+from megatron_rl_fp8.rollout.config import RolloutConfig
+from megatron_rl_fp8.rollout.errors import RolloutEngineError, ServerGone, SyncFailed
 from megatron_rl_fp8.rollout.sglang import (
     FAULT_ENV,
     KillServerAt,
     SGLangFleet,
-    SGLangServerError,
     parse_completion,
     parse_fault_spec,
     sampling_params,
     server_command,
     server_group_pids,
 )
-from megatron_rl_fp8.rollout.sglang.errors import _ServerGone
+from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
 from megatron_rl_fp8.rollout.sglang.http import Http
-from megatron_rl_fp8.rollout.sglang.transports import _flatten
+from megatron_rl_fp8.rollout.sglang.transports import flatten_per_dtype
 
 
 def test_config_defaults_and_overrides():
@@ -140,20 +140,20 @@ def test_parse_completion_checks_version_and_alignment():
         [1], _answer([7, 8], [-0.1, -0.2]), eos_token_id=2, expected_version="4"
     )
     assert not trunc.finished
-    with pytest.raises(_ServerGone, match="expected '5'"):
+    with pytest.raises(ServerGone, match="expected '5'"):
         parse_completion([1], _answer([7], [-0.1]), eos_token_id=2, expected_version="5")
     mixed = _answer([7, 8], [-0.1, -0.2], spans=[{"version": "3"}, {"version": "4"}])
-    with pytest.raises(_ServerGone, match="version"):  # a half-synced server is never accepted
+    with pytest.raises(ServerGone, match="version"):  # a half-synced server is never accepted
         parse_completion([1], mixed, eos_token_id=2, expected_version="4")
     bad = _answer([7, 8], [-0.1, -0.2])
     bad["meta_info"]["output_token_logprobs"][1][1] = 9
-    with pytest.raises(SGLangServerError, match="line up"):
+    with pytest.raises(RolloutEngineError, match="line up"):
         parse_completion([1], bad, eos_token_id=2, expected_version="4")
 
 
 def test_flatten_copies_into_one_buffer_per_dtype():
     a, b, c = torch.randn(3, 4), torch.randn(5), torch.ones(2, 2, dtype=torch.bfloat16)
-    flat = _flatten([("a", a.t()), ("b", b), ("c", c)])
+    flat = flatten_per_dtype([("a", a.t()), ("b", b), ("c", c)])
     assert [n for n, _ in flat] == ["a", "b", "c"]
     assert torch.equal(flat[0][1], a.t()) and torch.equal(flat[1][1], b)
     assert torch.equal(flat[2][1], c)
@@ -233,10 +233,10 @@ def test_weight_group_fails_fast_when_the_engine_is_gone(tmp_path):
     # The private group's rendezvous waits up to the timeout for the engines to join; a dead
     # engine must be noticed from the refused HTTP call instead, and the sender says so.
     from megatron_rl_fp8.parallel import free_port
-    from megatron_rl_fp8.rollout.sglang import SyncPlan, WeightSender
+    from megatron_rl_fp8.rollout.sglang import SGLangSyncPlan, WeightSender
     from megatron_rl_fp8.sync.buckets import Bucket
 
-    plan = SyncPlan(
+    plan = SGLangSyncPlan(
         version=0,
         engines=[(f"http://127.0.0.1:{free_port()}", 1)],  # nothing listens there
         device="cpu",
@@ -252,13 +252,13 @@ def test_weight_group_fails_fast_when_the_engine_is_gone(tmp_path):
 
 
 def test_tensor_transport_refuses_engines_on_another_host():
-    from megatron_rl_fp8.rollout.sglang import SyncPlan, WeightSender
+    from megatron_rl_fp8.rollout.sglang import SGLangSyncPlan, WeightSender
     from megatron_rl_fp8.rollout.sglang.sender import on_this_host
     from megatron_rl_fp8.sync.buckets import Bucket
 
     assert on_this_host("http://127.0.0.1:1") and on_this_host("http://localhost:1")
     assert not on_this_host("http://192.0.2.1:30000")  # TEST-NET-1: never this host
-    plan = SyncPlan(
+    plan = SGLangSyncPlan(
         version=0,
         engines=[("http://192.0.2.1:30000", 1)],
         device="cpu",
@@ -272,10 +272,10 @@ def test_tensor_transport_refuses_engines_on_another_host():
 
 
 def test_per_tensor_fp8_scales_take_sglang_names():
-    from megatron_rl_fp8.rollout.sglang.sender import _per_tensor_scale_names
+    from megatron_rl_fp8.rollout.sglang.sender import per_tensor_scale_names
 
     named = [("a.weight", 1), ("a.weight_scale_inv", 2), ("b.bias", 3)]
-    assert [n for n, _ in _per_tensor_scale_names(named)] == [
+    assert [n for n, _ in per_tensor_scale_names(named)] == [
         "a.weight",
         "a.weight_scale",
         "b.bias",
@@ -287,7 +287,7 @@ def test_a_hung_server_counts_as_gone():
 
     with socket.create_server(("127.0.0.1", 0)) as listener:  # accepts, never answers
         port = listener.getsockname()[1]
-        with pytest.raises(_ServerGone, match="no answer within 0.5 s"):
+        with pytest.raises(ServerGone, match="no answer within 0.5 s"):
             Http(f"http://127.0.0.1:{port}").call("/generate", {}, timeout=0.5)
 
 
@@ -493,19 +493,17 @@ def test_attached_fleet_launches_nothing_and_drops_an_engine_that_is_gone(tmp_pa
     # before the first sync is refused, the first sync waits startup_timeout_s for the engine to
     # come up, a sync into a dead engine drops it (it cannot be relaunched) and asks for the sync
     # again, and with no engine left the next one says so.
-    from megatron_rl_fp8.rollout.sglang import SyncFailed
-
     fleet = _attached(tmp_path, startup_timeout_s=1.5)
     try:
         assert fleet.router.url == "" and fleet.engines[0].proc is None
-        with pytest.raises(SGLangServerError, match="no synced weights"):
+        with pytest.raises(RolloutEngineError, match="no synced weights"):
             fleet.generate([[1]], n=1, max_new_tokens=2, temperature=1.0)
         t0 = time.monotonic()
         with pytest.raises(SyncFailed, match="run again"):
             fleet.update_weights([], version=0)
         assert time.monotonic() - t0 >= 1.5  # waited for it to come up
         assert fleet.engines[0].url == ""  # dropped
-        with pytest.raises(SGLangServerError, match="no SGLang engine is up"):
+        with pytest.raises(RolloutEngineError, match="no SGLang engine is up"):
             fleet.update_weights([], version=0)
     finally:
         fleet.shutdown()

@@ -26,7 +26,7 @@ import torch
 from megatron_rl_fp8 import cli
 from megatron_rl_fp8.config import load_config
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
-from megatron_rl_fp8.rollout.base import RolloutConfig
+from megatron_rl_fp8.rollout.config import RolloutConfig
 from megatron_rl_fp8.rollout.sglang.transports import push_tensor
 from megatron_rl_fp8.sync.buckets import Bucket
 from tests.sglang.conftest import sglang_python

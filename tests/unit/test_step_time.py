@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from megatron_rl_fp8.metrics import step_time
-from megatron_rl_fp8.metrics.report import load_runs, step_time_breakdown, write_report
+from megatron_rl_fp8.metrics.report import step_time_breakdown, write_report
+from megatron_rl_fp8.metrics.runs import load_runs
 from megatron_rl_fp8.metrics.step_time import OTHER, PHASES, STEP, StepClock, other_time
 from megatron_rl_fp8.rollout.sglang.fleet import short_of_engines
 from megatron_rl_fp8.sync.timing import SyncTimes, timed

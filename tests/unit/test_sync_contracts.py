@@ -177,7 +177,8 @@ def _fleet_gpus(tmp_path, monkeypatch, cfg, pp: int):
 
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.models.hf_mapping import hf_config
-    from megatron_rl_fp8.rollout.sglang import SGLangFleet, SGLangServerError
+    from megatron_rl_fp8.rollout.errors import RolloutEngineError
+    from megatron_rl_fp8.rollout.sglang import SGLangFleet
 
     launched = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
@@ -201,7 +202,7 @@ def _fleet_gpus(tmp_path, monkeypatch, cfg, pp: int):
             eos_token_id=2,
             senders=Senders.from_env(pp),
         )
-    except SGLangServerError as e:
+    except RolloutEngineError as e:
         return str(e)
     return launched
 

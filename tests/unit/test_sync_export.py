@@ -166,7 +166,7 @@ def _export_body(rank, world, tp, pp, model_kw):
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
     from megatron_rl_fp8.sync.gather import (
-        _global_names,
+        global_names,
         iter_full_params,
         split_tp_shard,
         tp_partition_dim,
@@ -181,7 +181,7 @@ def _export_body(rank, world, tp, pp, model_kw):
     model = build_gpt_model(
         mc, transformer_config(mc, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     )
-    names = _global_names(unwrap(model))
+    names = global_names(unwrap(model))
     with torch.no_grad():
         for local, p in model.named_parameters():
             shape = list(p.shape)

@@ -2,18 +2,21 @@
 sglang-router, samples through their HTTP API, and syncs every weight update into them.
 
 Modules: ``config`` (``rollout.sglang.*``), ``process`` (command lines, environment, guard,
-ports, process groups), ``http`` (the JSON calls, request and answer formats), ``transports``
-(tensor / distributed pushes, the config-only model directory), ``sender`` (a sending rank's
-side of a sync: :class:`~.sender.SyncPlan`, :class:`~.sender.WeightSender`), ``faults`` (fault
-injection, testing only), ``fleet`` (:class:`SGLangFleet`: the engines' life, sync, generate,
-recovery; its docstring tells the whole story).
+ports, process groups), ``http`` (the JSON client, request and answer formats), ``server``
+(:class:`~.server.SGLangServer`: one server's process, health and calls), ``router`` (the
+sglang-router), ``transports`` (tensor / distributed pushes, the config-only model directory),
+``sender`` (a sending rank's side of a sync: :class:`~.sender.SGLangSyncPlan`,
+:class:`~.sender.WeightSender`), ``faults`` (fault injection, testing only), ``pool``
+(:class:`~.pool.ServerPool`: the servers and the router kept up), ``fleet``
+(:class:`SGLangFleet`: the engine over them: sync, generate, recovery; its docstring tells the
+whole story). The errors are ``megatron_rl_fp8.rollout.errors``'s, shared by every engine.
 
 How it fits the trainer: :class:`SGLangFleet` implements the same ``RolloutEngine`` protocol as the
 in-process ``LocalEngine``; the trainer's ``EngineLink.sync`` has each pipeline stage's sending rank
 push the buckets of ``sync.buckets.export_for_rollout`` (HF names; FP8 codes + ``_scale_inv``
 when ``rollout.fp8`` is on, or their values in the serving dtype where the engine has no FP8
-GEMMs: ``export_options``) between the driver's ``begin_sync`` and ``end_sync``, and its rollout
-calls :meth:`SGLangFleet.generate` on the driver.
+GEMMs: ``export_options``) between the driver's ``begin_sync`` and ``end_sync`` (the plan's
+``from_stages`` says so), and its rollout calls :meth:`SGLangFleet.generate` on the driver.
 
 * Versions: before the first bucket every engine's weight version is set to ``"<v>-partial"``,
   after the last to ``"<v>"`` (then the KV/radix cache is flushed and ``/model_info`` is read
@@ -48,15 +51,14 @@ import importlib
 
 from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
 
-# Everything but the config loads on first use: ``rollout.base`` imports the config from here,
-# and the engine imports ``rollout.base``, so loading the engine eagerly would be circular.
+# Everything but the config loads on first use: ``rollout.config`` imports the config from here
+# (which runs this file), and loading the run's config must not load the engines' code.
 _LAZY = {
     "SGLangFleet": "fleet",
-    "SyncPlan": "sender",
+    "ServerPool": "pool",
+    "SGLangServer": "server",
+    "SGLangSyncPlan": "sender",
     "WeightSender": "sender",
-    "SyncFailed": "errors",
-    "RolloutLost": "errors",
-    "SGLangServerError": "errors",
     "FAULT_ENV": "faults",
     "FAULT_POINTS": "faults",
     "KillServerAt": "faults",

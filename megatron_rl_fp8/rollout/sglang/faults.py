@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from megatron_rl_fp8.rollout.sglang.fleet import SGLangFleet
+from typing import Protocol
 
 FAULT_ENV = "MRF8_SGLANG_FAULT"
 # Where the fleet calls its fault hook, in the order a run meets them. ``startup``: right after a
@@ -19,6 +16,12 @@ FAULT_ENV = "MRF8_SGLANG_FAULT"
 # flight; the rest: just before the sync's calls they name (``end_update`` includes the version
 # check).
 FAULT_POINTS = ("startup", "generate", "begin_update", "push", "end_update")
+
+
+class Killable(Protocol):
+    """What a fault hook kills: a fleet (``pool.ServerPool.kill_server``: its last engine)."""
+
+    def kill_server(self) -> None: ...
 
 
 def parse_fault_spec(spec: str) -> dict[str, set[int]]:
@@ -46,7 +49,7 @@ class KillServerAt:
     one; the fleet installs one only when ``MRF8_SGLANG_FAULT`` is set (read once, at construction).
     """
 
-    def __init__(self, engine: SGLangFleet, spec: str):
+    def __init__(self, engine: Killable, spec: str):
         self.engine = engine
         self.plan = parse_fault_spec(spec)
         self.seen: dict[str, int] = {}
@@ -59,7 +62,7 @@ class KillServerAt:
             self.engine.kill_server()
 
 
-def fault_hook_from_env(engine: SGLangFleet) -> KillServerAt | None:
+def fault_hook_from_env(engine: Killable) -> KillServerAt | None:
     """The hook ``MRF8_SGLANG_FAULT`` asks for (read once, when the fleet is built), or None."""
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:

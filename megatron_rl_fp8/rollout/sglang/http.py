@@ -1,4 +1,5 @@
-"""The HTTP side of the SGLang engine: the JSON calls it makes, request and answer formats."""
+"""The HTTP side of the SGLang engines: the JSON client, and the ``/generate`` request and answer
+formats (one server's endpoints are ``server.SGLangServer``'s methods)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from megatron_rl_fp8.rollout.base import Completion, eos_ids
-from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError, _ServerGone
+from megatron_rl_fp8.rollout.errors import RolloutEngineError, ServerGone
 
 
 def sampling_params(
@@ -90,14 +91,14 @@ def parse_completion(
     }
     versions.discard(None)
     if versions != {expected_version}:
-        raise _ServerGone(
+        raise ServerGone(
             f"completion produced by weight version(s) {sorted(versions)}, "
             f"expected {expected_version!r}"
         )
     ids = [int(t) for t in answer["output_ids"]]
     lp = meta.get("output_token_logprobs") or []
     if len(lp) != len(ids) or any(int(e[1]) != t for e, t in zip(lp, ids)):
-        raise SGLangServerError(
+        raise RolloutEngineError(
             "SGLang returned logprobs that do not line up with the output ids "
             f"({len(lp)} logprobs for {len(ids)} tokens)"
         )
@@ -132,12 +133,12 @@ class Http:
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:2000]
             if e.code >= 500:
-                raise _ServerGone(f"{path}: HTTP {e.code}: {detail}") from e
-            raise SGLangServerError(f"{path}: HTTP {e.code}: {detail}") from e
+                raise ServerGone(f"{path}: HTTP {e.code}: {detail}") from e
+            raise RolloutEngineError(f"{path}: HTTP {e.code}: {detail}") from e
         except TimeoutError as e:  # a hung server: it is relaunched like a dead one
-            raise _ServerGone(f"{path}: no answer within {timeout:g} s") from e
+            raise ServerGone(f"{path}: no answer within {timeout:g} s") from e
         except (urllib.error.URLError, ConnectionError, OSError) as e:
-            raise _ServerGone(f"{path}: {e}") from e
+            raise ServerGone(f"{path}: {e}") from e
         try:
             return json.loads(body) if body else None
         except json.JSONDecodeError:
@@ -147,38 +148,5 @@ class Http:
         """POST expecting SGLang's ``{"success": true, ...}``."""
         out = self.call(path, payload if payload is not None else {}, timeout=timeout)
         if isinstance(out, dict) and out.get("success") is False:
-            raise SGLangServerError(f"{path} failed: {out.get('message')}")
+            raise RolloutEngineError(f"{path} failed: {out.get('message')}")
         return out
-
-
-# -- the HTTP side of one weight sync (SGLang 0.5.23 accepts tensor/distributed updates only
-#    between /begin_weight_update and /end_weight_update) ------------------------------------
-def begin_update(http: Http, version: int, *, timeout: float) -> None:
-    """Mark the server ``"<v>-partial"`` (aborting requests in flight), open the update session."""
-    http.ok(
-        "/update_weight_version",
-        {"new_version": f"{version}-partial", "abort_all_requests": True},
-        timeout=timeout,
-    )
-    http.ok("/begin_weight_update", {}, timeout=timeout)
-
-
-def end_update(http: Http, version: int, *, timeout: float) -> None:
-    """Close the update session, mark the server ``"<v>"`` and flush its KV/radix cache."""
-    http.ok("/end_weight_update", {}, timeout=timeout)
-    http.ok(
-        "/update_weight_version",
-        {"new_version": str(version), "abort_all_requests": True},
-        timeout=timeout,
-    )
-    out = http.call("/flush_cache", {}, timeout=timeout)
-    if isinstance(out, dict) and out.get("success") is False:
-        raise SGLangServerError(f"/flush_cache failed after the weight update: {out}")
-
-
-def check_version(http: Http, expected: str, *, timeout: float) -> None:
-    """The server must report weight version ``expected`` (``/model_info``)."""
-    info = http.call("/model_info", timeout=timeout)
-    got = info.get("weight_version") if isinstance(info, dict) else None
-    if got != expected:
-        raise _ServerGone(f"SGLang server reports weight version {got!r}, expected {expected!r}")

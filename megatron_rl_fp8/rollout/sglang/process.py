@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl_fp8.rollout.errors import RolloutEngineError, ServerGone
 from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
-from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError, _ServerGone
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -108,7 +108,7 @@ def server_group_pids(pgid: int) -> list[int]:
     return pids
 
 
-def _kill_group(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+def kill_group(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """SIGKILL ``proc``'s process group, reap ``proc``, and wait (bounded) for the rest to go.
 
     SIGKILL, not a graceful SIGTERM: the server holds nothing worth saving (the trainer has its
@@ -336,16 +336,16 @@ def wait_healthy(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise _ServerGone(f"SGLang server exited during startup; see {log_path}")
+            raise ServerGone(f"SGLang server exited during startup; see {log_path}")
         if "error while attempting to bind" in log_tail(log_path, 50):
             # uvicorn could not bind the port; SGLang 0.5.23 then hangs instead of exiting.
-            raise _ServerGone(f"SGLang server could not bind port {port}; see {log_path}")
+            raise ServerGone(f"SGLang server could not bind port {port}; see {log_path}")
         try:
             http.call("/health", timeout=5)
             return
-        except SGLangServerError:
+        except RolloutEngineError:
             time.sleep(0.5)
-    raise _ServerGone(
+    raise ServerGone(
         f"SGLang server not healthy after rollout.sglang.startup_timeout_s={timeout_s}s; "
         f"see {log_path}"
     )

@@ -11,11 +11,11 @@ import subprocess
 import time
 from pathlib import Path
 
+from megatron_rl_fp8.rollout.errors import RolloutEngineError, ServerGone
 from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
-from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError, _ServerGone
 from megatron_rl_fp8.rollout.sglang.http import Http
 from megatron_rl_fp8.rollout.sglang.process import (
-    _kill_group,
+    kill_group,
     launch_logged,
     pick_port,
     router_command,
@@ -53,14 +53,14 @@ class Router:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise SGLangServerError(f"sglang-router exited during startup; see {log}")
+                raise RolloutEngineError(f"sglang-router exited during startup; see {log}")
             try:
                 if len(self.workers()) == len(worker_urls):
                     return
-            except SGLangServerError:
+            except RolloutEngineError:
                 pass  # not listening yet: poll again until the deadline
             if time.monotonic() > deadline:
-                raise SGLangServerError(
+                raise RolloutEngineError(
                     f"sglang-router not ready after rollout.sglang.startup_timeout_s="
                     f"{self.cfg.startup_timeout_s}s; see {log}"
                 )
@@ -72,7 +72,7 @@ class Router:
         return {w["url"]: w["id"] for w in (out or {}).get("workers", [])}
 
     def remove(self, url: str) -> None:
-        """Take the worker at ``url`` out (raises SGLangServerError when the router fails)."""
+        """Take the worker at ``url`` out (raises RolloutEngineError when the router fails)."""
         wid = self.workers().get(url)
         if wid is not None:
             Http(self.url).call(f"/workers/{wid}", timeout=30, method="DELETE")
@@ -83,7 +83,7 @@ class Router:
         deadline = time.monotonic() + 60
         while url not in self.workers():
             if time.monotonic() > deadline:
-                raise _ServerGone(f"sglang-router did not take worker {url} within 60 s")
+                raise ServerGone(f"sglang-router did not take worker {url} within 60 s")
             time.sleep(0.2)
 
     def died(self) -> bool:
@@ -92,5 +92,5 @@ class Router:
 
     def kill(self) -> None:
         if self.proc is not None:
-            _kill_group(self.proc)
+            kill_group(self.proc)
             self.proc = None

@@ -1,9 +1,10 @@
 """A sending rank's side of a weight sync into SGLang engines.
 
-The fleet's driver begins a sync and hands every sending rank a :class:`SyncPlan` (the trainer
-broadcasts it); each sending rank -- the driver itself at PP=1, each pipeline stage's
+The fleet's driver begins a sync and hands every sending rank a :class:`SGLangSyncPlan` (the
+trainer broadcasts it); each sending rank -- the driver itself at PP=1, each pipeline stage's
 TP-rank-0 rank of the DP-rank-0 replica otherwise -- pushes the buckets of its own layers with a
-:class:`WeightSender`; the driver ends the sync with every sender's error (``fleet.end_sync``).
+:class:`WeightSender` (the driver's is its fleet's ``sender``, the others' come from
+``plan.new_sender()``); the driver ends the sync with every sender's error (``fleet.end_sync``).
 
 Two transports (``rollout.sglang.transport``):
 
@@ -31,7 +32,8 @@ from urllib.parse import urlparse
 
 import torch
 
-from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError, _first_line
+from megatron_rl_fp8.rollout.base import SyncPlan
+from megatron_rl_fp8.rollout.errors import RolloutEngineError, first_line
 from megatron_rl_fp8.rollout.sglang.http import Http
 from megatron_rl_fp8.rollout.sglang.transports import (
     destroy_sender_group,
@@ -46,18 +48,21 @@ from megatron_rl_fp8.sync.timing import SyncTimes
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-@dataclasses.dataclass
-class SyncPlan:
-    """What every sending rank needs for one sync (picklable: the driver broadcasts it)."""
+@dataclasses.dataclass(kw_only=True)
+class SGLangSyncPlan(SyncPlan):
+    """What every sending rank needs for one sync into a fleet (picklable: the driver broadcasts
+    it). Every pipeline stage's sending rank pushes its own layers (``from_stages``)."""
 
-    version: int
     engines: list[tuple[str, int]]  # (url, tp_size) of every engine taking this sync, in order
     device: str  # the engines' device: NCCL / CUDA IPC on cuda, gloo / shared memory on cpu
     timeout: float
-    export_options: dict  # the fleet's ``export_options`` (bucket size, serving dtype)
     failed: list[str]  # engines that refused the begin of the sync: push nothing
     transport: str = "distributed"
     rename_scales: bool = False  # per-tensor FP8 checkpoints: SGLang names the scale weight_scale
+    from_stages: bool = True
+
+    def new_sender(self) -> WeightSender:
+        return WeightSender()
 
 
 class WeightSender:
@@ -72,7 +77,7 @@ class WeightSender:
 
     def push(
         self,
-        plan: SyncPlan,
+        plan: SGLangSyncPlan,
         buckets: Iterable[Bucket],
         *,
         fault: Callable[[str], None] | None = None,
@@ -84,29 +89,29 @@ class WeightSender:
         self.times = SyncTimes()
         try:
             send = self._sender(plan) if not plan.failed else None
-        except SGLangServerError as e:
-            error = f"the sync into the engines could not start: {_first_line(e)}"
+        except RolloutEngineError as e:
+            error = f"the sync into the engines could not start: {first_line(e)}"
         for bucket in buckets:
             if error or plan.failed:
                 continue
             if plan.rename_scales:
-                bucket = Bucket(bucket.index, list(_per_tensor_scale_names(bucket.tensors)))
+                bucket = Bucket(bucket.index, list(per_tensor_scale_names(bucket.tensors)))
             try:
                 if fault is not None:
                     fault("push")
                 send(bucket)
-            except SGLangServerError as e:
-                error = _first_line(e)
+            except RolloutEngineError as e:
+                error = first_line(e)
         if error:
             self.close()  # a broken group is formed afresh next time
         return error
 
-    def _sender(self, plan: SyncPlan) -> Callable[[Bucket], None]:
+    def _sender(self, plan: SGLangSyncPlan) -> Callable[[Bucket], None]:
         engines = [Http(url) for url, _ in plan.engines]
         if plan.transport == "tensor":
             far = [url for url, _ in plan.engines if not on_this_host(url)]
             if far:
-                raise SGLangServerError(
+                raise RolloutEngineError(
                     f"engine {far[0]} is not on this host ({socket.gethostname()}): "
                     "rollout.sglang.transport=tensor hands weights over by shared memory / CUDA "
                     "IPC, within one node; use transport=distributed"
@@ -141,7 +146,7 @@ class WeightSender:
 
         return send
 
-    def _ensure_group(self, plan: SyncPlan):
+    def _ensure_group(self, plan: SGLangSyncPlan):
         key = tuple(plan.engines)
         if self._group is not None and key == self._key:
             return self._group
@@ -165,7 +170,7 @@ class WeightSender:
         for url, _ in key:
             try:
                 Http(url).ok("/destroy_weights_update_group", {"group_name": group[1]}, timeout=10)
-            except SGLangServerError:
+            except RolloutEngineError:
                 pass  # a dead engine took its side of the group with it
         destroy_sender_group(group)
 
@@ -177,14 +182,14 @@ def _each(engines: list[Http], call, args: list) -> list:
         futures = [pool.submit(call, h, a) for h, a in zip(engines, args)]
     for http, fut in zip(engines, futures):
         error = fut.exception()
-        if isinstance(error, SGLangServerError):
+        if isinstance(error, RolloutEngineError):
             raise type(error)(f"{http.base_url}: {error}") from error
         if error is not None:
             raise error
     return [fut.result() for fut in futures]
 
 
-def _per_tensor_scale_names(named):
+def per_tensor_scale_names(named):
     for name, t in named:
         if name.endswith("weight" + SCALE_SUFFIX):
             name = name[: -len(SCALE_SUFFIX)] + "_scale"

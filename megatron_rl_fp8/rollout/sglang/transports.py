@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
-from megatron_rl_fp8.rollout.sglang.errors import SGLangServerError, _ServerGone
+from megatron_rl_fp8.rollout.errors import RolloutEngineError, ServerGone
 from megatron_rl_fp8.rollout.sglang.http import Http
 from megatron_rl_fp8.rollout.sglang.process import pick_port
 from megatron_rl_fp8.sync.buckets import Bucket
@@ -28,7 +28,7 @@ def push_tensor(http: Http, bucket: Bucket, *, tp_size: int, timeout: float) -> 
     t0 = time.perf_counter()
     # One flat buffer per dtype per bucket (one shared-memory file, not one per tensor), and never
     # the trainer's own storages (sharing would move them into shared memory).
-    flat = _flatten(bucket.tensors)
+    flat = flatten_per_dtype(bucket.tensors)
     payloads = serialize_per_rank(flat, tp_size)
     handed = time.perf_counter() - t0
     http.ok(
@@ -105,12 +105,12 @@ def push_distributed(
         except RuntimeError as e:
             for reply in replies:
                 reply.cancel()
-            raise _ServerGone(f"weight broadcast to the SGLang engines failed: {e}") from e
+            raise ServerGone(f"weight broadcast to the SGLang engines failed: {e}") from e
         t1 = time.perf_counter()
         for http, reply in zip(engines, replies):
             try:
                 reply.result()
-            except SGLangServerError as e:
+            except RolloutEngineError as e:
                 raise type(e)(f"{http.base_url}: {e}") from e
     return t1 - t0, time.perf_counter() - t1
 
@@ -168,11 +168,11 @@ def join_sender_group(
         for (http, _), call in zip(engines, calls):
             try:
                 call.result()
-            except SGLangServerError as e:
+            except RolloutEngineError as e:
                 raise type(e)(f"{http.base_url}: {e}") from e
     thread.join(timeout)
     if "pg" not in joined:
-        raise _ServerGone(
+        raise ServerGone(
             f"the weight-sync group with the SGLang engines did not form: "
             f"{joined.get('error', 'timed out')}"
         )
@@ -225,7 +225,7 @@ def new_sender_group(
     return pg
 
 
-def _flatten(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+def flatten_per_dtype(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """Copies of ``named`` as views into one fresh contiguous buffer per (device, dtype)."""
     by_dtype: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (_, t) in enumerate(named):

@@ -1,0 +1,171 @@
+"""The package's shape, from its source: the layer map of docs/architecture.md holds (no import
+from a lower layer to a higher one), no two modules import each other round a circle, no module
+is over 500 lines, and no private name is imported from another module. Imports inside functions
+and under ``TYPE_CHECKING`` count: they are dependencies all the same."""
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = "megatron_rl_fp8"
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, str | None, int]]:
+    """(imported module of the package, the name taken from it or None, line) of every import."""
+    tree = ast.parse(path.read_text())
+    is_pkg = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, None, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                # ``from pkg import module`` imports the module; ``from module import name``
+                # takes a name from it.
+                found.append(
+                    (sub, None, node.lineno) if sub in MODULES else (target, a.name, node.lineno)
+                )
+    return [(t, n, line) for t, n, line in found if t in MODULES]
+
+
+IMPORTS = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _layer_map() -> dict[str, int]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    layers = {}
+    for row in re.findall(r"^\| *(\d+) *\|([^|]*)\|", section, flags=re.M):
+        for entry in re.findall(r"`([\w.]+)`", row[1]):
+            layers[f"{PACKAGE}.{entry}"] = int(row[0])
+    assert layers, "docs/architecture.md has no layer table under '## Layers'"
+    return layers
+
+
+LAYERS = _layer_map()
+
+
+def layer_of(module: str) -> int | None:
+    if module == PACKAGE:
+        return 0
+    best = max(
+        (k for k in LAYERS if module == k or module.startswith(k + ".")), key=len, default=None
+    )
+    return None if best is None else LAYERS[best]
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(m for m in MODULES if layer_of(m) is None)
+    assert not missing, f"add these to the layer table of docs/architecture.md: {missing}"
+
+
+def test_no_import_runs_up_the_layers():
+    upward = [
+        f"{MODULES[m].relative_to(ROOT)}:{line} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})"
+        for m, found in IMPORTS.items()
+        for t, _, line in found
+        if layer_of(t) is not None and layer_of(m) is not None and layer_of(t) > layer_of(m)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iteratively)."""
+    graph = {m: sorted({t for t, _, _ in found if t != m}) for m, found in IMPORTS.items()}
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            v, i = work.pop()
+            if i == 0:
+                index[v] = low[v] = counter
+                counter += 1
+                stack.append(v)
+                on_stack.add(v)
+            if i < len(graph[v]):
+                work.append((v, i + 1))
+                w = graph[v][i]
+                if w not in index:
+                    work.append((w, 0))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[v])
+    return out
+
+
+def test_no_import_cycle():
+    assert not _cycles()
+
+
+def test_the_cycle_finder_finds_one():
+    # A check that cannot fail checks nothing: two modules that import each other are found.
+    saved = dict(IMPORTS)
+    a, b = f"{PACKAGE}.loss", f"{PACKAGE}.fp8"
+    try:
+        IMPORTS[a] = [*IMPORTS[a], (b, None, 0)]
+        IMPORTS[b] = [*IMPORTS[b], (a, None, 0)]
+        assert any(a in c and b in c for c in _cycles())
+    finally:
+        IMPORTS.clear()
+        IMPORTS.update(saved)
+
+
+def test_no_private_name_crosses_a_module():
+    crossing = [
+        f"{MODULES[m].relative_to(ROOT)}:{line} imports {n} from {t}"
+        for m, found in IMPORTS.items()
+        for t, n, line in found
+        if n is not None and n.startswith("_") and not n.startswith("__") and t != m
+    ]
+    assert not crossing, "\n".join(crossing)
+
+
+def test_no_module_is_over_500_lines():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in MODULES.values()
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, long
+
+
+def test_the_loop_holds_the_order_of_the_phases_and_little_else():
+    loop = ROOT / PACKAGE / "trainer" / "loop.py"
+    assert len(loop.read_text().splitlines()) <= 220
