@@ -27,9 +27,11 @@ def _study_file(tmp_path: Path, cache: Path, **changes) -> Path:
         "name": "smoke",
         "base": str(ROOT / "examples" / "tiny_cpu.yaml"),
         "overrides": {
-            "sft.steps": 20,
+            "sft.steps": 8,
             "train.steps": 2,
             "train.prompts_per_step": 8,
+            "rollout.n_samples_per_prompt": 4,
+            "train.micro_batch_size": 16,
             "train.eval_prompts": 8,
             "train.eval_interval": 2,
             "train.save_interval": 1,
@@ -143,7 +145,7 @@ def test_a_killed_study_resumes_to_the_uninterrupted_result(finished, tmp_path):
             time.sleep(0.2)
         assert _finished(out), "no run finished in 300 s"
         # The next run has started; kill the study in the middle of it (its runs die with it).
-        time.sleep(3)
+        time.sleep(0.5)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
