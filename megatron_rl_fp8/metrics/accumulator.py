@@ -66,39 +66,32 @@ class MetricAccumulator:
         """Every rank's accumulator in ``group`` combined (collective when ``group`` is given;
         ``device`` is the backend's: NCCL reduces CUDA tensors only), read to the host in one
         copy. Keys are packed sorted, so every rank packs them in the same order."""
-        kinds = [
-            (sorted(self.sums), self.sums, dist.ReduceOp.SUM),
-            (sorted(self.vectors), self.vectors, dist.ReduceOp.SUM),
-            (sorted(self.maxima), self.maxima, dist.ReduceOp.MAX),
-            (sorted(self.minima), self.minima, dist.ReduceOp.MIN),
+        out = Totals({}, {}, {}, {})
+        # (this accumulator's table, the result's, the reduction); sums and histograms share one.
+        tables = [
+            (self.sums, out.sums, dist.ReduceOp.SUM),
+            (self.vectors, out.vectors, dist.ReduceOp.SUM),
+            (self.maxima, out.maxima, dist.ReduceOp.MAX),
+            (self.minima, out.minima, dist.ReduceOp.MIN),
         ]
-        sums_and_vectors = [self.sums[k].reshape(1) for k in kinds[0][0]]
-        sums_and_vectors += [self.vectors[k].reshape(-1) for k in kinds[1][0]]
-        packed = [
-            sums_and_vectors,
-            [self.maxima[k].reshape(1) for k in kinds[2][0]],
-            [self.minima[k].reshape(1) for k in kinds[3][0]],
-        ]
+        parts = {op: [] for _, _, op in tables}
+        for mine, _, op in tables:
+            parts[op] += [mine[k].reshape(-1) for k in sorted(mine)]
         if device is None:  # where the values are (a Python float added is a CPU scalar)
-            found = [t.device for part in packed for t in part if t.device.type != "cpu"]
+            found = [t.device for ts in parts.values() for t in ts if t.device.type != "cpu"]
             device = found[0] if found else torch.device("cpu")
         flat = []
-        for parts, op in zip(packed, (dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN)):
-            vec = torch.cat([p.to(device) for p in parts]) if parts else torch.zeros(0)
-            vec = vec.to(device, torch.float64)
-            if group is not None and parts:
+        for op, ts in parts.items():
+            vec = torch.cat([t.to(device, torch.float64) for t in ts]) if ts else torch.zeros(0)
+            if group is not None and ts:
                 dist.all_reduce(vec, op=op, group=group)
-            flat.append(vec)
+            flat.append(vec.to(device, torch.float64))
         host = torch.cat(flat).cpu()  # the one read
         values = host.tolist()
-        out = Totals({}, {}, {}, {})
         offset = 0
-        for (keys, table, _), target in zip(kinds, (out.sums, out.vectors, out.maxima, out.minima)):
-            for k in keys:
-                n = table[k].numel()
-                if target is out.vectors:
-                    target[k] = host[offset : offset + n]
-                else:
-                    target[k] = values[offset]
+        for mine, theirs, _ in tables:
+            for k in sorted(mine):
+                n = mine[k].numel()
+                theirs[k] = host[offset : offset + n] if theirs is out.vectors else values[offset]
                 offset += n
         return out

@@ -46,7 +46,7 @@ class InProcessSender:
         return None  # an incomplete update raises (update_weights)
 
     def close(self) -> None:
-        pass
+        """Nothing to let go: the engine is in this process, and it owns no connection."""
 
 
 class LocalEngine:
@@ -123,14 +123,15 @@ class LocalEngine:
         return SyncPlan(version=version, export_options=self.export_options)
 
     def end_sync(self, plan: SyncPlan, errors: list[str | None]) -> None:
-        pass  # the push loaded every weight or raised
+        """Nothing to finish: the push loaded every weight or raised."""
 
     # -- memory: shared with the trainer (colocated placement is for server engines) ----------
     def release_memory(self, tags: tuple[str, ...]) -> None:
-        pass
+        """Nothing to release: this engine's weights and cache are ordinary tensors of the
+        trainer's process, freed with it."""
 
     def resume_memory(self, tags: tuple[str, ...]) -> None:
-        pass
+        """Nothing to resume (see :meth:`release_memory`)."""
 
     def metrics(self) -> dict[str, float]:
         return {}
