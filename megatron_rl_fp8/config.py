@@ -155,6 +155,12 @@ class RunConfig:
                 "update per step pi_theta == pi_old, every ratio is 1 and there is nothing to "
                 "calibrate; raise train.updates_per_step or set loss.calib.enabled=false"
             )
+        if t.pipeline == "one_step_off" and self.rollout.placement == "colocated":
+            raise ConfigError(
+                "train.pipeline=one_step_off overlaps generation with training, which colocated "
+                "engines cannot (they share the trainer's GPUs and take turns with it); set "
+                "rollout.placement=dedicated or train.pipeline=sync"
+            )
         if self.loss.overlong_buffer > self.rollout.max_new_tokens:
             raise ConfigError(
                 f"loss.overlong_buffer={self.loss.overlong_buffer} exceeds "

@@ -37,6 +37,9 @@ class Completion:
     response_ids: list[int]
     response_logprobs: list[float]
     finished: bool  # ended with an eos id (False = truncated at max_new_tokens)
+    version: int = -1
+    """The weight version (``begin_sync``'s ``version``: the trainer's step) of the engine that
+    sampled it; -1 = unknown. The trainer refuses rows older than ``train.max_staleness``."""
 
 
 @dataclasses.dataclass(kw_only=True)

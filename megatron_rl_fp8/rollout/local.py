@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable
 
 import torch
+import transformers
 
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.fp8.quantize import fake_quant_groups
@@ -28,6 +29,29 @@ from megatron_rl_fp8.rollout.base import Completion, SyncPlan, eos_ids
 from megatron_rl_fp8.sync.buckets import Bucket
 from megatron_rl_fp8.sync.quantize import dequantize_stream, is_fp8_weight
 from megatron_rl_fp8.sync.timing import SyncTimes, timed
+
+
+class GumbelSampling(transformers.LogitsProcessor):
+    """Sampling at ``temperature`` within the ``top_p`` nucleus as a logits processor for greedy
+    decoding: the scores at that temperature, cut to the nucleus, plus Gumbel(0, 1) noise from a
+    private generator seeded with ``seed``; their argmax is distributed as softmax(logits / T)
+    renormalized over the nucleus (the Gumbel-max trick), as HF's own sampler draws it."""
+
+    def __init__(self, temperature: float, top_p: float, seed: int, device: torch.device):
+        self.temperature = temperature
+        self.top_p = transformers.TopPLogitsWarper(top_p) if top_p < 1.0 else None
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores / self.temperature
+        if self.top_p is not None:
+            scores = self.top_p(input_ids, scores)
+        u = torch.rand(
+            scores.shape, generator=self.generator, device=scores.device, dtype=torch.float32
+        )
+        # u in [0, 1): u = 0 gives -inf noise, a token never drawn, as its probability is 0.
+        return scores + -torch.log(-torch.log(u))
 
 
 class InProcessSender:
@@ -60,8 +84,6 @@ class LocalEngine:
         fp8: RolloutFP8Config | None = None,
         device: str | torch.device = "cpu",
     ):
-        import transformers
-
         self.device = torch.device(device)
         self.model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         self.model.to(self.device).eval()
@@ -167,24 +189,25 @@ class LocalEngine:
             input_ids[i, width - len(p) :] = torch.tensor(p)
             attn[i, width - len(p) :] = 1
         input_ids, attn = input_ids.to(self.device), attn.to(self.device)
-        # Seed the generator that samples (the GPU's on GPU) and restore it afterwards, so
-        # rollouts are reproducible and the trainer's random streams are untouched.
-        rng_devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=rng_devices):
-            torch.manual_seed(seed)
-            out = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attn,
-                max_new_tokens=max_new_tokens,
-                do_sample=not greedy,
-                temperature=None if greedy else temperature,
-                top_p=None if greedy else top_p,
-                top_k=None,
-                pad_token_id=self.pad_token_id,
-                eos_token_id=list(self.eos_token_ids),
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
+        # Sampling draws from a generator of its own, seeded per call, never from torch's global
+        # one: the trainer's forward passes set that one (Megatron's RNG tracker) while a
+        # pipelined rollout generates in another thread (trainer/pipeline.py). Greedy decoding
+        # of the noised scores is the sample (Gumbel-max).
+        processors = [] if greedy else [GumbelSampling(temperature, top_p, seed, self.device)]
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attn,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            logits_processor=transformers.LogitsProcessorList(processors),
+            pad_token_id=self.pad_token_id,
+            eos_token_id=list(self.eos_token_ids),
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
         new_tokens = out.sequences[:, width:]
         # logits: tuple over generated positions of [N, V] raw (pre-processor) logits.
         logits = torch.stack(out.logits, dim=1).float()
@@ -205,6 +228,7 @@ class LocalEngine:
                     response_ids=toks[:length],
                     response_logprobs=logp[i, :length].tolist(),
                     finished=finished,
+                    version=self._version,
                 )
             )
         return completions

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_rl_fp8.loss import grpo_advantages
 from megatron_rl_fp8.rollout.base import Completion
 
 
@@ -52,6 +53,19 @@ def build_rl_batch(
         "rollout_logprobs": rollout_logprobs,
         "advantages": advantages.to(torch.float32).reshape(n),
     }
+
+
+def rollout_batch(
+    cfg, completions: list[Completion], rewards, lags: torch.Tensor, dp_size: int, tokenizer
+) -> dict[str, torch.Tensor]:
+    """The step's batch of a rollout (the driver's): GRPO advantages of ``rewards`` over groups
+    of ``rollout.n_samples_per_prompt``, the rows (:func:`build_rl_batch`) with each one's policy
+    lag (``policy_lag``, trainer/pipeline.py), ordered for ``train.updates_per_step``."""
+    n, norm = cfg.rollout.n_samples_per_prompt, cfg.loss.norm_adv_by_std
+    advantages = grpo_advantages(rewards, n, norm_std=norm)
+    rows = build_rl_batch(completions, advantages, pad_id=tokenizer.pad_token_id)
+    rows["policy_lag"] = lags
+    return order_for_updates(rows, dp_size, cfg.train.updates_per_step)
 
 
 def build_sft_batch(collated: dict[str, torch.Tensor], *, pad_id: int) -> dict[str, torch.Tensor]:

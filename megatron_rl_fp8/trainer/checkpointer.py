@@ -6,6 +6,9 @@ state) and, in ``trainer_state.json``, the step and every stateful component's `
 under its name. The names are the file format: ``train_data`` (dataset position), ``calib``
 (calibrator), ``opt_param_scheduler`` (learning-rate schedule), ``guard`` (stability guard).
 A component absent from an older checkpoint keeps its fresh state; ``train_data`` is required.
+*Rank components* hold what one rank alone has (the driver's held rollout, ``pipeline.py``):
+their states go into that rank's own file (``rank_state/<rank>.pt``, hashed in the manifest and
+read with ``weights_only``) under their names, beside the actor's.
 """
 
 from __future__ import annotations
@@ -50,17 +53,26 @@ class Checkpointer:
         keep: int,
         is_driver: bool,
         driver_rank: int = 0,
+        rank_components: dict[str, Stateful] | None = None,
     ):
         self.root = root
         self.actor = actor
         self.components = components
+        self.rank_components = rank_components or {}
         self.verify = verify
         self.keep = keep
         self.is_driver = is_driver
         self.driver_rank = driver_rank
 
     @classmethod
-    def for_run(cls, train: TrainConfig, groups: Groups, actor: Actor, **components: Stateful):
+    def for_run(
+        cls,
+        train: TrainConfig,
+        groups: Groups,
+        actor: Actor,
+        rank_components: dict[str, Stateful] | None = None,
+        **components: Stateful,
+    ):
         """The checkpoints of a run: ``<train.output_dir>/checkpoints``, ``components`` by name."""
         return cls(
             Path(train.output_dir) / "checkpoints",
@@ -70,6 +82,7 @@ class Checkpointer:
             keep=train.keep_checkpoints,
             is_driver=groups.is_driver,
             driver_rank=groups.driver_rank,
+            rank_components=rank_components,
         )
 
     def save(self, step: int, *, param_norm: float, protect: Iterable[int] = ()) -> None:
@@ -84,12 +97,16 @@ class Checkpointer:
                 "lower optim.lr"
             )
         state = {"step": step, **{k: c.state_dict() for k, c in self.components.items()}}
+        rank_state = self.actor.rank_state()
+        for name, component in self.rank_components.items():
+            if own := component.state_dict():
+                rank_state = {**rank_state, name: own}
         checkpoint.save(
             self.root,
             iter_name(step),
             self.actor.sharded_state_dict(with_optimizer=True),
             state,
-            rank_state=self.actor.rank_state(),
+            rank_state=rank_state,
         )
         if self.is_driver:
             checkpoint.prune(self.root, keep=self.keep, protect=[iter_name(s) for s in protect])
@@ -108,7 +125,12 @@ class Checkpointer:
             return None
         path, loaded, state = found
         self.actor.load_sharded(loaded)
-        self.actor.load_rank_state(loaded.get(checkpoint.RANK_STATE))
+        rank_state = dict(loaded.get(checkpoint.RANK_STATE) or {})
+        for name, component in self.rank_components.items():
+            own = rank_state.pop(name, None)
+            if name not in skip:
+                component.load_state_dict(own)
+        self.actor.load_rank_state(rank_state or None)
         for name, component in self.components.items():
             if name in state and name not in skip:
                 component.load_state_dict(state[name])

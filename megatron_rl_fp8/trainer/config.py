@@ -230,6 +230,19 @@ class TrainConfig:
     exit_after_steps: int | None = field(
         None, help="Stop after this many steps in this process (simulates preemption in tests)."
     )
+    pipeline: Literal["sync", "one_step_off"] = field(
+        "sync",
+        help="sync = each step generates its rollout, then trains on it (on-policy). "
+        "one_step_off = the engines generate the next step's rollout from the current weights "
+        "while the trainer updates on this one's, so rollout and training overlap and every row "
+        "is one policy version old (dedicated engines only; trainer/pipeline.py, "
+        "docs/pipelining.md).",
+    )
+    max_staleness: int = field(
+        1,
+        help="Policy versions a rollout row may lag the weights it is trained from; older rows "
+        "are refused (one_step_off needs >= 1; sync rows lag 0).",
+    )
 
     def __post_init__(self):
         for name in (
@@ -243,7 +256,7 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("save_interval", "eval_interval"):
+        for name in ("save_interval", "eval_interval", "max_staleness"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_tokens_per_gpu is not None and self.max_tokens_per_gpu < 1:
@@ -252,6 +265,12 @@ class TrainConfig:
                 f"micro-batch), got {self.max_tokens_per_gpu}"
             )
         check_literals(self, "train")
+        if self.pipeline == "one_step_off" and self.max_staleness < 1:
+            raise ValueError(
+                "train.pipeline=one_step_off trains on rows one policy version old, which "
+                f"train.max_staleness={self.max_staleness} refuses; set train.max_staleness=1 "
+                "or train.pipeline=sync"
+            )
 
 
 # Severity order: when several rules fire, the strongest action is taken.

@@ -1,6 +1,7 @@
 """The RL loop: the order of the phases, each a call into the component that owns it.
 
-    rollout + reward (sampling.py)  -> GRPO/DAPO advantages (loss/)  -> batch (batch.py)
+    rollout + reward (sampling.py; pipeline.py: one_step_off generates beside the update)
+    -> GRPO/DAPO advantages (loss/)  -> batch (batch.py)
     -> old logprobs + clipped policy updates, calibrated under FP8 (update.py, calibrator.py)
     -> the stability guard (guard.py rules, guard_actions.py actions)
     -> weight sync Megatron -> HF -> engine (engine_link.py, sync/)  -> evaluation  -> metrics
@@ -20,14 +21,13 @@ import torch.distributed as dist
 from megatron_rl_fp8 import parallel
 from megatron_rl_fp8.config import RunConfig
 from megatron_rl_fp8.config_utils import to_dict
-from megatron_rl_fp8.loss import grpo_advantages
 from megatron_rl_fp8.metrics.console import StepProgress
 from megatron_rl_fp8.metrics.logger import MetricsLogger, print_rank0
 from megatron_rl_fp8.metrics.step_time import StepClock, Throughput
 from megatron_rl_fp8.models.fp8 import gather_weight_quantization_errors
 from megatron_rl_fp8.trainer import run_dir, startup
 from megatron_rl_fp8.trainer.actor import Actor
-from megatron_rl_fp8.trainer.batch import build_rl_batch, order_for_updates
+from megatron_rl_fp8.trainer.batch import rollout_batch
 from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
 from megatron_rl_fp8.trainer.checkpointer import Checkpointer, StateOf
 from megatron_rl_fp8.trainer.collectives import scatter_rows
@@ -35,6 +35,7 @@ from megatron_rl_fp8.trainer.engine_link import EngineLink
 from megatron_rl_fp8.trainer.guard import StabilityGuard
 from megatron_rl_fp8.trainer.guard_actions import GuardActions
 from megatron_rl_fp8.trainer.offload import TrainerOffload
+from megatron_rl_fp8.trainer.pipeline import RolloutPipeline
 from megatron_rl_fp8.trainer.preemption import PreemptionSignal
 from megatron_rl_fp8.trainer.reference import Reference
 from megatron_rl_fp8.trainer.sampling import Sampler
@@ -81,6 +82,7 @@ class Trainer:
         self.engine = startup.rollout_engine(cfg, self.tokenizer, actor, g, str(self.out_dir))
         self.engines = EngineLink(cfg, g, actor, self.engine, self.offload)
         self.sampler = Sampler(cfg, g, self.engine, self.tokenizer, self.train_data, self.val_data)
+        self.pipeline = RolloutPipeline(cfg, g, self.sampler, self.engines)
         self.logger = MetricsLogger(
             self.out_dir, cfg.logging, enabled=self.is_driver, run_config=to_dict(cfg)
         )
@@ -91,6 +93,7 @@ class Trainer:
             cfg.train,
             g,
             actor,
+            rank_components={"rollout": self.pipeline},
             train_data=self.train_data,
             calib=self.calibrator,
             opt_param_scheduler=lr_schedule,
@@ -175,15 +178,12 @@ class Trainer:
         its metrics (driver; ``{}`` elsewhere), or None when the guard rolled back."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        completions, rewards, rollout_stats = self.engines.generation(
-            lambda: self.sampler.rollout(self.step), release=("weights", "kv_cache")
-        )
+        completions, rewards, rollout_stats = self.pipeline.take(self.step)
+        self.pipeline.launch(self.step + 1)  # one_step_off: generated beside this update
         batch = None
         if self.is_driver:
-            n, norm = cfg.rollout.n_samples_per_prompt, cfg.loss.norm_adv_by_std
-            advantages = grpo_advantages(rewards, n, norm_std=norm)
-            rows = build_rl_batch(completions, advantages, pad_id=self.tokenizer.pad_token_id)
-            batch = order_for_updates(rows, self.groups.dp_size, cfg.train.updates_per_step)
+            lags, dp = self.pipeline.lags(completions), self.groups.dp_size
+            batch = rollout_batch(cfg, completions, rewards, lags, dp, self.tokenizer)
         self.policy_update.bf16 = self.guard.bf16(self.step)
         metrics = self.policy_update(scatter_rows(batch, self.groups), self.step)
         if self.is_driver:
@@ -191,19 +191,18 @@ class Trainer:
             if self.offload is not None:
                 metrics.update(self.offload.metrics())
         if self.guard_actions.check(self.step, metrics) == "rollback":
+            self.pipeline.drop()
             self.step = self.guard_actions.rollback(self.step, metrics)
             return None
+        self.pipeline.finish(metrics)  # no sync lands while the engines generate
         sync_time = self.engines.sync(version=self.step)
         if self.is_driver:
             metrics.update(self.guard_actions.take_pending_metrics())
             metrics["perf/sync_time_s"] = sync_time
             metrics.update(self.engines.times.metrics())
             self.throughput.add(metrics, t0)
-        if (
-            cfg.train.eval_interval
-            and self.step % cfg.train.eval_interval == 0
-            or (self.step == cfg.train.steps)
-        ):
+        every = cfg.train.eval_interval
+        if every and self.step % every == 0 or self.step == cfg.train.steps:
             t_eval = time.perf_counter()
             metrics.update(self.evaluate())
             if self.is_driver:

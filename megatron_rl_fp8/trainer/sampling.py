@@ -115,7 +115,12 @@ class Sampler:
             [rec.get("record", rec) for rec in records for _ in range(n)],
         )
 
-    def _sample_on_driver(self, step: int):
+    def sample(self, step: int):
+        """RL step ``step``'s (completions, rewards, stats) on the driver, which alone calls it:
+        every sampling round of dynamic sampling, scored. It touches only the driver's engine,
+        rewarder and dataset and makes no collective call, so it may run beside the trainer's
+        update in another thread (``trainer/pipeline.py``) while nothing else uses the engine.
+        The dataset advances past the prompts it took."""
         r, loss_cfg = self.cfg.rollout, self.cfg.loss
         n, want = r.n_samples_per_prompt, self.cfg.train.prompts_per_step
         t0 = time.perf_counter()
@@ -195,18 +200,22 @@ class Sampler:
         engines lost leaves the dataset where it was: its repeat samples the same prompts."""
         position = self.train_data.state_dict()
         try:
-            sampled = self.on_driver(lambda: self._sample_on_driver(step))
+            sampled = self.on_driver(lambda: self.sample(step))
         except RolloutLost:
             self.train_data.load_state_dict(position)
             raise
         completions, rewards, stats = sampled if sampled is not None else (None, None, {})
+        self.share_position()
+        return completions, rewards, stats
+
+    def share_position(self) -> None:
+        """Every rank's dataset at the driver's position. Collective."""
         data_state = broadcast_object(
             self.train_data.state_dict() if self.groups.is_driver else None,
             self.groups.driver_rank,
         )
         if not self.groups.is_driver:
             self.train_data.load_state_dict(data_state)
-        return completions, rewards, stats
 
     def evaluate(self) -> dict:
         """Greedy decoding of ``train.eval_prompts`` held-out prompts: the scores on the driver,

@@ -32,7 +32,7 @@ from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
 from megatron_rl_fp8.trainer.reference import Reference
-from megatron_rl_fp8.trainer.update_metrics import TokenStats, account, reduce
+from megatron_rl_fp8.trainer.update_metrics import BY_LAG, TokenStats, account, reduce
 
 
 def global_loss_counts(local: dict, *, agg: str, updates: int, groups) -> list[float]:
@@ -122,9 +122,18 @@ class PolicyUpdate:
         acc.add("train/entropy", (old["entropy"] * mask).sum())
         acc.add("fp8/logprob_abs_diff", diff.abs().sum())
         # NeMo RL's metric: mean of exp(|logp_rollout - logp_train|); 1.0 = identical.
-        acc.add("fp8/token_mult_prob_error", (torch.exp(diff.abs()) * mask).sum())
+        mult = torch.exp(diff.abs())
+        acc.add("fp8/token_mult_prob_error", (mult * mask).sum())
         # KL(rollout || train) from rollout samples, k3 estimator (>= 0, low variance).
-        acc.add("fp8/rollout_train_kl", ((torch.exp(-diff) - 1 + diff) * mask).sum())
+        k3 = torch.exp(-diff) - 1 + diff
+        acc.add("fp8/rollout_train_kl", (k3 * mask).sum())
+        if "policy_lag" in local:  # the same, per policy-version lag of the rows (pipeline.py)
+            lag = local["policy_lag"].unsqueeze(-1)
+            for n in range(self.cfg.train.max_staleness + 1):  # the same keys on every rank
+                at = mask * lag.eq(n)
+                acc.add(f"{BY_LAG}{n}/tokens", at.sum())
+                acc.add(f"{BY_LAG}{n}/token_mult_prob_error", (mult * at).sum())
+                acc.add(f"{BY_LAG}{n}/rollout_train_kl", (k3 * at).sum())
         return shadow_time
 
     def ref_logprobs(self, local: dict) -> None:

@@ -27,6 +27,9 @@ NEGATIVE_SHARE, POSITIVE_SHARE = "pg_clipfrac_neg_lower", "pg_clipfrac_pos_upper
 # The accumulator's token counts: every response token, and those of each advantage sign.
 TOKENS, NEG_TOKENS, POS_TOKENS = "pg_tokens", "pg_tokens_neg", "pg_tokens_pos"
 _SIDE = {NEGATIVE_SHARE: NEG_TOKENS, POSITIVE_SHARE: POS_TOKENS}
+# The rollout-vs-train mismatch of the rows of one policy-version lag: "<BY_LAG><lag>/<name>",
+# over "<BY_LAG><lag>/tokens"; reported as fp8/<name>_lag<lag> for the lags present.
+BY_LAG = "by_lag/"
 
 
 @dataclasses.dataclass
@@ -89,6 +92,19 @@ def account(outs: list[dict], acc: MetricAccumulator, applied: bool) -> None:
         acc.add(POS_TOKENS, s.pos_tokens)
 
 
+def _by_lag(total: dict) -> dict:
+    """Takes the per-lag sums out of ``total``; their means for the lags that have tokens."""
+    out = {}
+    for key in [k for k in total if k.startswith(BY_LAG) and k.endswith("/tokens")]:
+        lag = key.removeprefix(BY_LAG).removesuffix("/tokens")
+        tokens = total.pop(key)
+        for name in ("token_mult_prob_error", "rollout_train_kl"):
+            value = total.pop(f"{BY_LAG}{lag}/{name}")
+            if tokens > 0:
+                out[f"fp8/{name}_lag{lag}"] = value / tokens
+    return out
+
+
 def reduce(acc: MetricAccumulator, groups: Groups, updates_per_step: int) -> dict:
     """Sum over DP x CP on the last stage, divide into means, hand the result to the driver
     (``{}`` elsewhere). Collective."""
@@ -105,6 +121,7 @@ def reduce(acc: MetricAccumulator, groups: Groups, updates_per_step: int) -> dic
         pg_n = max(total.pop(TOKENS, 0.0), 1.0)
         side_n = {key: max(total.pop(count, 0.0), 1.0) for key, count in _SIDE.items()}
         result = {"perf/useful_tokens": total.pop("useful_tokens", 0.0)}
+        result.update(_by_lag(total))
         if "ratio_hist" in totals.vectors:
             stats = ratio_stats(totals.vectors["ratio_hist"])
             result.update({"train/" + k: v for k, v in stats.items()})

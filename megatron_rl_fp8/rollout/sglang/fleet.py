@@ -307,7 +307,10 @@ class SGLangFleet(ServerPool):
                 f"{self.work_dir}"
             )
         self._engines_used = sum(b > a for a, b in zip(before, self.request_counts()))
-        return [done[i] for i in range(len(rows))]
+        completions = [done[i] for i in range(len(rows))]
+        for c in completions:  # every engine that answered serves this version (no sync ran)
+            c.version = self._version
+        return completions
 
     def _target(self) -> str:
         if self.router.url:
