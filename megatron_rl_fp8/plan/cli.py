@@ -1,11 +1,13 @@
 """``megatron-rl-fp8 plan CONFIG [--gpus-per-node 8] [--nodes N] [section.key=value ...]``: the
 per-GPU memory of a run, whether its layout fits, and the layouts of the same GPUs that would
 (docs/plan.md explains the table). ``--time`` adds the predicted seconds per phase of one step
-for BF16, FP8 rollout and full FP8 (``plan/time.py``; docs/scaling.md)."""
+for BF16, FP8 rollout and full FP8 (``plan/time.py``; docs/scaling.md), the pipelined step of
+``train.pipeline=one_step_off`` included (compare with the override ``train.pipeline=sync``)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -30,7 +32,12 @@ SHAPE_FIELDS = (
 def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("config", help="YAML config of the run.")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides.")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="section.key=value overrides, e.g. train.pipeline=one_step_off or "
+        "train.pipeline=sync to compare the pipelined and the synchronous step under --time.",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8).")
     p.add_argument("--nodes", type=int, default=1, help="Nodes (default 1).")
     p.add_argument(
@@ -54,7 +61,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--time",
         action="store_true",
-        help="Also print the step-time model: seconds per phase for bf16, fp8-rollout and fp8.",
+        help="Also print the step-time model: seconds per phase for bf16, fp8-rollout and fp8; "
+        "with train.pipeline=one_step_off the overlapped step, its bottleneck and both sides' "
+        "waits.",
     )
     p.add_argument(
         "--fill",
@@ -142,22 +151,54 @@ def format_alternatives(fits: list[Estimate], top: int) -> str:
     return "\n".join(lines)
 
 
-def format_time(preds: list, gpu_name: str) -> str:
-    """The ``--time`` table: one column per precision, seconds per phase."""
-    from megatron_rl_fp8.plan.time import PHASES
+TIME_LABELS = {
+    "rollout": "rollout (generation)",
+    "shadow": "BF16 shadow (amortised)",
+    "checkpoint": "checkpoint (amortised)",
+}
 
-    labels = {
-        "rollout": "rollout (generation)",
-        "shadow": "BF16 shadow (amortised)",
-        "checkpoint": "checkpoint (amortised)",
-    }
+
+def _row(label: str, values, fmt: str = "13.2f") -> str:
+    return f"  {label:<32}" + "".join(f"{v:{fmt}}" for v in values)
+
+
+def format_time(preds: list, gpu_name: str) -> str:
+    """The ``--time`` table: one column per precision, seconds per phase; a ``one_step_off``
+    run's phases grouped by the side that does them, which overlap."""
+    from megatron_rl_fp8.plan.time import IN_TURN, PHASES, ROLLOUT_SIDE, TRAINER_SIDE
+
     head = "".join(f"{p.precision:>13}" for p in preds)
     lines = [f"{'seconds per step (' + gpu_name + ')':<34}{head}"]
-    for phase in PHASES:
-        cells = "".join(f"{p.phases[phase]:13.2f}" for p in preds)
-        lines.append(f"  {labels.get(phase, phase):<32}{cells}")
-    lines.append(f"  {'step':<32}" + "".join(f"{p.step_s:13.2f}" for p in preds))
-    lines.append(f"  {'tokens/s':<32}" + "".join(f"{p.tokens_per_s:13.0f}" for p in preds))
+    if preds[0].pipeline == "sync":
+        for phase in PHASES:
+            lines.append(_row(TIME_LABELS.get(phase, phase), [p.phases[phase] for p in preds]))
+        lines.append(_row("step", [p.step_s for p in preds]))
+    else:
+        groups = (
+            ("engines, overlapping the trainer:", ROLLOUT_SIDE, "rollout side", "rollout_side_s"),
+            ("trainer, overlapping the engines:", TRAINER_SIDE, "trainer side", "trainer_side_s"),
+        )
+        for title, phases, total, attr in groups:
+            lines.append(f"  {title}")
+            for phase in phases:
+                label = "  " + TIME_LABELS.get(phase, phase)
+                lines.append(_row(label, [p.phases[phase] for p in preds]))
+            lines.append(_row(f"  = {total}", [getattr(p, attr) for p in preds]))
+        lines.append("  then in turn (nothing overlaps):")
+        for phase in IN_TURN:
+            lines.append(
+                _row("  " + TIME_LABELS.get(phase, phase), [p.phases[phase] for p in preds])
+            )
+        lines.append(_row("step: max(sides) + sync + ckpt", [p.step_s for p in preds]))
+        lines.append(f"  {'bottleneck':<32}" + "".join(f"{p.bottleneck:>13}" for p in preds))
+        lines.append(_row("trainer waits for the rollout", [p.trainer_wait_s for p in preds]))
+        lines.append(_row("engines wait for the trainer", [p.engine_wait_s for p in preds]))
+        lines.append(_row("sync step (sum of the phases)", [p.sync_step_s for p in preds]))
+        lines.append(
+            f"  {'speed-up vs sync':<32}"
+            + "".join(f"{p.sync_step_s / p.step_s:12.2f}x" for p in preds)
+        )
+    lines.append(_row("tokens/s", [p.tokens_per_s for p in preds], "13.0f"))
     base = preds[0].step_s
     lines.append(
         f"  {'speed-up vs ' + preds[0].precision:<32}"
@@ -183,6 +224,20 @@ def run_time(cfg, world: World, gpu, fill: float, spec: str) -> str:
         f"{d['rollout/decode_steps']:.0f} steps at {d['rollout/concurrent_per_engine']:.0f} "
         "sequences per engine (fp8)",
     ]
+    if cfg.train.pipeline == "one_step_off":
+        notes.append(
+            "train.pipeline=one_step_off: the engines generate the next step's rollout while the "
+            "trainer updates on this one's (rows one policy version old); steady state, the "
+            "first step's rollout not overlapped; the override train.pipeline=sync prints the "
+            "synchronous step"
+        )
+    elif cfg.rollout.placement == "dedicated":
+        pipelined = [dataclasses.replace(p, pipeline="one_step_off").step_s for p in preds]
+        notes.append(
+            "train.pipeline=one_step_off would overlap rollout with training: "
+            + " / ".join(f"{s:.2f}" for s in pipelined)
+            + f" s per step ({' / '.join(PRECISIONS)})"
+        )
     return "\n".join([format_time(preds, gpu.name), *(f"  note: {n}" for n in notes)])
 
 

@@ -1,4 +1,4 @@
-"""Step-time model: what one synchronous RL step costs, phase by phase, from the config alone.
+"""Step-time model: what one RL step costs, phase by phase, from the config alone.
 
 A pure function of the resolved ``RunConfig``, the world and a GPU parameter set
 (``plan/hardware.py``): no torch, no torch.distributed, no GPU. It shares the memory planner's
@@ -34,6 +34,18 @@ launches; everything not a linear GEMM) at a per-FLOP cost fitted to the measure
 step, so that the model reproduces that step. FP8 training divides only the GEMM part, by the
 measured fwd + bwd ratio of FP8 linear blocks. Pipeline bubbles multiply the compute by
 ``1 + (PP - 1) / micro-batches``.
+
+The step: with ``train.pipeline=sync`` the phases run in turn, and the step is their sum. With
+``one_step_off`` (dedicated engines only; ``RunConfig.validate`` refuses colocated ones) the
+engines generate and score step k+1's rollout from the weights of the start of step k while the
+trainer does step k's old logprobs, shadow and update; then the weights are synced (neither side
+works) and the checkpoint is written as in a synchronous step::
+
+    step = max(rollout + reward, old_logprobs + shadow + update) + sync + checkpoint
+
+The phases keep their seconds (each side's work); the shorter side waits for the longer, and
+:class:`Prediction` reports both waits. Steady state: the first step's rollout, which nothing
+overlaps, is left out.
 """
 
 from __future__ import annotations
@@ -54,7 +66,13 @@ if TYPE_CHECKING:
 
 Precision = Literal["bf16", "fp8-rollout", "fp8"]
 PRECISIONS: tuple[Precision, ...] = ("bf16", "fp8-rollout", "fp8")
+Pipeline = Literal["sync", "one_step_off"]  # train.pipeline
 PHASES = ("rollout", "reward", "old_logprobs", "shadow", "update", "sync", "checkpoint")
+ROLLOUT_SIDE = ("rollout", "reward")
+"""The engines' phases: under ``one_step_off`` they overlap :data:`TRAINER_SIDE`."""
+TRAINER_SIDE = ("old_logprobs", "shadow", "update")
+IN_TURN = ("sync", "checkpoint")
+"""Phases that overlap nothing under either pipeline."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -209,7 +227,9 @@ class Fleet:
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
-    """Seconds per phase (amortised where a phase is not every step) and what they came from."""
+    """Seconds per phase (amortised where a phase is not every step) and what they came from.
+    ``phases`` is each phase's work; ``step_s`` is the step under ``pipeline`` (``train.pipeline``;
+    the module docstring has both formulas)."""
 
     precision: Precision
     phases: dict[str, float]
@@ -217,10 +237,52 @@ class Prediction:
     memory: Estimate
     tokens: float  # prompt + response tokens per step
     gpus: int  # trainer GPUs + dedicated engine GPUs
+    pipeline: Pipeline = "sync"
+
+    @property
+    def rollout_side_s(self) -> float:
+        """The engines' work in a step: generation and reward scoring."""
+        return sum(self.phases[p] for p in ROLLOUT_SIDE)
+
+    @property
+    def trainer_side_s(self) -> float:
+        """The trainer's work in a step: old logprobs, BF16 shadow and update."""
+        return sum(self.phases[p] for p in TRAINER_SIDE)
+
+    @property
+    def sync_step_s(self) -> float:
+        """The synchronous step: every phase in turn, whatever ``pipeline`` is."""
+        return sum(self.phases.values())
 
     @property
     def step_s(self) -> float:
-        return sum(self.phases.values())
+        if self.pipeline == "sync":
+            return self.sync_step_s
+        overlapped = max(self.rollout_side_s, self.trainer_side_s)
+        return overlapped + sum(self.phases[p] for p in IN_TURN)
+
+    @property
+    def bottleneck(self) -> Literal["rollout", "trainer"] | None:
+        """The longer side of a ``one_step_off`` step (the trainer on a tie); None in sync."""
+        if self.pipeline == "sync":
+            return None
+        return "rollout" if self.rollout_side_s > self.trainer_side_s else "trainer"
+
+    @property
+    def trainer_wait_s(self) -> float:
+        """``one_step_off``: seconds the trainer waits, its update done, for the next rollout.
+        0 in sync, where nothing overlaps (the rollout is a phase of the step)."""
+        if self.pipeline == "sync":
+            return 0.0
+        return max(0.0, self.rollout_side_s - self.trainer_side_s)
+
+    @property
+    def engine_wait_s(self) -> float:
+        """``one_step_off``: seconds the engines sit idle, their rollout done, until the trainer
+        finishes its update and syncs. 0 in sync."""
+        if self.pipeline == "sync":
+            return 0.0
+        return max(0.0, self.trainer_side_s - self.rollout_side_s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -338,7 +400,8 @@ def predict(
     (both; the trainer's recipe is ``recipe`` or ``fp8.recipe``, blockwise if that is bf16).
     ``fill``: mean response length / ``rollout.max_new_tokens``. Memory is the planner's
     :func:`~megatron_rl_fp8.plan.memory.estimate` for the same layout and ``spec``, with the
-    trainer's FP8 as ``precision`` has it (its FP8 weight copies only under ``fp8``)."""
+    trainer's FP8 as ``precision`` has it (its FP8 weight copies only under ``fp8``). The step
+    is ``train.pipeline``'s (:class:`Prediction`)."""
     if precision not in PRECISIONS:
         raise ConfigError(f"--precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
     if not 0 < fill <= 1:
@@ -355,6 +418,12 @@ def predict(
         raise ConfigError(
             f"rollout.sglang.num_engines ({fleet.engines}) x tp_size ({fleet.tp}) colocated "
             f"engines need more than the {world.size} trainer GPUs"
+        )
+    if t.pipeline == "one_step_off" and fleet.placement == "colocated":
+        # RunConfig.validate refuses the config; this catches a colocated ``fleet`` argument.
+        raise ConfigError(
+            "train.pipeline=one_step_off overlaps generation with training, which colocated "
+            "engines cannot: give dedicated engines or train.pipeline=sync"
         )
     speed = eff.fp8_speedup(recipe) if fp8_train else 1.0
 
@@ -443,4 +512,5 @@ def predict(
     phases["checkpoint"] = ckpt / max(1, interval)
 
     dedicated = fleet.engines * fleet.tp if fleet.placement == "dedicated" else 0
-    return Prediction(precision, phases, detail, memory, tokens, world.size + dedicated)
+    gpus = world.size + dedicated
+    return Prediction(precision, phases, detail, memory, tokens, gpus, pipeline=t.pipeline)
