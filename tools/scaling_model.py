@@ -7,7 +7,9 @@ its first), colocated SGLang engines of the smallest TP whose BF16 weights take 
 their memory share, as many as the launcher accepts (:func:`engine_overrides`); then BF16, FP8
 rollout and full FP8 (blockwise, shadow every 20 steps) per phase. Also the batch sweep (where
 FP8 stops paying), the training-phase speed-up per recipe (the paper's "up to 1.5x" against end
-to end), and the validation against the measured H200 actor steps of docs/gpu.md.
+to end), the one-step-off pipelined step on dedicated engine nodes against the synchronous one
+(:func:`dedicated_config`), and the validation against the measured H200 actor steps of
+docs/gpu.md.
 
     python tools/scaling_model.py                    # rewrites the tables in docs/scaling.md
     python tools/scaling_model.py --print            # prints them instead
@@ -62,6 +64,14 @@ WORKLOAD = [
 ]
 FILL = 0.5  # mean response = half of max_new_tokens (ASSUMPTION; docs/scaling.md)
 MEM_FRACTION = 0.35  # the engines' share of each GPU (the 32B example's)
+DEDICATED_MEM_FRACTION = 0.85  # a dedicated engine's share: Fleet.from_config's default there
+TRAINER_START = [  # the planner picks the layout (plan.alternatives); these start its search
+    "parallel.tensor_model_parallel_size=1",
+    "parallel.sequence_parallel=false",
+    "parallel.use_distributed_optimizer=true",
+]
+PIPELINE_GPU = "H200"
+PIPELINE_NODES = ((1, 1), (2, 1), (4, 1), (8, 2))  # (trainer nodes, dedicated engine nodes)
 NODES = (1, 2, 4, 8)
 GPUS_PER_NODE = World.gpus_per_node  # the planner's node (8 GPUs), the tables' and the launcher's
 TABLE_GPUS = ("H100", "H200")
@@ -81,11 +91,11 @@ class Case:
     why: str = ""
 
 
-def engine_tp(cfg, gpu) -> int:
+def engine_tp(cfg, gpu, share: float = MEM_FRACTION) -> int:
     """Smallest power of two whose BF16 weights per GPU take at most half the engine's share."""
     weights = 2 * stage_params(cfg.model, 1, 1, 0)
     k = 1
-    while weights / k > 0.5 * MEM_FRACTION * gpu.memory_gb * GB and k < 8:
+    while weights / k > 0.5 * share * gpu.memory_gb * GB and k < 8:
         k *= 2
     return k
 
@@ -212,6 +222,80 @@ def recipe_table(preset: str, gpu: str, nodes: int) -> str:
     return "\n".join(out)
 
 
+def dedicated_config(preset: str, gpu: str, nodes: int, engine_nodes: int):
+    """The workload with the preset's shape on ``nodes`` trainer nodes, pipelined one step off
+    (``train.pipeline=one_step_off``), and ``engine_nodes`` nodes of dedicated engines: every GPU,
+    TP the smallest power of two whose BF16 weights take at most half of
+    ``DEDICATED_MEM_FRACTION``. Checked by the launcher's placement with TRAIN_NODES=nodes."""
+    from megatron_rl_fp8.launch.layout import plan_layout
+    from megatron_rl_fp8.launch.slurm import SlurmEnv
+
+    fixed = [*WORKLOAD, *preset_overrides(preset)]
+    k = engine_tp(load_config(EXAMPLE, fixed), GPUS[gpu], DEDICATED_MEM_FRACTION)
+    cfg = load_config(
+        EXAMPLE,
+        [
+            *fixed,
+            "rollout.placement=dedicated",
+            f"rollout.sglang.tp_size={k}",
+            f"rollout.sglang.num_engines={engine_nodes * GPUS_PER_NODE // k}",
+            "rollout.sglang.transport=distributed",
+            "rollout.sglang.base_gpu_id=null",
+            f"rollout.sglang.mem_fraction_static={DEDICATED_MEM_FRACTION}",
+            "train.pipeline=one_step_off",
+            *TRAINER_START,
+        ],
+    )
+    names = tuple(f"node{i + 1}" for i in range(nodes + engine_nodes))
+    env = SlurmEnv(nodes=names, gpus_per_node=GPUS_PER_NODE, job_id=0)
+    plan_layout(cfg, env, train_nodes=nodes)  # ConfigError if refused
+    return cfg
+
+
+def make_pipelined_case(preset: str, gpu_name: str, nodes: int, engine_nodes: int) -> Case:
+    """:func:`make_case` for :func:`dedicated_config`: the planner's first layout on the trainer
+    nodes, every precision predicted one step off (``Prediction.sync_step_s`` is the same run
+    synchronous: the phases do not depend on the pipeline)."""
+    gpu = GPUS[gpu_name]
+    w = World(nodes=nodes, gpu_memory_gb=gpu.memory_gb)
+    cfg = dedicated_config(preset, gpu_name, nodes, engine_nodes)
+    fits = alternatives(cfg, w, spec="te", logits=CHUNKED_LOGPROBS)
+    if not fits:
+        return Case(preset, gpu_name, nodes, None, None, {}, "no layout fits")
+    lay = fits[0].layout
+    fleet = Fleet.from_config(cfg)
+    preds = {p: predict(cfg, w, gpu, p, layout=lay, fleet=fleet, fill=FILL) for p in PRECISIONS}
+    return Case(preset, gpu_name, nodes, lay, fleet, preds)
+
+
+def pipeline_table(cases: list[tuple[int, Case]]) -> str:
+    """Per preset and scale: the synchronous and the one-step-off step per precision, and which
+    side is longer with the other side's wait (R: the rollout, the trainer waits; T: the
+    trainer, the engines wait)."""
+    head = " | ".join(f"{p}: sync / pipelined s" for p in PRECISIONS)
+    out = [
+        f"| preset | nodes: trainer + engines | layout (engines) | {head} | longer side, the "
+        "other's wait s |",
+        "|---|---|---|" + "---:|" * len(PRECISIONS) + "---|",
+    ]
+    for engine_nodes, c in cases:
+        where = f"{c.nodes} + {engine_nodes} x 8 {c.gpu}"
+        if not c.preds:
+            out.append(f"| {c.preset} | {where} | {c.why} |" + " |" * (len(PRECISIONS) + 1))
+            continue
+        cells = " | ".join(
+            f"{q.sync_step_s:.1f} / {q.step_s:.1f} ({q.sync_step_s / q.step_s:.2f}x)"
+            for q in c.preds.values()
+        )
+        waits = " / ".join(
+            f"{q.bottleneck[0].upper()} {max(q.trainer_wait_s, q.engine_wait_s):.1f}"
+            for q in c.preds.values()
+        )
+        lay = f"{short_layout(c.layout)} ({c.fleet.engines} x TP{c.fleet.tp})"
+        out.append(f"| {c.preset} | {where} | {lay} | {cells} | {waits} |")
+    return "\n".join(out)
+
+
 def engine_overrides(cfg, gpu, nodes: int) -> list[str]:
     """The most colocated engines `megatron-rl-fp8 launch` accepts on ``nodes`` nodes.
     One node: every GPU (``transport=tensor``, CUDA IPC from the sending ranks on that node).
@@ -250,9 +334,7 @@ def case_config(preset: str, gpu: str, nodes: int, extra: list[str] = ()):
             *fixed,
             *engines,
             f"rollout.sglang.mem_fraction_static={MEM_FRACTION}",
-            "parallel.tensor_model_parallel_size=1",
-            "parallel.sequence_parallel=false",
-            "parallel.use_distributed_optimizer=true",
+            *TRAINER_START,
         ],
     )
     names = tuple(f"node{i + 1}" for i in range(nodes))
@@ -413,6 +495,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cases = [make_case(p, g, n) for p in PRESETS for g in TABLE_GPUS for n in NODES]
     sweeps = {k: batch_sweep(*k) for k in (("qwen3-8b", "H200", 1), ("qwen3-32b", "H200", 2))}
+    pipelined = [
+        (e, make_pipelined_case(p, PIPELINE_GPU, n, e)) for p in PRESETS for n, e in PIPELINE_NODES
+    ]
     text = "\n\n".join(
         [
             "## Tables (generated)",
@@ -426,6 +511,14 @@ def main(argv=None) -> int:
             sweep_table(sweeps),
             "### Training phase vs end to end, per recipe (qwen3-8b, 1 x 8 H200)",
             recipe_table("qwen3-8b", "H200", 1),
+            "### Pipelined (one-step off-policy) steps, dedicated engines",
+            "The same workload with `train.pipeline=one_step_off` and engine nodes of their own "
+            f"(every GPU, {DEDICATED_MEM_FRACTION:g} of each; `dedicated_config`): sync s = "
+            "every phase in turn, pipelined s = max(rollout + reward, old logprobs + shadow + "
+            "update) + sync + checkpoint, and their ratio. Longer side: R = rollout + reward (the "
+            "trainer waits that many seconds), T = the trainer (the engines wait), per precision "
+            "in the columns' order. Predicted, not measured.",
+            pipeline_table(pipelined),
             "### Validation: the trainer part against measured H200 steps",
             validation_table(),
         ]

@@ -20,7 +20,7 @@ from pathlib import Path
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.metrics.figures import FIGURES, Panel, has_data, render_figure, resolve_panel
 from megatron_rl_fp8.metrics.runs import Run, finite_number, load_runs, precision
-from megatron_rl_fp8.metrics.step_time import OTHER, PARTS, PHASES, STEP
+from megatron_rl_fp8.metrics.step_time import BESIDE, OTHER, PARTS, PHASES, STEP
 
 LAST_N_REWARD = 5  # the "final" training reward is the mean of this many last steps
 
@@ -78,6 +78,7 @@ def step_time_breakdown(run: Run) -> dict[str, tuple[float, float]] | None:
     total = sum(finite_number(r[STEP]) for r in rows)
     keys = [key for _, key in PHASES]
     keys += [key for _, parent in PHASES for _, key in _breakdown_rows(parent, "")]
+    keys += [key for _, key in BESIDE]
     out = {}
     for key in keys:
         values = [finite_number(r.get(key)) for r in rows]
@@ -103,7 +104,7 @@ def _breakdown_table(runs: list[Run]) -> list[str]:
     for label, key in PHASES:
         ordered.append((label, key))
         ordered += list(_breakdown_rows(key, label))
-    ordered += [("other", OTHER), ("step", STEP)]
+    ordered += [("other", OTHER), ("step", STEP), *BESIDE]
     for label, key in ordered:
         if not any(key in tables[run.label] for run in shown):
             continue

@@ -56,6 +56,14 @@ PARTS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 
+# Pipelined steps (train.pipeline=one_step_off): the next step's rollout in a driver thread,
+# beside the phases above, not one of them (under it perf/rollout_time_s is the trainer's wait).
+BESIDE: tuple[tuple[str, str], ...] = (
+    ("rollout beside the trainer (pipelined)", "perf/pipeline/rollout_time_s"),
+    ("of it, overlapping the trainer's work", "perf/pipeline/overlap_time_s"),
+    ("engines waiting for the trainer", "perf/pipeline/engine_idle_time_s"),
+)
+
 AMORTISED_KEYS = (STEP, *(key for _, key in PHASES), OTHER)
 
 

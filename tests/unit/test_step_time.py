@@ -162,3 +162,31 @@ def test_report_breakdown_means_shares_and_other(tmp_path):
     # Without any step time there is no table.
     bare = _run(tmp_path, "bare", [{"step": 1, "rollout/reward_mean": 0.5}])
     assert "Step-time breakdown" not in write_report([bare], tmp_path / "out2").read_text()
+
+
+def test_a_pipelined_run_shows_the_rollout_beside_the_trainer(tmp_path):
+    # Under one_step_off the rollout phase is the trainer's wait; the rollout itself ran beside.
+    records = [
+        {
+            "step": s,
+            STEP: 10.0,
+            "perf/rollout_time_s": 1.0,
+            "perf/update_time_s": 8.0,
+            "perf/pipeline/rollout_time_s": 9.0,
+            "perf/pipeline/overlap_time_s": 8.0,
+            "perf/pipeline/engine_idle_time_s": 0.0,
+        }
+        for s in (1, 2)
+    ]
+    run = _run(tmp_path, "piped", records)
+    table = step_time_breakdown(load_runs([run])[0])
+    assert table[OTHER] == pytest.approx((1.0, 0.1))  # the rollout beside is not a phase
+    report = write_report([run], tmp_path / "out").read_text()
+    section = report.split("## Step-time breakdown")[1].split("##")[0]
+    beside = (
+        "| rollout beside the trainer (pipelined) | `perf/pipeline/rollout_time_s` | 9 s (90.0%) |"
+    )
+    assert beside in section
+    assert (
+        "| of it, overlapping the trainer's work | `perf/pipeline/overlap_time_s` | 8 s" in section
+    )
