@@ -237,3 +237,129 @@ def test_scaling_tables_engines_are_what_the_launcher_accepts(
     cfg.rollout = dataclasses.replace(cfg.rollout, sglang=more)
     with pytest.raises(ConfigError):
         plan_layout(cfg, env)
+
+
+def _scaling_model():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import scaling_model
+    finally:
+        sys.path.remove(str(TOOLS))
+    return scaling_model
+
+
+DEDICATED = ("rollout.placement=dedicated", "rollout.sglang.transport=distributed")
+
+
+def test_pipelined_step_by_hand():
+    """max(rollout + reward, old logprobs + shadow + update) + sync + checkpoint, and the waits."""
+    real = predict(config(1, 64, *DEDICATED), world(), GPUS["H200"], "bf16")
+    phases = dict(
+        rollout=30.0, reward=2.0, old_logprobs=5.0, shadow=1.0, update=20.0, sync=0.5,
+        checkpoint=0.25,
+    )  # fmt: skip
+    sync = dataclasses.replace(real, phases=phases)
+    assert sync.pipeline == "sync"
+    assert sync.step_s == sync.sync_step_s == 58.75
+    assert (sync.bottleneck, sync.trainer_wait_s, sync.engine_wait_s) == (None, 0.0, 0.0)
+
+    rollout_bound = dataclasses.replace(sync, pipeline="one_step_off")
+    assert (rollout_bound.rollout_side_s, rollout_bound.trainer_side_s) == (32.0, 26.0)
+    assert rollout_bound.step_s == 32.0 + 0.5 + 0.25
+    assert rollout_bound.sync_step_s == 58.75
+    assert rollout_bound.bottleneck == "rollout"
+    assert (rollout_bound.trainer_wait_s, rollout_bound.engine_wait_s) == (6.0, 0.0)
+
+    trainer_bound = dataclasses.replace(rollout_bound, phases={**phases, "update": 40.0})
+    assert trainer_bound.step_s == 46.0 + 0.75
+    assert trainer_bound.bottleneck == "trainer"
+    assert (trainer_bound.trainer_wait_s, trainer_bound.engine_wait_s) == (0.0, 14.0)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8-rollout", "fp8"])
+@pytest.mark.parametrize("engines, longer", [(4, "trainer"), (1, "rollout")])
+def test_one_step_off_keeps_the_phases_and_overlaps_the_two_sides(precision, engines, longer):
+    """Four TP 2 engines: the trainer side is the longer (the engines wait); one: the rollout."""
+    w, gpu = world(), GPUS["H200"]
+    run = ("model.hf_checkpoint=null", *DEDICATED, f"rollout.sglang.num_engines={engines}")
+    sync = predict(load_config(EXAMPLE, list(run)), w, gpu, precision)
+    piped = predict(load_config(EXAMPLE, [*run, "train.pipeline=one_step_off"]), w, gpu, precision)
+    assert piped.pipeline == "one_step_off" and sync.pipeline == "sync"
+    assert piped.phases == sync.phases  # each side's work does not change
+    p = piped.phases
+    rollout, trainer = p["rollout"] + p["reward"], p["old_logprobs"] + p["shadow"] + p["update"]
+    assert piped.step_s == pytest.approx(max(rollout, trainer) + p["sync"] + p["checkpoint"])
+    assert piped.sync_step_s == pytest.approx(sync.step_s)
+    assert sync.step_s == pytest.approx(sum(p.values()))  # sync: the sum, as before
+    assert sync.bottleneck is None and sync.trainer_wait_s == sync.engine_wait_s == 0.0
+    assert piped.bottleneck == longer
+    waits = {"trainer": piped.engine_wait_s, "rollout": piped.trainer_wait_s}
+    assert waits.pop(longer) == pytest.approx(abs(rollout - trainer))
+    assert waits.popitem()[1] == 0.0
+    assert piped.step_s < sync.step_s
+    assert piped.tokens_per_s == pytest.approx(piped.tokens / piped.step_s)
+
+
+def test_one_step_off_with_colocated_engines_is_refused():
+    """RunConfig.validate refuses the config; predict refuses a colocated ``fleet`` argument."""
+    from megatron_rl_fp8.plan.time import Fleet
+
+    cfg = config(1, 64, *DEDICATED, "train.pipeline=one_step_off")
+    fleet = dataclasses.replace(Fleet.from_config(cfg), placement="colocated")
+    with pytest.raises(ConfigError, match="train.pipeline=one_step_off"):
+        predict(cfg, world(), GPUS["H200"], "bf16", fleet=fleet)
+
+
+def test_cli_plan_time_one_step_off(capsys):
+    base = ["plan", str(EXAMPLE), "--time", "--gpu", "H200", "--top", "0", *DEDICATED]
+    assert cli.main([*base, "train.pipeline=one_step_off"]) == 0
+    out = capsys.readouterr().out
+    for words in (
+        "engines, overlapping the trainer:",
+        "trainer, overlapping the engines:",
+        "then in turn (nothing overlaps):",
+        "step: max(sides) + sync + ckpt",
+        "bottleneck",
+        "trainer waits for the rollout",
+        "engines wait for the trainer",
+        "sync step (sum of the phases)",
+        "speed-up vs sync",
+    ):
+        assert words in out
+    # The synchronous table of a dedicated run says what pipelining would give.
+    assert cli.main([*base, "train.pipeline=sync"]) == 0
+    out = capsys.readouterr().out
+    assert "trainer waits" not in out
+    assert "note: train.pipeline=one_step_off would overlap rollout with training" in out
+
+
+def test_cli_plan_one_step_off_colocated_is_the_configs_one_line(capsys):
+    # The example's engines are colocated: RunConfig.validate refuses the pair.
+    args = ["plan", str(EXAMPLE), "--time", "train.pipeline=one_step_off"]
+    assert cli.main(args) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "train.pipeline=one_step_off" in line and "rollout.placement=dedicated" in line
+
+
+@pytest.mark.parametrize(
+    "preset, nodes, engine_nodes, engines, tp",
+    [("qwen3-8b", 1, 1, 8, 1), ("qwen3-14b", 8, 2, 16, 1), ("qwen3-32b", 2, 1, 4, 2)],
+)
+def test_scaling_pipelined_cases_are_dedicated_and_one_step_off(
+    preset, nodes, engine_nodes, engines, tp
+):
+    cfg = _scaling_model().dedicated_config(preset, "H200", nodes, engine_nodes)
+    sg = cfg.rollout.sglang
+    assert (cfg.rollout.placement, cfg.train.pipeline) == ("dedicated", "one_step_off")
+    assert (sg.num_engines, sg.tp_size) == (engines, tp)
+
+
+def test_scaling_doc_pipelined_table_is_up_to_date():
+    """docs/scaling.md's pipelined table is what `python tools/scaling_model.py` prints now."""
+    sm = _scaling_model()
+    cases = [
+        (e, sm.make_pipelined_case(p, sm.PIPELINE_GPU, n, e))
+        for p in PRESETS
+        for n, e in sm.PIPELINE_NODES
+    ]
+    assert sm.pipeline_table(cases) in sm.DOC.read_text(), "run python tools/scaling_model.py"
