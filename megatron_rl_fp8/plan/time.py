@@ -35,17 +35,9 @@ step, so that the model reproduces that step. FP8 training divides only the GEMM
 measured fwd + bwd ratio of FP8 linear blocks. Pipeline bubbles multiply the compute by
 ``1 + (PP - 1) / micro-batches``.
 
-The step: with ``train.pipeline=sync`` the phases run in turn, and the step is their sum. With
-``one_step_off`` (dedicated engines only; ``RunConfig.validate`` refuses colocated ones) the
-engines generate and score step k+1's rollout from the weights of the start of step k while the
-trainer does step k's old logprobs, shadow and update; then the weights are synced (neither side
-works) and the checkpoint is written as in a synchronous step::
-
-    step = max(rollout + reward, old_logprobs + shadow + update) + sync + checkpoint
-
-The phases keep their seconds (each side's work); the shorter side waits for the longer, and
-:class:`Prediction` reports both waits. Steady state: the first step's rollout, which nothing
-overlaps, is left out.
+The step: ``train.pipeline=sync``, the sum of the phases; ``one_step_off`` (dedicated engines),
+max(rollout + reward, old_logprobs + shadow + update) + sync + checkpoint, the shorter side
+waiting (:class:`Prediction`; steady state; docs/scaling.md, "Pipelined" steps).
 """
 
 from __future__ import annotations
@@ -68,11 +60,9 @@ Precision = Literal["bf16", "fp8-rollout", "fp8"]
 PRECISIONS: tuple[Precision, ...] = ("bf16", "fp8-rollout", "fp8")
 Pipeline = Literal["sync", "one_step_off"]  # train.pipeline
 PHASES = ("rollout", "reward", "old_logprobs", "shadow", "update", "sync", "checkpoint")
-ROLLOUT_SIDE = ("rollout", "reward")
-"""The engines' phases: under ``one_step_off`` they overlap :data:`TRAINER_SIDE`."""
-TRAINER_SIDE = ("old_logprobs", "shadow", "update")
+# The engines' phases, which under one_step_off overlap the trainer's; then those in turn.
+ROLLOUT_SIDE, TRAINER_SIDE = ("rollout", "reward"), ("old_logprobs", "shadow", "update")
 IN_TURN = ("sync", "checkpoint")
-"""Phases that overlap nothing under either pipeline."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -240,13 +230,11 @@ class Prediction:
     pipeline: Pipeline = "sync"
 
     @property
-    def rollout_side_s(self) -> float:
-        """The engines' work in a step: generation and reward scoring."""
+    def rollout_side_s(self) -> float:  # the engines' work: generation and reward scoring
         return sum(self.phases[p] for p in ROLLOUT_SIDE)
 
     @property
-    def trainer_side_s(self) -> float:
-        """The trainer's work in a step: old logprobs, BF16 shadow and update."""
+    def trainer_side_s(self) -> float:  # the trainer's: old logprobs, BF16 shadow, update
         return sum(self.phases[p] for p in TRAINER_SIDE)
 
     @property
@@ -264,25 +252,21 @@ class Prediction:
     @property
     def bottleneck(self) -> Literal["rollout", "trainer"] | None:
         """The longer side of a ``one_step_off`` step (the trainer on a tie); None in sync."""
-        if self.pipeline == "sync":
-            return None
-        return "rollout" if self.rollout_side_s > self.trainer_side_s else "trainer"
+        if self.pipeline != "sync":
+            return "rollout" if self.rollout_side_s > self.trainer_side_s else "trainer"
 
     @property
     def trainer_wait_s(self) -> float:
-        """``one_step_off``: seconds the trainer waits, its update done, for the next rollout.
-        0 in sync, where nothing overlaps (the rollout is a phase of the step)."""
-        if self.pipeline == "sync":
-            return 0.0
-        return max(0.0, self.rollout_side_s - self.trainer_side_s)
+        """``one_step_off``: the trainer's wait, its update done, for the next rollout (0 in
+        sync, where the rollout is a phase of the step)."""
+        gap = self.rollout_side_s - self.trainer_side_s
+        return 0.0 if self.pipeline == "sync" else max(0.0, gap)
 
     @property
     def engine_wait_s(self) -> float:
-        """``one_step_off``: seconds the engines sit idle, their rollout done, until the trainer
-        finishes its update and syncs. 0 in sync."""
-        if self.pipeline == "sync":
-            return 0.0
-        return max(0.0, self.trainer_side_s - self.rollout_side_s)
+        """``one_step_off``: the engines' idle time, their rollout done, until the trainer syncs."""
+        gap = self.trainer_side_s - self.rollout_side_s
+        return 0.0 if self.pipeline == "sync" else max(0.0, gap)
 
     @property
     def tokens_per_s(self) -> float:
