@@ -26,6 +26,7 @@ from megatron_rl_fp8.config import load_config
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.metrics.logger import read_metrics
 from megatron_rl_fp8.trainer.pipeline import staleness_refusal
+from tests.integration.test_guard_run import SMALL as GUARD_RUN
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -151,21 +152,7 @@ def test_resume_equals_the_uninterrupted_run(pipelined, tmp_path, tiny_sft_cache
 def test_a_guard_rollback_drops_the_rollout_in_flight(tmp_path, tiny_sft_cache):
     # tests/integration/test_guard_run.py's collapse, pipelined: step 3's update collapses the
     # policy, step 4 measures it while step 5's rollout is generated from the collapsed weights.
-    small = [
-        "examples/tiny_cpu.yaml",
-        "sft.steps=60",
-        "sft.batch_size=32",
-        "train.prompts_per_step=8",
-        "rollout.n_samples_per_prompt=4",
-        "train.micro_batch_size=16",
-        "train.save_interval=1",
-        "train.eval_interval=0",
-        "train.eval_prompts=16",
-        "train.keep_checkpoints=1",
-        "guard.max_rollbacks=1",
-        "reward.format_weight=0.5",
-        "train.pipeline=one_step_off",
-    ]
+    small = ["examples/tiny_cpu.yaml", *GUARD_RUN, "train.pipeline=one_step_off"]
     out = tmp_path / "run"
     # Stopped after step 2 of 5, its checkpoint holds step 3's rollout (made by step 1's weights).
     first = _train(out, tiny_sft_cache, *small, "train.steps=5", "train.exit_after_steps=2")
