@@ -7,6 +7,10 @@
   a rollout, as the next sync begins): it is relaunched on placeholder weights and both stages
   send the sync again; the run finishes every step and no process outlives it.
 * DP=2 with two engines behind sglang-router, one SIGKILLed mid-rollout.
+* ``train.pipeline=one_step_off`` with one dedicated engine, SIGKILLed while it generates the
+  next step's rollout during an update: that rollout is lost, the engine relaunched and synced
+  with the step's weights, and the next step generates its own (lag 0) before the pipeline
+  goes on (lag 1).
 
 ``token_mult_prob_error`` = mean exp(|logp_rollout - logp_train|): both sides are fp32 with
 the same weights, so it stays within 1e-3 of 1 (a wrong or stale weight gives >> 1.01).
@@ -117,6 +121,42 @@ def test_dp2_trainer_with_two_engines_behind_a_router_survives_a_killed_engine(
     assert three["rollout/engines_serving"] == 2 and three["rollout/engines_used"] == 2
     assert three["rollout/engine_restarts"] == two["rollout/engine_restarts"]
     assert not list(work.rglob("*.safetensors"))  # no weight copy per step
+
+
+def test_pipelined_run_survives_an_engine_killed_during_an_update(sglang_py, tmp_path, monkeypatch):
+    # Generations: step 0's eval (1st); step 1's own rollout (2nd, before its update); step 2's,
+    # launched as step 1's update begins (3rd): the engine is SIGKILLed with its requests in
+    # flight, while the trainer updates. Then step 2's own (4th), step 3's in the background
+    # (5th), the final eval (6th).
+    monkeypatch.setenv(FAULT_ENV, "generate@3")
+    work = tmp_path / "sglang"
+    overrides = [
+        *SMALL,
+        "train.steps=3",
+        "train.pipeline=one_step_off",
+        f"train.output_dir={tmp_path / 'run'}",
+        f"train.cache_dir={tmp_path / 'cache'}",
+        *_sglang_args(sglang_py, work),
+    ]
+    metrics = run_distributed(trainer_body, world_size=1, args=(overrides,), timeout=900)[0]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    one, two, three = metrics[1:]
+    # Step 1 and step 2 generated their own rollouts (step 2's in flight was lost), step 3
+    # trained on the one generated during step 2's update, one version behind.
+    assert [m["rollout/staleness_max"] for m in (one, two, three)] == [0, 0, 1]
+    # Versions: step 1's rows by the first sync's weights, step 2's (regenerated) and step 3's by
+    # the weights synced after step 1.
+    v = one["rollout/policy_version"]
+    assert [two["rollout/policy_version"], three["rollout/policy_version"]] == [v + 1, v + 1]
+    for m in (one, two):  # lag-0 rows: the rollout's logprobs are the trainer's recomputation
+        assert abs(m["fp8/token_mult_prob_error_lag0"] - 1.0) < 1e-3, m
+    assert (
+        "fp8/token_mult_prob_error_lag1" in three and "fp8/token_mult_prob_error_lag0" not in three
+    )
+    assert two["perf/pipeline/overlap_time_s"] > 0  # step 3's rollout ran beside step 2's update
+    assert three["rollout/engine_restarts"] >= 1
+    assert server_group_pids(int((work / "engine0.pid").read_text())) == []  # gone with the run
+    assert len(list(work.glob("engine0-*.log"))) >= 2  # the first launch and the relaunch
 
 
 def colocated_body(rank, world_size, overrides):
