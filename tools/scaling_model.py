@@ -4,7 +4,7 @@ memory planner (plan/memory.py). Pure arithmetic: seconds on a CPU, no GPU.
 For each preset (plan/presets.py) on 1/2/4/8 nodes of 8 H100 and H200, one GRPO workload (the
 FP8 example's settings, ``WORKLOAD``): the planner's best layout that fits (``plan.alternatives``,
 its first), colocated SGLang engines of the smallest TP whose BF16 weights take at most half of
-their memory share, as many as the launcher accepts (:func:`engine_overrides`); then BF16, FP8
+their memory share, one on every TP group of every node (:func:`engine_overrides`); then BF16, FP8
 rollout and full FP8 (blockwise, shadow every 20 steps) per phase. Also the batch sweep (where
 FP8 stops paying), the training-phase speed-up per recipe (the paper's "up to 1.5x" against end
 to end), the one-step-off pipelined step on dedicated engine nodes against the synchronous one
@@ -48,6 +48,7 @@ from megatron_rl_fp8.plan.time import (  # noqa: E402
     train_flops_per_token,
     trainer_pass_seconds,
 )
+from megatron_rl_fp8.utils.engine_placement import colocated_engines  # noqa: E402
 
 EXAMPLE = EXAMPLES_DIR / "qwen3_8b_grpo_math_fp8.yaml"
 WORKLOAD = [
@@ -109,7 +110,7 @@ def make_case(preset: str, gpu_name: str, nodes: int, extra: list[str] = ()) -> 
         return Case(preset, gpu_name, nodes, None, None, {}, "no layout fits")
     lay = fits[0].layout  # the planner's pick (memory-ranked: fewest model-parallel ranks)
     check_engines(cfg, lay, nodes)
-    fleet = Fleet.from_config(cfg)
+    fleet = Fleet.from_config(cfg, w)
     preds = {p: predict(cfg, w, gpu, p, layout=lay, fleet=fleet, fill=FILL) for p in PRECISIONS}
     return Case(preset, gpu_name, nodes, lay, fleet, preds)
 
@@ -263,7 +264,7 @@ def make_pipelined_case(preset: str, gpu_name: str, nodes: int, engine_nodes: in
     if not fits:
         return Case(preset, gpu_name, nodes, None, None, {}, "no layout fits")
     lay = fits[0].layout
-    fleet = Fleet.from_config(cfg)
+    fleet = Fleet.from_config(cfg, w)
     preds = {p: predict(cfg, w, gpu, p, layout=lay, fleet=fleet, fill=FILL) for p in PRECISIONS}
     return Case(preset, gpu_name, nodes, lay, fleet, preds)
 
@@ -297,35 +298,42 @@ def pipeline_table(cases: list[tuple[int, Case]]) -> str:
 
 
 def engine_overrides(cfg, gpu, nodes: int) -> list[str]:
-    """The most colocated engines `megatron-rl-fp8 launch` accepts on ``nodes`` nodes.
-    One node: every GPU (``transport=tensor``, CUDA IPC from the sending ranks on that node).
-    Several: each node's GPUs but GPU 0 (``transport=distributed``: the NCCL group cannot share
-    a sending rank's GPU, and torchrun may put the driver, rank 0, on any node), so at most TP 4.
-    Every pipeline stage's sending rank sits on GPU 0 too at the layouts these tables pick
-    (world a multiple of 8 x PP); :func:`check_engines` asks the launcher again at the pick."""
+    """Colocated engines on every TP group of GPUs of every node (``utils/engine_placement.py``:
+    ``colocated_engines``, ``rollout.sglang.num_engines=0`` in a run's config), synced over
+    ``transport=tensor``: CUDA IPC from the sending ranks on one node, and on several the
+    per-node sync of issue 35 (each node's trainer ranks hand their own node's engines the
+    weights), which the launcher accepts once it lands (``PER_NODE_TRANSPORTS``). The count is
+    spelled out (``num_engines`` = the placement's) so that a table row names it."""
     k = engine_tp(cfg, gpu)
-    if nodes == 1:
-        return [
-            f"rollout.sglang.tp_size={k}",
-            f"rollout.sglang.num_engines={GPUS_PER_NODE // k}",
-            "rollout.sglang.transport=tensor",
-            "rollout.sglang.base_gpu_id=0",
-        ]
-    k = min(k, 4)
+    placed = colocated_engines(nodes=nodes, gpus_per_node=GPUS_PER_NODE, engine_tp=k)
     return [
         f"rollout.sglang.tp_size={k}",
-        f"rollout.sglang.num_engines={nodes * ((GPUS_PER_NODE - 1) // k)}",
-        "rollout.sglang.transport=distributed",
-        "rollout.sglang.base_gpu_id=null",
+        f"rollout.sglang.num_engines={len(placed)}",
+        "rollout.sglang.transport=tensor",
+        "rollout.sglang.base_gpu_id=0",
     ]
+
+
+def launcher_accepts(cfg, nodes: int) -> None:
+    """The launcher's placement of ``cfg``'s engines on ``nodes`` nodes (ConfigError if
+    refused). On several nodes the tables assume the per-node sync (:func:`engine_overrides`):
+    until the launcher accepts ``transport=tensor`` there, only the placement itself is checked
+    (the same function the launcher calls with ``num_engines=0``)."""
+    from megatron_rl_fp8.launch.layout import plan_layout
+    from megatron_rl_fp8.launch.slurm import SlurmEnv
+    from megatron_rl_fp8.utils.engine_placement import PER_NODE_TRANSPORTS
+
+    sg = cfg.rollout.sglang
+    if nodes > 1 and sg.transport not in (*PER_NODE_TRANSPORTS, "distributed"):
+        colocated_engines(nodes=nodes, gpus_per_node=GPUS_PER_NODE, engine_tp=sg.tp_size)
+        return
+    names = tuple(f"node{i + 1}" for i in range(nodes))
+    plan_layout(cfg, SlurmEnv(nodes=names, gpus_per_node=GPUS_PER_NODE, job_id=0))
 
 
 def case_config(preset: str, gpu: str, nodes: int, extra: list[str] = ()):
     """The workload with the preset's shape and its engines (:func:`engine_overrides`), checked
-    by the launcher's own placement rules."""
-    from megatron_rl_fp8.launch.layout import plan_layout
-    from megatron_rl_fp8.launch.slurm import SlurmEnv
-
+    by the launcher's own placement rules (:func:`launcher_accepts`)."""
     fixed = [*WORKLOAD, *preset_overrides(preset), *extra]
     engines = engine_overrides(load_config(EXAMPLE, fixed), GPUS[gpu], nodes)
     cfg = load_config(
@@ -337,31 +345,21 @@ def case_config(preset: str, gpu: str, nodes: int, extra: list[str] = ()):
             *TRAINER_START,
         ],
     )
-    names = tuple(f"node{i + 1}" for i in range(nodes))
-    plan_layout(
-        cfg, SlurmEnv(nodes=names, gpus_per_node=GPUS_PER_NODE, job_id=0)
-    )  # ConfigError if refused
+    launcher_accepts(cfg, nodes)
     return cfg
 
 
 def check_engines(cfg, lay: Layout, nodes: int) -> None:
     """The launcher's placement of the case's engines once the planner has picked the trainer's
-    layout: the weight sync's sending ranks (one per pipeline stage) sit on GPUs that depend on
-    PP, and engines must keep off them (``rollout/sglang/sender.py``). ConfigError if refused."""
-    from megatron_rl_fp8.launch.layout import plan_layout
-    from megatron_rl_fp8.launch.slurm import SlurmEnv
-
+    layout (the weight sync's sending ranks, one per pipeline stage, sit on GPUs that depend on
+    PP; the tensor transport may share them). ConfigError if refused."""
     parallel = dataclasses.replace(
         cfg.parallel,
         tensor_model_parallel_size=lay.tp,
         pipeline_model_parallel_size=lay.pp,
         context_parallel_size=lay.cp,
     )
-    names = tuple(f"node{i + 1}" for i in range(nodes))
-    plan_layout(
-        dataclasses.replace(cfg, parallel=parallel),
-        SlurmEnv(nodes=names, gpus_per_node=GPUS_PER_NODE, job_id=0),
-    )
+    launcher_accepts(dataclasses.replace(cfg, parallel=parallel), nodes)
 
 
 def efficiency_variants() -> dict:

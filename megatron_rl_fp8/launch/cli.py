@@ -238,9 +238,20 @@ def summary(layout, cfg, est, gpu_memory_gb: float) -> list[str]:
             f"rollout: {len(layout.engines)} engine(s) x TP {sg.tp_size} on "
             f"{','.join(layout.rollout_nodes)}; router {router}"
         )
+        if layout.every_tp_group:
+            n = len(layout.rollout_nodes)
+            lines.append(
+                f"  rollout.sglang.num_engines=0: an engine on every TP group of every node, "
+                f"{len(layout.engines) // n} per node x {n} node(s) (utils/engine_placement.py)"
+            )
         for e in layout.engines:
             gpus = ",".join(map(str, e.gpus))
             lines.append(f"  engine {e.index}: {e.node} GPUs {gpus} {e.url}")
+        if sg.transport != "distributed":
+            lines.append(
+                f"weight sync: rollout.sglang.transport={sg.transport} (CUDA IPC / shared memory) "
+                "from the sending ranks of each engine's own node; engines may share their GPUs"
+            )
         if layout.senders is not None:
             s = layout.senders
             lines.append(

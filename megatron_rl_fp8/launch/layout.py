@@ -9,7 +9,8 @@ Roles (``rollout.placement``):
 * ``colocated``: every node runs the trainer and engines on its last GPUs (SGLang releases their
   memory while the trainer trains), off the GPUs of the weight sync's sending ranks with the
   distributed transport (``rollout/sglang/sender.py``: ``Senders``); the router runs on the
-  first node.
+  first node. ``rollout.sglang.num_engines: 0`` puts an engine on every TP group of GPUs of
+  every node (``utils/engine_placement.py``: ``colocated_engines``).
 * ``rollout.engine=local`` samples inside the trainer: every node trains, nothing else runs.
 
 Engines are dealt round-robin over their nodes (engine e on rollout node e % R), so a colocated
@@ -32,7 +33,13 @@ from typing import TYPE_CHECKING, Literal
 
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.launch.slurm import SlurmEnv
-from megatron_rl_fp8.rollout.sglang.sender import Senders, engine_gpus_on_node
+from megatron_rl_fp8.rollout.sglang.sender import Senders, engine_gpus_on_node, free_engine_blocks
+from megatron_rl_fp8.utils.engine_placement import (
+    EVERY_TP_GROUP,
+    check_transport,
+    colocated_engines,
+    engine_count,
+)
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.config import RunConfig
@@ -114,6 +121,8 @@ class Layout:
     train_nodes_derived: bool = False
     senders: Senders | None = None
     """The weight sync's sending ranks the engines keep off (colocated, distributed transport)."""
+    every_tp_group: bool = False
+    """``rollout.sglang.num_engines=0``: an engine on every TP group of every node."""
 
     @property
     def trainer_gpus(self) -> int:
@@ -178,6 +187,7 @@ def plan_layout(
         ports=ports,
         train_nodes_derived=train_nodes is None and placement == "dedicated",
         senders=senders,
+        every_tp_group=bool(engines) and cfg.rollout.sglang.num_engines == EVERY_TP_GROUP,
     )
 
 
@@ -190,19 +200,9 @@ def _placement(cfg: RunConfig, env: SlurmEnv) -> Placement:
             "rollout.sglang.engine_urls / router_url are set, but the launcher starts the "
             "engines and the router itself and passes their URLs to the trainer; remove them"
         )
-    if r.placement == "dedicated" and r.sglang.transport != "distributed":
-        raise ConfigError(
-            f"rollout.sglang.transport={r.sglang.transport} reaches engines on the senders' node "
-            "only, and dedicated rollout nodes are other nodes: set "
-            "rollout.sglang.transport=distributed"
-        )
-    if r.placement == "colocated" and r.sglang.transport != "distributed" and len(env.nodes) > 1:
-        raise ConfigError(
-            f"rollout.sglang.transport={r.sglang.transport} reaches engines on the senders' node "
-            f"only, and colocated engines on {len(env.nodes)} nodes are on others too (torchrun "
-            "picks the sending ranks' node): set rollout.sglang.transport=distributed (engines "
-            "off the sending ranks' GPUs of every node), or run on one node"
-        )
+    n = len(env.nodes)
+    check_transport(r.placement, r.sglang.transport, nodes=n)
+    engine_count(r.sglang, r.placement, nodes=n, gpus_per_node=env.gpus_per_node)
     return r.placement
 
 
@@ -268,9 +268,70 @@ def _place_engines(
     placement: Placement,
     senders: Senders | None,
 ) -> tuple[Engine, ...]:
-    """Deal ``sg.num_engines`` engines round-robin over ``nodes``, each node's on the GPUs
-    ``engine_gpus_on_node`` gives (the fleet's rule too); refuse if they do not fit, or if one
-    would share a GPU of ``senders``."""
+    """The engines on ``nodes``, dealt round-robin (engine e on node e % R, port slot e // R):
+    one on every TP group of every node with ``num_engines=0`` (:func:`_every_tp_group`), else
+    ``num_engines`` of them (:func:`_dealt`)."""
+    if sg.num_engines == EVERY_TP_GROUP:
+        gpus = _every_tp_group(sg, env, nodes, senders)
+    else:
+        gpus = _dealt(sg, env, nodes, placement, senders)
+    r = len(nodes)
+    return tuple(
+        Engine(
+            index=e,
+            node=nodes[e % r],
+            node_index=env.nodes.index(nodes[e % r]),
+            addr=addrs[nodes[e % r]],
+            gpus=gpus[e],
+            port=ports.engine(e // r),
+        )
+        for e in range(len(gpus))
+    )
+
+
+def _every_tp_group(
+    sg: SGLangConfig, env: SlurmEnv, nodes: tuple[str, ...], senders: Senders | None
+) -> dict[int, tuple[int, ...]]:
+    """``num_engines=0``: ``utils/engine_placement.colocated_engines``' GPUs per
+    engine; refused where ``base_gpu_id`` moves them or an engine would share a GPU with a
+    sending rank of the distributed transport (the tensor transport may share one)."""
+    g, tp = env.gpus_per_node, sg.tp_size
+    if sg.base_gpu_id not in (None, 0):
+        raise ConfigError(
+            "rollout.sglang.num_engines=0 puts an engine on every TP group of a node from GPU 0, "
+            f"but rollout.sglang.base_gpu_id={sg.base_gpu_id}: set rollout.sglang.base_gpu_id="
+            "null, or num_engines to a count"
+        )
+    slots = colocated_engines(nodes=len(nodes), gpus_per_node=g, engine_tp=tp)
+    if g // tp > MAX_ENGINES_PER_NODE:
+        raise ConfigError(
+            f"rollout.sglang.num_engines=0 puts {g // tp} engines on a node, more than the "
+            f"{MAX_ENGINES_PER_NODE} a job's ports allow: raise rollout.sglang.tp_size"
+        )
+    avoid = senders.gpus if senders is not None else {}
+    clash = next(((s, x) for s in slots for x in s.gpus if x in avoid), None)
+    if clash is not None:
+        (s, x), fit = clash, len(free_engine_blocks(g, tp, avoid)) * len(nodes)
+        instead = f", or rollout.sglang.num_engines={fit} (off those GPUs)" if fit else ""
+        raise ConfigError(
+            f"rollout.sglang.num_engines=0 puts engine {s.index} on GPU {x} of "
+            f"{nodes[s.node_index]}, where {senders.describe(x)}, and the weight sync's NCCL "
+            "group (rollout.sglang.transport=distributed) cannot hold two processes on one GPU: "
+            "set rollout.sglang.transport=tensor (CUDA IPC may share a GPU; one node until the "
+            f"per-node sync lands){instead}"
+        )
+    return {s.index: s.gpus for s in slots}
+
+
+def _dealt(
+    sg: SGLangConfig,
+    env: SlurmEnv,
+    nodes: tuple[str, ...],
+    placement: Placement,
+    senders: Senders | None,
+) -> dict[int, tuple[int, ...]]:
+    """``sg.num_engines`` engines' GPUs, each node's by ``engine_gpus_on_node`` (the fleet's
+    rule too); refuse if they do not fit, or if one would share a GPU of ``senders``."""
     g, tp = env.gpus_per_node, sg.tp_size
     per_node = _engines_per_node(sg, g, 0)
     if sg.num_engines > per_node * len(nodes):
@@ -295,17 +356,7 @@ def _place_engines(
         except ValueError as e:
             raise ConfigError(str(e)) from None
         gpus.update(zip(here, placed))
-    return tuple(
-        Engine(
-            index=e,
-            node=nodes[e % len(nodes)],
-            node_index=env.nodes.index(nodes[e % len(nodes)]),
-            addr=addrs[nodes[e % len(nodes)]],
-            gpus=gpus[e],
-            port=ports.engine(e // len(nodes)),
-        )
-        for e in range(sg.num_engines)
-    )
+    return gpus
 
 
 def _senders(cfg: RunConfig, env: SlurmEnv, placement: Placement) -> Senders | None:

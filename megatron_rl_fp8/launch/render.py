@@ -74,6 +74,8 @@ def trainer_overrides(layout: Layout) -> list[str]:
         return []
     urls = json.dumps(layout.engine_urls, separators=(",", ":"))  # JSON is YAML
     out = [f"rollout.sglang.engine_urls={urls}"]
+    if layout.every_tp_group:  # num_engines=0 resolved: the trainer attaches to this many
+        out.append(f"rollout.sglang.num_engines={len(layout.engines)}")
     if layout.router_url:
         out.append(f"rollout.sglang.router_url={layout.router_url}")
     return out

@@ -208,7 +208,7 @@ def format_time(preds: list, gpu_name: str) -> str:
 
 
 def run_time(cfg, world: World, gpu, fill: float, spec: str) -> str:
-    from megatron_rl_fp8.plan.time import PRECISIONS, predict
+    from megatron_rl_fp8.plan.time import PRECISIONS, Fleet, predict
 
     preds = [predict(cfg, world, gpu, p, fill=fill, spec=spec) for p in PRECISIONS]
     recipe = cfg.fp8.recipe if cfg.fp8.recipe != "bf16" else "blockwise"
@@ -219,7 +219,7 @@ def run_time(cfg, world: World, gpu, fill: float, spec: str) -> str:
         f"x {cfg.rollout.n_samples_per_prompt} samples, {cfg.task.max_prompt_len} + "
         f"{cfg.rollout.max_new_tokens} tokens, fill {fill:g}; fp8 training recipe {recipe}; "
         f"shadow every {calib.interval if calib.enabled else '-'} steps",
-        f"rollout: {max(1, cfg.rollout.sglang.num_engines)} engine(s) x TP "
+        f"rollout: {_engines(cfg, Fleet.from_config(cfg, world))} x TP "
         f"{cfg.rollout.sglang.tp_size}, {cfg.rollout.placement}; decode "
         f"{d['rollout/decode_steps']:.0f} steps at {d['rollout/concurrent_per_engine']:.0f} "
         "sequences per engine (fp8)",
@@ -241,12 +241,23 @@ def run_time(cfg, world: World, gpu, fill: float, spec: str) -> str:
     return "\n".join([format_time(preds, gpu.name), *(f"  note: {n}" for n in notes)])
 
 
+def _engines(cfg, fleet) -> str:
+    """The engine count, and where it comes from when ``num_engines=0`` asked for it."""
+    if cfg.rollout.sglang.num_engines:
+        return f"{fleet.engines} engine(s)"
+    return (
+        f"{fleet.engines} engine(s) (rollout.sglang.num_engines=0: one per TP group of every node)"
+    )
+
+
 def launcher_note(cfg, world: World) -> str | None:
     """What ``megatron-rl-fp8 launch`` says of a colocated run's engines on these nodes, when it
-    refuses them: the plan counts ``rollout.sglang.num_engines`` engines, the launcher places
-    them by its own rule (with the distributed transport, off every GPU a pipeline stage's
-    sending rank runs on; ``launch/layout.py``), so the two agree or the plan says why not.
-    Dedicated engines run on nodes of their own, outside the planned trainer GPUs."""
+    refuses them: the plan counts the engines as the launcher does (``num_engines``, or with 0
+    one per TP group of every node: ``utils/engine_placement.py``), and the launcher also
+    checks that the weight sync reaches them (with the distributed transport, off every GPU a
+    pipeline stage's sending rank runs on; the tensor transport on one node, until the per-node sync
+    lands; ``launch/layout.py``), so the two agree or the plan says why not. Dedicated engines
+    run on nodes of their own, outside the planned trainer GPUs."""
     from megatron_rl_fp8.config_utils import ConfigError
 
     r = cfg.rollout

@@ -68,6 +68,7 @@ from megatron_rl_fp8.plan.model_bytes import (
     stage_fp8_layers,
     stage_params,
 )
+from megatron_rl_fp8.utils.engine_placement import engine_count
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.config import RunConfig
@@ -247,7 +248,8 @@ def _sglang_share(cfg: RunConfig, world: World) -> tuple[float, str | None]:
         return 0.0, None
     if r.placement == "dedicated":
         return 0.0, None  # the engines' GPUs are not the trainer's
-    gpus = f"{r.sglang.num_engines * r.sglang.tp_size} of the {world.size} GPUs"
+    n = engine_count(r.sglang, r.placement, nodes=world.nodes, gpus_per_node=world.gpus_per_node)
+    gpus = f"{n * r.sglang.tp_size} of the {world.size} GPUs"
     if r.sglang.mem_fraction_static is None:
         return 0.0, (
             f"SGLang runs on {gpus} but rollout.sglang.mem_fraction_static is unset (SGLang sizes "

@@ -51,6 +51,7 @@ from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.plan.hardware import GPU, GPUS
 from megatron_rl_fp8.plan.memory import Estimate, Layout, World, estimate
 from megatron_rl_fp8.plan.model_bytes import Spec, layer_linear_weights, stage_params
+from megatron_rl_fp8.utils.engine_placement import engine_count
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.config import RunConfig
@@ -194,7 +195,8 @@ def _rest_seconds_per_flop(eff: Efficiency) -> float:
 class Fleet:
     """The rollout engines: ``engines`` SGLang servers of ``tp`` GPUs each, sharing the trainer's
     GPUs (colocated) or on GPUs of their own (dedicated), with ``mem_fraction`` of each GPU for
-    weights + KV cache."""
+    weights + KV cache. ``from_config``: the launcher's count on ``world`` (``num_engines=0``: one
+    per TP group of every node, ``utils/engine_placement.py``)."""
 
     engines: int
     tp: int
@@ -202,13 +204,13 @@ class Fleet:
     mem_fraction: float
 
     @classmethod
-    def from_config(cls, cfg: RunConfig) -> Fleet:
-        s = cfg.rollout.sglang
+    def from_config(cls, cfg: RunConfig, world: World) -> Fleet:
+        s, g = cfg.rollout.sglang, world.gpus_per_node
         frac = s.mem_fraction_static
         if frac is None:  # SGLang sizes itself: most of a GPU of its own
             frac = 0.85 if cfg.rollout.placement == "dedicated" else 0.3
         return cls(
-            engines=max(1, s.num_engines),
+            engines=engine_count(s, cfg.rollout.placement, nodes=world.nodes, gpus_per_node=g),
             tp=s.tp_size,
             placement=cfg.rollout.placement,
             mem_fraction=frac,
@@ -392,17 +394,15 @@ def predict(
         raise ConfigError(f"--fill={fill} must be in (0, 1]")
     m, t, r = cfg.model, cfg.train, cfg.rollout
     lay = layout or Layout.from_config(cfg, world.size)
-    fleet = fleet or Fleet.from_config(cfg)
+    fleet = fleet or Fleet.from_config(cfg, world)
     fp8_rollout = precision != "bf16"
     fp8_train = precision == "fp8"
     recipe = recipe or (cfg.fp8.recipe if cfg.fp8.recipe != "bf16" else "blockwise")
     trainer_fp8 = dataclasses.replace(cfg.fp8, recipe=recipe if fp8_train else "bf16")
     memory = estimate(dataclasses.replace(cfg, fp8=trainer_fp8), world, layout=lay, spec=spec)
     if fleet.placement == "colocated" and fleet.engines * fleet.tp > world.size:
-        raise ConfigError(
-            f"rollout.sglang.num_engines ({fleet.engines}) x tp_size ({fleet.tp}) colocated "
-            f"engines need more than the {world.size} trainer GPUs"
-        )
+        raise ConfigError(f"rollout.sglang.num_engines ({fleet.engines}) x tp_size ({fleet.tp}) "
+                          f"colocated engines need more than the {world.size} trainer GPUs")  # fmt: skip
     if t.pipeline == "one_step_off" and fleet.placement == "colocated":
         # RunConfig.validate refuses the config; this catches a colocated ``fleet`` argument.
         raise ConfigError(

@@ -191,6 +191,7 @@ def overrides_for(size: str, paths, *more: str) -> list[str]:
         f"model.hf_checkpoint={paths[size]}",
         *paths["data"],
         "rollout.placement=dedicated",
+        "rollout.sglang.num_engines=1",  # the examples' 0 (every TP group) is for colocated runs
         "rollout.sglang.base_gpu_id=null",
         "rollout.sglang.transport=distributed",
         *more,
@@ -353,8 +354,10 @@ def test_eight_nodes_mixed_nodelist(capsys, paths):
 
 
 def test_colocated_every_node_trains_and_serves(capsys, paths):
-    """The 8B example's placement (colocated, engines TP 2 from GPU 6), 2 engines on 2 nodes."""
-    more = [f"model.hf_checkpoint={paths['8b']}", *paths["data"], "rollout.sglang.num_engines=2"]
+    """The 8B example colocated with the distributed transport: 2 engines of TP 2 from GPU 6 on
+    2 nodes."""
+    more = [f"model.hf_checkpoint={paths['8b']}", *paths["data"], "rollout.sglang.num_engines=2",
+            "rollout.sglang.transport=distributed", "rollout.sglang.base_gpu_id=6"]  # fmt: skip
     rc, out, err = dry_run(capsys, Q8B, *more, "--nodes", "2", "--gpus-per-node", "8")
     assert rc == 0, err
     cmds = commands(out)
@@ -451,10 +454,10 @@ def test_engines_that_do_not_fit_the_rollout_nodes(capsys, paths):
         "--nodes", "2", "--gpus-per-node", "8", "--train-nodes", "1",
     )  # fmt: skip
     assert "rollout.sglang.num_engines=5 x rollout.sglang.tp_size=2 = 10 GPUs" in line
-    # The example's base_gpu_id=6 leaves one engine per rollout node.
+    # base_gpu_id=6 leaves one engine per rollout node.
     line = refused(
-        capsys, Q8B, f"model.hf_checkpoint={paths['8b']}", *paths["data"],
-        "rollout.placement=dedicated", "rollout.sglang.num_engines=2",
+        capsys, Q8B, *overrides_for("8b", paths, "rollout.sglang.base_gpu_id=6"),
+        "rollout.sglang.num_engines=2",
         "--nodes", "2", "--gpus-per-node", "8", "--train-nodes", "1",
     )  # fmt: skip
     assert "base_gpu_id=6" in line
@@ -502,11 +505,74 @@ def test_bad_splits(capsys, argv, needle):
 
 
 def test_colocated_engine_on_the_driver_gpu_is_refused(capsys, paths):
-    more = [f"model.hf_checkpoint={paths['8b']}", *paths["data"], "rollout.sglang.base_gpu_id=null"]
+    more = [f"model.hf_checkpoint={paths['8b']}", *paths["data"], "rollout.sglang.base_gpu_id=null",
+            "rollout.sglang.transport=distributed"]  # fmt: skip
     line = refused(
         capsys, Q8B, *more, "rollout.sglang.num_engines=8", "--nodes", "2", "--gpus-per-node", "8"
     )
     assert "GPU 0 of node1" in line
+
+
+# -- an engine on every TP group (rollout.sglang.num_engines=0, utils/engine_placement.py) ---
+
+
+def test_dry_run_places_an_engine_on_every_tp_group_of_the_8b_example(capsys, paths):
+    """The 8B example on its one node: 4 TP 2 engines on GPUs 0-1 .. 6-7, synced over CUDA IPC,
+    and the trainer attaches to the 4 of them."""
+    more = [f"model.hf_checkpoint={paths['8b']}", *paths["data"]]
+    rc, out, err = dry_run(capsys, Q8B, *more, "--nodes", "1", "--gpus-per-node", "8")
+    assert rc == 0, err
+    assert "rollout: 4 engine(s) x TP 2 on node1" in out
+    assert "num_engines=0: an engine on every TP group of every node, 4 per node x 1 node(s)" in out
+    for e, gpus in enumerate(("0,1", "2,3", "4,5", "6,7")):
+        assert f"engine {e}: node1 GPUs {gpus} " in out
+    assert "weight sync: rollout.sglang.transport=tensor" in out
+    attach = train_overrides(commands(out)["trainer"])
+    assert attach["rollout.sglang.num_engines"] == 4
+    assert len(attach["rollout.sglang.engine_urls"]) == 4
+
+
+def test_dry_run_of_the_32b_example_on_two_nodes(capsys, paths, monkeypatch):
+    """Refused until the per-node sync lands; then 4 TP 4 engines, 2 on each node's 8 GPUs."""
+    from megatron_rl_fp8.utils import engine_placement as placement
+
+    more = [f"model.hf_checkpoint={paths['32b']}", *paths["data"]]
+    job = ("--nodes", "2", "--gpus-per-node", "8", "--gpu-memory-gb", "141")
+    line = refused(capsys, Q32B, *more, *job)
+    assert "rollout.sglang.transport=tensor" in line and "per-node sync" in line
+    # The workaround its header names: distributed, one engine per node off GPU 0.
+    workaround = ("rollout.sglang.transport=distributed", "rollout.sglang.num_engines=2")
+    rc, out, err = dry_run(capsys, Q32B, *more, *workaround, *job)
+    assert rc == 0, err
+    assert "engine 0: node1 GPUs 4,5,6,7" in out and "engine 1: node2 GPUs 4,5,6,7" in out
+    monkeypatch.setattr(placement, "PER_NODE_TRANSPORTS", frozenset({"tensor"}))
+    rc, out, err = dry_run(capsys, Q32B, *more, *job)
+    assert rc == 0, err
+    assert "4 engine(s) x TP 4 on node1,node2" in out and "2 per node x 2 node(s)" in out
+    for e, where in enumerate(("node1 GPUs 0,1,2,3", "node2 GPUs 0,1,2,3",
+                               "node1 GPUs 4,5,6,7", "node2 GPUs 4,5,6,7")):  # fmt: skip
+        assert f"engine {e}: {where} " in out
+    assert set(commands(out)) == {"trainer", "rollout-0", "rollout-1"}
+
+
+@pytest.mark.parametrize(
+    "more, needle",
+    [
+        (("rollout.sglang.transport=distributed",),
+         "puts engine 0 on GPU 0 of node1, where sending rank 0"),
+        (("rollout.sglang.transport=distributed",), "or rollout.sglang.num_engines=3 (off those"),
+        (("rollout.sglang.base_gpu_id=6",), "set rollout.sglang.base_gpu_id=null"),
+        (("rollout.sglang.tp_size=3",), "tp_size=3 does not divide its 8 GPUs"),
+        (("rollout.placement=dedicated", "rollout.sglang.transport=distributed"),
+         "is for rollout.placement=colocated, not dedicated"),
+    ],
+)  # fmt: skip
+def test_every_tp_group_refusals_are_one_line(capsys, paths, more, needle):
+    base = [f"model.hf_checkpoint={paths['8b']}", *paths["data"]]
+    job = ("--nodes", "1", "--gpus-per-node", "8")
+    if "dedicated" in more[0]:
+        job = ("--nodes", "2", "--gpus-per-node", "8", "--train-nodes", "1")
+    assert needle in refused(capsys, Q8B, *base, *more, *job)
 
 
 def test_without_dry_run_it_refuses(capsys):

@@ -203,36 +203,36 @@ def test_cli_bad_gpu_or_preset_is_one_line(args, field, capsys):
 
 
 @pytest.mark.parametrize(
-    "preset, gpu, nodes, engines, tp, transport",
+    "preset, gpu, nodes, engines, tp",
     [
-        ("qwen3-8b", "H200", 1, 8, 1, "tensor"),  # one node: every GPU, CUDA IPC
-        ("qwen3-8b", "H200", 2, 14, 1, "distributed"),  # GPU 0 of each node stays free
-        ("qwen3-14b", "H200", 4, 12, 2, "distributed"),
-        ("qwen3-32b", "H100", 1, 1, 8, "tensor"),
-        ("qwen3-32b", "H100", 2, 2, 4, "distributed"),  # TP 8 would leave no engine off GPU 0
+        ("qwen3-8b", "H200", 1, 8, 1),  # every GPU of the node, CUDA IPC
+        ("qwen3-8b", "H200", 2, 16, 1),  # every GPU of both: the per-node sync (issue 35)
+        ("qwen3-14b", "H200", 4, 16, 2),
+        ("qwen3-32b", "H100", 1, 1, 8),
+        ("qwen3-32b", "H100", 2, 2, 8),  # no GPU 0 kept free, so TP 8 fits
     ],
 )
-def test_scaling_tables_engines_are_what_the_launcher_accepts(
-    preset, gpu, nodes, engines, tp, transport
-):
-    """docs/scaling.md's scenario: the most colocated engines the launcher's placement takes."""
+def test_scaling_tables_engines_are_the_launchers_placement(preset, gpu, nodes, engines, tp):
+    """docs/scaling.md's scenario: an engine on every TP group of every node, the count the
+    placement function gives; on one node the launcher places them today, on several it
+    refuses transport=tensor until the per-node sync lands (PER_NODE_TRANSPORTS)."""
     from megatron_rl_fp8.launch.layout import plan_layout
     from megatron_rl_fp8.launch.slurm import SlurmEnv
+    from megatron_rl_fp8.utils import engine_placement as placement
 
-    sys.path.insert(0, str(TOOLS))
-    try:
-        from scaling_model import case_config
-    finally:
-        sys.path.remove(str(TOOLS))
-    cfg = case_config(preset, gpu, nodes)
+    cfg = _scaling_model().case_config(preset, gpu, nodes)
     sg = cfg.rollout.sglang
-    assert (sg.num_engines, sg.tp_size, sg.transport) == (engines, tp, transport)
+    assert (sg.num_engines, sg.tp_size, sg.transport) == (engines, tp, "tensor")
+    slots = placement.colocated_engines(nodes=nodes, gpus_per_node=8, engine_tp=tp)
+    assert len(slots) == engines
     env = SlurmEnv(nodes=tuple(f"n{i}" for i in range(nodes)), gpus_per_node=8, job_id=0)
-    placed = plan_layout(cfg, env).engines
-    assert len(placed) == engines and all(len(e.gpus) == tp for e in placed)
     if nodes > 1:
-        assert all(0 not in e.gpus for e in placed)
-    # One more engine is refused (on one node the GPUs run out; on several, GPU 0 is reached).
+        with pytest.raises(ConfigError, match="per-node sync"):
+            plan_layout(cfg, env)
+        return
+    placed = plan_layout(cfg, env).engines
+    assert [e.gpus for e in placed] == [s.gpus for s in slots]
+    # One more engine is refused: the node's GPUs run out.
     more = dataclasses.replace(cfg.rollout.sglang, num_engines=engines + 1)
     cfg.rollout = dataclasses.replace(cfg.rollout, sglang=more)
     with pytest.raises(ConfigError):
@@ -305,13 +305,14 @@ def test_one_step_off_with_colocated_engines_is_refused():
     from megatron_rl_fp8.plan.time import Fleet
 
     cfg = config(1, 64, *DEDICATED, "train.pipeline=one_step_off")
-    fleet = dataclasses.replace(Fleet.from_config(cfg), placement="colocated")
+    fleet = dataclasses.replace(Fleet.from_config(cfg, world()), placement="colocated")
     with pytest.raises(ConfigError, match="train.pipeline=one_step_off"):
         predict(cfg, world(), GPUS["H200"], "bf16", fleet=fleet)
 
 
 def test_cli_plan_time_one_step_off(capsys):
-    base = ["plan", str(EXAMPLE), "--time", "--gpu", "H200", "--top", "0", *DEDICATED]
+    engines = "rollout.sglang.num_engines=4"  # dedicated engines need a count
+    base = ["plan", str(EXAMPLE), "--time", "--gpu", "H200", "--top", "0", *DEDICATED, engines]
     assert cli.main([*base, "train.pipeline=one_step_off"]) == 0
     out = capsys.readouterr().out
     for words in (

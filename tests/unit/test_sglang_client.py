@@ -388,7 +388,7 @@ def test_export_options_tell_the_export_path_how_to_send_weights(tmp_path):
 @pytest.mark.parametrize(
     "override, match",
     [
-        ("rollout.sglang.num_engines=0", "num_engines"),
+        ("rollout.sglang.num_engines=-1", "num_engines"),
         ("rollout.sglang.router_url=http://127.0.0.1:1", "engine_urls is empty"),
         ("rollout.sglang.engine_urls=[localhost:3000]", "not an http://host:port URL"),
         (

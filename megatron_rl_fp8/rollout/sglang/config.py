@@ -32,7 +32,9 @@ class SGLangConfig:
         1,
         help="SGLang servers this run launches, each on placeholder weights that the first sync "
         "replaces; more than one run behind one sglang-router. No weight copy is written to "
-        "disk: a relaunched engine is re-synced from the trainer.",
+        "disk: a relaunched engine is re-synced from the trainer. 0 = one on every TP group "
+        "(tp_size GPUs) of every node, nodes x (GPUs per node / tp_size), with "
+        "rollout.placement=colocated (utils/engine_placement.py).",
     )
     engine_urls: list[str] = field(
         default_factory=list,
@@ -123,8 +125,11 @@ class SGLangConfig:
         for name in ("startup_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"rollout.sglang.{name} must be > 0, got {getattr(self, name)}")
-        if self.num_engines < 1:
-            raise ValueError(f"rollout.sglang.num_engines must be >= 1, got {self.num_engines}")
+        if self.num_engines < 0:
+            raise ValueError(
+                f"rollout.sglang.num_engines must be >= 1, or 0 (one engine on every TP group of "
+                f"every node), got {self.num_engines}"
+            )
         if self.router_url and not self.engine_urls:
             raise ValueError(
                 "rollout.sglang.router_url is set but rollout.sglang.engine_urls is empty: the "

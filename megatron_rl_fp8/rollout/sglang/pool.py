@@ -70,7 +70,7 @@ class ServerPool:
             serve_dtype=self.serve_dtype,
             fp8=self.fp8 if self.fp8_checkpoint else None,
         )
-        n = len(self.cfg.engine_urls) or self.cfg.num_engines
+        n = len(self.cfg.engine_urls) or self.cfg.num_engines or self._every_tp_group()
         self.engines = [SGLangServer(i, self.work_dir) for i in range(n)]
         self.senders = senders if senders is not None else Senders.from_env()
         self._gpus: list[tuple[int, ...]] = []  # launched engines' GPUs on this node (cuda)
@@ -96,6 +96,17 @@ class ServerPool:
         except BaseException:
             self.shutdown()
             raise
+
+    def _every_tp_group(self) -> int:
+        """``num_engines=0`` when this fleet launches its engines itself (no launcher): one on
+        every TP group of this node's GPUs (``utils/engine_placement.py``); one on a CPU."""
+        if self.device != "cuda":
+            return 1
+        import torch
+
+        from megatron_rl_fp8.utils.engine_placement import engines_per_node
+
+        return engines_per_node(gpus_per_node=torch.cuda.device_count(), engine_tp=self.cfg.tp_size)
 
     # -- what the fleet asks for -----------------------------------------------------------------
     def up(self) -> list[SGLangServer]:
