@@ -73,7 +73,8 @@ def trainer_overrides(layout: Layout) -> list[str]:
     if not layout.engines:
         return []
     urls = json.dumps(layout.engine_urls, separators=(",", ":"))  # JSON is YAML
-    out = [f"rollout.sglang.engine_urls={urls}"]
+    nodes = json.dumps([e.node for e in layout.engines], separators=(",", ":"))
+    out = [f"rollout.sglang.engine_urls={urls}", f"rollout.sglang.engine_nodes={nodes}"]
     if layout.every_tp_group:  # num_engines=0 resolved: the trainer attaches to this many
         out.append(f"rollout.sglang.num_engines={len(layout.engines)}")
     if layout.router_url:

@@ -53,6 +53,7 @@ PARTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("quantize", "perf/sync_quantize_time_s"),
         ("transfer", "perf/sync_transfer_time_s"),
         ("engine load", "perf/sync_load_time_s"),
+        ("relay to other nodes", "perf/sync_relay_time_s"),
     ),
 }
 

@@ -145,6 +145,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def node_name() -> str:
+    """The node this process runs on, as the launcher names the nodes it places engines on:
+    Slurm's node name (``SLURMD_NODENAME``, set in every job step; two nodes may share a host,
+    as on the local test cluster), else the host name."""
+    import socket
+
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def world_from_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 

@@ -61,6 +61,16 @@ class SyncPlan:
         syncs. The driver pushes with its engine's ``sender``."""
         raise TypeError(f"{type(self).__name__}: only the driver pushes weights into this engine")
 
+    @property
+    def nodes(self) -> list[str]:
+        """The nodes whose engines each get the weights from a rank of their own node (a
+        per-node sync: ``trainer/engine_link.py``), or ``[]``: the senders reach every engine."""
+        return []
+
+    def on_node(self, node: str) -> SyncPlan:
+        """The plan for ``node``'s engines alone (a per-node sync's part of one node)."""
+        return self
+
 
 class SyncSender(Protocol):
     """One sending rank's side of a sync: pushes its buckets into the engines of a plan."""

@@ -12,6 +12,9 @@ tensor at a time, so no stage runs on its own. Each stage's time is the time spe
     load     = the engines applying them, as the driver sees it: the in-process engine's
                update_weights less the stream it pulls; a fleet's per-bucket replies after the
                broadcast (the tensor transport's update call) and the begin / end calls
+    relay    = per-node syncs (``sync/relay.py``): a stage's sending rank broadcasting its
+               buckets to the other nodes' relay ranks, which push them to their own engines
+               (every node's push is counted, though the nodes push at the same time)
 
 GPU: collectives and quantization kernels run asynchronously, so each stage's clock stops after
 ``torch.cuda.synchronize`` when what it yields lives on a GPU (one synchronize per tensor of
@@ -39,6 +42,7 @@ class SyncTimes:
     export: float = 0.0  # inside the export stream: gather + quantize
     transfer: float = 0.0
     load: float = 0.0
+    relay: float = 0.0  # per-node syncs: a stage's buckets broadcast to other nodes' relay ranks
 
     @property
     def quantize(self) -> float:
@@ -49,11 +53,14 @@ class SyncTimes:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def metrics(self) -> dict[str, float]:
+        """The parts as metrics; the relay's only in per-node syncs (the rest: always)."""
+        relay = {"perf/sync_relay_time_s": self.relay} if self.relay else {}
         return {
             "perf/sync_gather_time_s": self.gather,
             "perf/sync_quantize_time_s": self.quantize,
             "perf/sync_transfer_time_s": self.transfer,
             "perf/sync_load_time_s": self.load,
+            **relay,
         }
 
 

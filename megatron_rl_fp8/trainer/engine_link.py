@@ -32,6 +32,7 @@ from megatron_rl_fp8.sync.gather import iter_full_params
 from megatron_rl_fp8.sync.timing import SyncTimes, timed
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.collectives import broadcast_object
+from megatron_rl_fp8.trainer.node_sync import NodeSync
 from megatron_rl_fp8.trainer.offload import TrainerOffload
 
 T = TypeVar("T")
@@ -60,6 +61,7 @@ class EngineLink:
         # A non-driver sending rank's side of the syncs (the driver's is its engine's ``sender``),
         # made from the first plan that has this rank send.
         self.weight_sender: SyncSender | None = None
+        self.node_sync = NodeSync(groups)  # per-node syncs (trainer/node_sync.py)
         self.synced_version = -1
         self.times = SyncTimes()  # the last sync's parts (the driver's; sync/timing.py)
 
@@ -128,6 +130,12 @@ class EngineLink:
         driver, which pushes them all. The ranks that only take part in a gather drive its
         collectives and report no parts."""
         g = self.groups
+        if plan.nodes:  # each node's engines from a relay rank of that node
+            return self.node_sync.push(
+                plan,
+                export=lambda times: self._export(plan, times),
+                sender=lambda: self._sender(plan),
+            )
         if plan.from_stages:  # this stage's sender, in its turn
             sender = dist.get_process_group_ranks(g.tp)[0] if g.tp is not None else g.rank
             stages, pp_group = range(g.pp_size), None
@@ -137,18 +145,10 @@ class EngineLink:
         replica = g.dp_rank == 0 and g.cp_rank == 0
         for stage in stages:
             if replica and stage == g.pp_rank:
-                full = iter_full_params(
-                    self.actor.model, tp_group=g.tp, pp_group=pp_group, dst_global_rank=sender
-                )
-                buckets = export_for_rollout(
-                    timed(full, mine, "gather"),
-                    self.cfg.model,
-                    self.cfg.rollout.fp8,
-                    **plan.export_options,
-                )
+                buckets = self._export(plan, mine, pp_group=pp_group, dst=sender)
                 if g.rank == sender:
                     pusher = self._sender(plan)
-                    error = pusher.push(plan, timed(buckets, mine, "export"))
+                    error = pusher.push(plan, buckets)
                     mine.transfer += pusher.times.transfer
                     mine.load += pusher.times.load
                 else:
@@ -157,6 +157,24 @@ class EngineLink:
             if plan.from_stages:
                 dist.barrier()
         return error, mine
+
+    def _export(self, plan: SyncPlan, times: SyncTimes, *, pp_group=None, dst=None):
+        """This rank's part of its stage's export stream to ``dst`` (its TP rank 0 by
+        default): the full tensors gathered, renamed, quantized and bucketed as ``plan`` asks,
+        the gather and the export timed into ``times``."""
+        g = self.groups
+        if dst is None:
+            dst = dist.get_process_group_ranks(g.tp)[0] if g.tp is not None else g.rank
+        full = iter_full_params(
+            self.actor.model, tp_group=g.tp, pp_group=pp_group, dst_global_rank=dst
+        )
+        buckets = export_for_rollout(
+            timed(full, times, "gather"),
+            self.cfg.model,
+            self.cfg.rollout.fp8,
+            **plan.export_options,
+        )
+        return timed(buckets, times, "export")
 
     def _sender(self, plan: SyncPlan) -> SyncSender:
         """This rank's sending side: the driver's engine's, or one of its own made by the plan."""

@@ -7,6 +7,9 @@
   a rollout, as the next sync begins): it is relaunched on placeholder weights and both stages
   send the sync again; the run finishes every step and no process outlives it.
 * DP=2 with two engines behind sglang-router, one SIGKILLed mid-rollout.
+* A per-node sync: PP=2 on two "nodes" (``SLURMD_NODENAME`` n1 and n2, one rank each), a
+  colocated engine on each, ``transport=tensor``: each node's rank relays its stage's buckets to
+  the other and pushes both stages' to its own node's engine over shared memory.
 * ``train.pipeline=one_step_off`` with one dedicated engine, SIGKILLed while it generates the
   next step's rollout during an update: that rollout is lost, the engine relaunched and synced
   with the step's weights, and the next step generates its own (lag 0) before the pipeline
@@ -157,6 +160,71 @@ def test_pipelined_run_survives_an_engine_killed_during_an_update(sglang_py, tmp
     assert three["rollout/engine_restarts"] >= 1
     assert server_group_pids(int((work / "engine0.pid").read_text())) == []  # gone with the run
     assert len(list(work.glob("engine0-*.log"))) >= 2  # the first launch and the relaunch
+
+
+def test_per_node_sync_feeds_each_nodes_engine_from_its_own_rank(sglang_py, tmp_path):
+    work = tmp_path / "sglang"
+    overrides = [
+        *SMALL,
+        "train.steps=2",
+        "parallel.pipeline_model_parallel_size=2",
+        f"train.output_dir={tmp_path / 'run'}",
+        f"train.cache_dir={tmp_path / 'cache'}",
+        *_sglang_args(sglang_py, work),
+        "rollout.placement=colocated",
+        "rollout.sglang.transport=tensor",
+        "rollout.sglang.num_engines=2",
+    ]
+    (metrics, engines, pushed_by_n1), pushed_by_n2 = run_distributed(
+        two_node_body, world_size=2, args=(overrides,), timeout=900
+    )
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    _assert_rollout_matches_trainer(metrics)  # both engines hold both stages' weights, exactly
+    for m in metrics[1:]:
+        assert m["perf/sync_relay_time_s"] > 0, m  # each stage's buckets crossed to the other node
+        assert m["rollout/engines_used"] == 2, m
+    # Each node's rank pushed to its own node's engine only.
+    (url1, node1), (url2, node2) = engines
+    assert (node1, node2) == ("n1", "n2")
+    assert (pushed_by_n1, pushed_by_n2) == ([url1], [url2])
+    for i in range(2):  # no distributed-transport group was ever formed
+        assert "mrf8_sync" not in (work / f"engine{i}-1.log").read_text()
+
+
+def two_node_body(rank, world_size, overrides):
+    """``trainer_body`` on two nodes of one host: rank r on node n<r+1> (``SLURMD_NODENAME``, as
+    Slurm sets it), the driver's second engine placed on n2 (what the launcher's
+    ``rollout.sglang.engine_nodes`` says of the engines it starts). Returns the engines each
+    rank's pushes went to, and on the driver first the metrics and each engine's (url, node)."""
+    import os
+
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.config import load_config
+    from megatron_rl_fp8.rollout.sglang.sender import WeightSender
+    from megatron_rl_fp8.trainer.loop import Trainer
+
+    os.environ["SLURMD_NODENAME"] = f"n{rank + 1}"
+    pushed: set[str] = set()
+    push = WeightSender.push
+
+    def noting_push(self, plan, buckets, **kwargs):
+        pushed.update(url for url, _ in plan.engines)
+        return push(self, plan, buckets, **kwargs)
+
+    WeightSender.push = noting_push
+    trainer = Trainer(load_config(None, list(overrides)))
+    engines = None
+    if rank == 0:
+        trainer.engine.engines[1].node = "n2"
+        engines = [(e.url, e.node) for e in trainer.engine.engines]
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+        parallel.destroy()
+    if rank == 0:
+        return read_metrics(trainer.cfg.train.output_dir), engines, sorted(pushed)
+    return sorted(pushed)
 
 
 def colocated_body(rank, world_size, overrides):

@@ -42,6 +42,13 @@ class SGLangConfig:
         "instead of launching any: their base URLs. The run syncs them by broadcast and cannot "
         "relaunch them; one that dies is dropped.",
     )
+    engine_nodes: list[str] = field(
+        default_factory=list,
+        help="The node each of engine_urls runs on (Slurm node names; the launcher sets it). "
+        "With transport=tensor and engines on several nodes, each node's engines get the "
+        "weights from a trainer rank of their own node (a per-node sync). Empty = every engine "
+        "on the nodes its senders reach.",
+    )
     router_url: str = field(
         "",
         help="An sglang-router that already runs in front of engine_urls; empty = launch one "
@@ -139,6 +146,12 @@ class SGLangConfig:
         if bad:
             raise ValueError(
                 f"rollout.sglang.engine_urls / router_url: {bad[0]!r} is not an http://host:port URL"
+            )
+        if self.engine_nodes and len(self.engine_nodes) != len(self.engine_urls):
+            raise ValueError(
+                f"rollout.sglang.engine_nodes names {len(self.engine_nodes)} node(s) for "
+                f"{len(self.engine_urls)} engine_urls: give one node per engine URL, in order, "
+                "or none"
             )
         if self.engine_urls and self.num_engines not in (1, len(self.engine_urls)):
             raise ValueError(

@@ -173,6 +173,7 @@ class SGLangFleet(ServerPool):
             failed=[e.url for e in failed],
             transport=self.cfg.transport,
             rename_scales=self.fp8_checkpoint and self.fp8.weight_quant == "per_tensor",
+            engine_nodes=[e.node for e in members] if all(e.node for e in members) else [],
         )
 
     def end_sync(self, plan: SGLangSyncPlan, errors: list[str | None]) -> None:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from megatron_rl_fp8.parallel import node_name
 from megatron_rl_fp8.rollout.errors import RolloutEngineError, first_line
 from megatron_rl_fp8.rollout.sglang.faults import fault_hook_from_env
 from megatron_rl_fp8.rollout.sglang.process import (
@@ -80,9 +81,12 @@ class ServerPool:
         self.fault_hook: Callable[[str], None] | None = fault_hook_from_env(self)
         try:
             if self.attached:
-                for eng, url in zip(self.engines, self.cfg.engine_urls):
-                    eng.url = url.rstrip("/")
+                nodes = self.cfg.engine_nodes or [""] * len(self.engines)
+                for eng, url, node in zip(self.engines, self.cfg.engine_urls, nodes):
+                    eng.url, eng.node = url.rstrip("/"), node
             else:
+                for eng in self.engines:
+                    eng.node = node_name()
                 if self.device == "cuda":
                     self._gpus = server_gpus(
                         self.cfg, n, colocated=self.colocated, senders=self.senders

@@ -60,9 +60,29 @@ class SGLangSyncPlan(SyncPlan):
     transport: str = "distributed"
     rename_scales: bool = False  # per-tensor FP8 checkpoints: SGLang names the scale weight_scale
     from_stages: bool = True
+    engine_nodes: list[str] = dataclasses.field(default_factory=list)  # each engine's, or []
 
     def new_sender(self) -> WeightSender:
         return WeightSender()
+
+    @property
+    def nodes(self) -> list[str]:
+        """``tensor`` transport to engines on several nodes: those nodes, in order (a per-node
+        sync); otherwise ``[]``."""
+        nodes = list(dict.fromkeys(self.engine_nodes))
+        return nodes if self.transport == "tensor" and len(nodes) > 1 else []
+
+    def on_node(self, node: str) -> SGLangSyncPlan:
+        if not self.engine_nodes:
+            return self
+        engines = [e for e, n in zip(self.engines, self.engine_nodes) if n == node]
+        urls = {url for url, _ in engines}
+        return dataclasses.replace(
+            self,
+            engines=engines,
+            engine_nodes=[node] * len(engines),
+            failed=[url for url in self.failed if url in urls],
+        )
 
 
 class WeightSender:

@@ -50,6 +50,7 @@ class SGLangServer:
     restarts: int = 0  # relaunches since its last good sync
     version: int = -1  # the weight version it was verified to serve; -1 = none
     in_router: bool = False
+    node: str = ""  # the node it runs on (a per-node sync's); "" = unknown
 
     @property
     def http(self) -> Http:

@@ -1,0 +1,136 @@
+"""Per-node weight syncs: the engines of every node get every pipeline stage's weights from a
+trainer rank of their own node, over shared memory (CPU) or CUDA IPC (GPU), so no engine needs
+a cross-node broadcast and no GPU has to stay free for one.
+
+A plan is per node when its engines span several nodes with the ``tensor`` transport
+(``SyncPlan.nodes``). Each such node has one *relay rank* (:func:`relay_ranks`): a pipeline
+stage's sending rank on that node when there is one, else a rank of the node outside the
+replica that gathers the weights. Stage by stage, as in every sync:
+
+    the stage's replica gathers and exports its buckets (sync/buckets.py) to the stage's sender
+    the sender broadcasts each bucket to every relay rank (sync/relay.py: one trainer-side
+        group per stage, NCCL on GPU, gloo on CPU; the nodes' own interconnect)
+    every relay rank pushes each bucket to its own node's engines (``plan.on_node``)
+
+The driver still begins and ends the sync and checks every engine's version
+(``EngineLink._sync_once``); a relay rank's failed push is its node's error in that check.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import torch.distributed as dist
+
+from megatron_rl_fp8.parallel import Groups, current_device, node_name
+from megatron_rl_fp8.rollout.base import SyncPlan, SyncSender
+from megatron_rl_fp8.rollout.errors import RolloutEngineError
+from megatron_rl_fp8.sync.buckets import Bucket
+from megatron_rl_fp8.sync.relay import relay
+from megatron_rl_fp8.sync.timing import SyncTimes
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlace:
+    """Where one trainer rank is, for a per-node sync."""
+
+    node: str
+    pp_rank: int
+    stage_sender: bool  # its stage's sending rank (TP rank 0 of the gathering replica)
+    gathers: bool  # in the replica that gathers the weights (DP rank 0, CP rank 0)
+
+
+def relay_ranks(places: list[RankPlace], nodes: Iterable[str]) -> dict[str, int]:
+    """Each of ``nodes``' relay rank (global ranks index ``places``): its lowest stage sender,
+    else its lowest rank outside the gathering replica. Raises RolloutEngineError, one line, for
+    a node without such a rank (no trainer rank there, or only ranks busy in a stage's gather)."""
+    out = {}
+    for node in nodes:
+        ranks = [r for r, p in enumerate(places) if p.node == node]
+        pick = [r for r in ranks if places[r].stage_sender] or [
+            r for r in ranks if not places[r].gathers
+        ]
+        if not pick:
+            why = "no trainer rank runs there" if not ranks else "its ranks all gather a stage"
+            raise RolloutEngineError(
+                f"per-node weight sync: engines on node {node} but {why}, so none can hand them "
+                "the weights over shared memory / CUDA IPC: colocate them with trainer ranks "
+                "(rollout.placement=colocated) or use rollout.sglang.transport=distributed"
+            )
+        out[node] = pick[0]
+    return out
+
+
+def stage_senders(places: list[RankPlace]) -> list[int]:
+    """The sending rank of every pipeline stage, by stage."""
+    senders = {p.pp_rank: r for r, p in enumerate(places) if p.stage_sender}
+    return [senders[s] for s in range(len(senders))]
+
+
+class NodeSync:
+    """This rank's side of per-node syncs; every method is collective over all ranks."""
+
+    def __init__(self, groups: Groups):
+        self.groups = groups
+        self._places: list[RankPlace] | None = None
+        self._relay_groups: dict[tuple[int, ...], object] = {}
+
+    def places(self) -> list[RankPlace]:
+        """Every rank's place (one all-gather, the first time)."""
+        if self._places is None:
+            g = self.groups
+            tp_first = dist.get_process_group_ranks(g.tp)[0] if g.tp is not None else g.rank
+            gathers = g.dp_rank == 0 and g.cp_rank == 0
+            mine = RankPlace(node_name(), g.pp_rank, gathers and tp_first == g.rank, gathers)
+            places: list = [None] * dist.get_world_size()
+            dist.all_gather_object(places, mine)
+            self._places = places
+        return self._places
+
+    def _group(self, members: tuple[int, ...]):
+        """The relay group of ``members`` (made once; ``new_group`` is collective)."""
+        if members not in self._relay_groups:
+            self._relay_groups[members] = dist.new_group(list(members))
+        return self._relay_groups[members]
+
+    def push(
+        self,
+        plan: SyncPlan,
+        *,
+        export: Callable[[SyncTimes], Iterable[Bucket]],
+        sender: Callable[[], SyncSender],
+    ) -> tuple[str | None, SyncTimes]:
+        """This rank's part of the per-node ``plan``: (its node's push failure or None, its
+        parts' seconds). ``export(times)``: this rank's stage's export stream (gather and export
+        timed into ``times``), called on the gathering replica in its stage's turn;
+        ``sender()``: this rank's sending side, called on relay ranks."""
+        g = self.groups
+        places = self.places()
+        relays = relay_ranks(places, plan.nodes)
+        senders = stage_senders(places)
+        me = places[g.rank]
+        relaying = relays.get(me.node) == g.rank
+        error, mine = None, SyncTimes()
+        for stage, src in enumerate(senders):
+            members = tuple(sorted({src, *relays.values()}))
+            group = self._group(members)
+            stream: Iterable[Bucket] | None = None
+            if me.gathers and me.pp_rank == stage:
+                stream = export(mine)
+                if g.rank != src:  # a sender's peer: drives the gather's collectives
+                    collections.deque(stream, maxlen=0)
+                    stream, mine = None, SyncTimes()
+            if g.rank in members:
+                stream = relay(stream, src=src, group=group, device=current_device(), times=mine)
+                if relaying:
+                    pusher = sender()
+                    failed = pusher.push(plan.on_node(me.node), stream)
+                    error = error or failed
+                    mine.transfer += pusher.times.transfer
+                    mine.load += pusher.times.load
+                else:  # a stage sender whose node has another relay rank
+                    collections.deque(stream, maxlen=0)
+            dist.barrier()
+        return error, mine

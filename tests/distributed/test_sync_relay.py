@@ -1,0 +1,70 @@
+"""sync/relay.py on 3 real gloo ranks: a stage's buckets reach the other members of the relay
+group equal in names, dtypes (FP8 codes included), shapes and bytes, in order, and a rank outside
+the group takes no part."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.dist_utils import run_distributed
+
+
+def _buckets():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 7, generator=g)
+    return [
+        [
+            ("a.weight", w.to(torch.bfloat16)),
+            ("a.weight_scale_inv", torch.rand(1, 3, generator=g)),  # 12 bytes: the next aligns
+            ("b.weight", (w * 10).to(torch.float8_e4m3fn)),
+        ],
+        [
+            ("c.bias", torch.arange(3, dtype=torch.int64)),
+            ("d", torch.randn(2, 2, 2, generator=g)[:, 0]),
+        ],
+    ]
+
+
+def _body(rank, world_size):
+    import torch.distributed as dist
+
+    from megatron_rl_fp8.sync.buckets import Bucket
+    from megatron_rl_fp8.sync.relay import relay
+    from megatron_rl_fp8.sync.timing import SyncTimes
+
+    group = dist.new_group([0, 2])  # rank 1 is outside: it must not be needed
+    if rank == 1:
+        return None
+    times = SyncTimes()
+    src = [Bucket(i, b) for i, b in enumerate(_buckets())] if rank == 2 else None
+    got = list(relay(src, src=2, group=group, device=torch.device("cpu"), times=times))
+    rows = [
+        (
+            b.index,
+            [
+                (n, t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).tolist())
+                for n, t in b.tensors
+            ],
+        )
+        for b in got
+    ]
+    return rows, times.relay
+
+
+def test_a_stage_sender_relays_its_buckets_byte_for_byte():
+    results = run_distributed(_body, world_size=3)
+    (received, t_recv), none, (sent, t_sent) = results
+    assert none is None
+    assert received == sent and len(sent) == 2
+    expected = [
+        (
+            i,
+            [
+                (n, t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).tolist())
+                for n, t in b
+            ],
+        )
+        for i, b in enumerate(_buckets())
+    ]
+    assert sent == expected
+    assert t_sent > 0 and t_recv == 0  # the sender's broadcasts are the relay's seconds
