@@ -301,8 +301,8 @@ def engine_overrides(cfg, gpu, nodes: int) -> list[str]:
     """Colocated engines on every TP group of GPUs of every node (``utils/engine_placement.py``:
     ``colocated_engines``, ``rollout.sglang.num_engines=0`` in a run's config), synced over
     ``transport=tensor``: CUDA IPC from the sending ranks on one node, and on several the
-    per-node sync of issue 35 (each node's trainer ranks hand their own node's engines the
-    weights), which the launcher accepts once it lands (``PER_NODE_TRANSPORTS``). The count is
+    per-node sync (``trainer/node_sync.py``: each node's trainer ranks hand their own node's
+    engines the weights). The count is
     spelled out (``num_engines`` = the placement's) so that a table row names it."""
     k = engine_tp(cfg, gpu)
     placed = colocated_engines(nodes=nodes, gpus_per_node=GPUS_PER_NODE, engine_tp=k)
@@ -316,17 +316,10 @@ def engine_overrides(cfg, gpu, nodes: int) -> list[str]:
 
 def launcher_accepts(cfg, nodes: int) -> None:
     """The launcher's placement of ``cfg``'s engines on ``nodes`` nodes (ConfigError if
-    refused). On several nodes the tables assume the per-node sync (:func:`engine_overrides`):
-    until the launcher accepts ``transport=tensor`` there, only the placement itself is checked
-    (the same function the launcher calls with ``num_engines=0``)."""
+    refused)."""
     from megatron_rl_fp8.launch.layout import plan_layout
     from megatron_rl_fp8.launch.slurm import SlurmEnv
-    from megatron_rl_fp8.utils.engine_placement import PER_NODE_TRANSPORTS
 
-    sg = cfg.rollout.sglang
-    if nodes > 1 and sg.transport not in (*PER_NODE_TRANSPORTS, "distributed"):
-        colocated_engines(nodes=nodes, gpus_per_node=GPUS_PER_NODE, engine_tp=sg.tp_size)
-        return
     names = tuple(f"node{i + 1}" for i in range(nodes))
     plan_layout(cfg, SlurmEnv(nodes=names, gpus_per_node=GPUS_PER_NODE, job_id=0))
 

@@ -268,7 +268,8 @@ def _place_engines(
     placement: Placement,
     senders: Senders | None,
 ) -> tuple[Engine, ...]:
-    """The engines on ``nodes``, dealt round-robin (engine e on node e % R, port slot e // R):
+    """The engines on ``nodes``, dealt round-robin (engine e on node e % R, port slot e // R,
+    or the next free one of its address where nodes share an address):
     one on every TP group of every node with ``num_engines=0`` (:func:`_every_tp_group`), else
     ``num_engines`` of them (:func:`_dealt`)."""
     if sg.num_engines == EVERY_TP_GROUP:
@@ -276,6 +277,21 @@ def _place_engines(
     else:
         gpus = _dealt(sg, env, nodes, placement, senders)
     r = len(nodes)
+    # A port slot per engine of an address: nodes that share one (two slurmd on one host, as on
+    # the local test cluster) must not give their engines the same port.
+    seen: dict[str, int] = {}
+    slots = []
+    for e in range(len(gpus)):
+        addr = addrs[nodes[e % r]]
+        slots.append(seen.get(addr, 0))
+        seen[addr] = slots[-1] + 1
+    if max(seen.values(), default=0) > MAX_ENGINES_PER_NODE:
+        addr = max(seen, key=seen.get)
+        raise ConfigError(
+            f"{seen[addr]} engines would listen on {addr} (nodes that share that address), more "
+            f"than the {MAX_ENGINES_PER_NODE} a job's ports allow: lower "
+            "rollout.sglang.num_engines or raise rollout.sglang.tp_size"
+        )
     return tuple(
         Engine(
             index=e,
@@ -283,7 +299,7 @@ def _place_engines(
             node_index=env.nodes.index(nodes[e % r]),
             addr=addrs[nodes[e % r]],
             gpus=gpus[e],
-            port=ports.engine(e // r),
+            port=ports.engine(slots[e]),
         )
         for e in range(len(gpus))
     )
@@ -317,8 +333,8 @@ def _every_tp_group(
             f"rollout.sglang.num_engines=0 puts engine {s.index} on GPU {x} of "
             f"{nodes[s.node_index]}, where {senders.describe(x)}, and the weight sync's NCCL "
             "group (rollout.sglang.transport=distributed) cannot hold two processes on one GPU: "
-            "set rollout.sglang.transport=tensor (CUDA IPC may share a GPU; one node until the "
-            f"per-node sync lands){instead}"
+            "set rollout.sglang.transport=tensor (CUDA IPC may share a GPU; synced per node on "
+            f"several){instead}"
         )
     return {s.index: s.gpus for s in slots}
 

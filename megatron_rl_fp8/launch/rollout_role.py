@@ -12,10 +12,11 @@ launches engines on the trainer's node and relaunches them):
 
 * **Addresses.** The engines are reached from other nodes, so they cannot listen on
   ``rollout.sglang.host``'s default 127.0.0.1 (:func:`listen_host`).
-* **No relaunch.** An engine started here that exits ends the role (exit 1, with its log tail);
-  the trainer drops the engine from its fleet and goes on with the others. The role never
-  restarts one: it would come back on placeholder weights, which only the trainer can replace,
-  and the trainer does not re-add attached engines it dropped.
+* **Relaunch here, re-sync there.** An engine started here that exits is started again on the
+  same port and GPUs, on placeholder weights (at most ``rollout.sglang.max_restarts`` times;
+  past that, or when the router exits, the role ends with exit 1 and the log tail). The trainer
+  drops an engine it finds dead, waits for it at its next sync and, once it answers again,
+  syncs it (per node with the tensor transport) and puts it back in the router.
 * **Engines on other nodes** come up at their own pace. sglang-router 0.3.2 listens at once with
   its ``--worker-urls`` still unregistered and keeps probing each one (backoff up to 5 s, for
   ``--worker-startup-timeout-secs``, 1800 s by default), so the router's node need not wait for
@@ -251,7 +252,15 @@ def serve_node(cfg: RunConfig, layout: Layout, k: int, *, log_dir: Path | None =
             print(f"launch error: rollout node {k}: {failed}", file=sys.stderr, flush=True)
             return 2
         print(_ready_line(role, work), flush=True)
-        return _watch(k, launches, procs, logs)
+
+        def relaunch(p: Launch, n: int) -> None:
+            logs[p.name] = work / f"{p.name}{suffix}-relaunch{n}.log"
+            procs[p.name] = launch_logged(
+                list(p.argv), python=python, env=env, log_path=logs[p.name]
+            )
+            (work / f"{p.name}.pid").write_text(f"{procs[p.name].pid}\n")
+
+        return _watch(k, launches, procs, logs, relaunch=relaunch, max_restarts=sg.max_restarts)
     except _Stopped as why:
         print(f"rollout node {k}: {why}: stopping its engines", flush=True)
         return 0
@@ -327,18 +336,35 @@ def _ready_line(role: NodeRole, work: Path) -> str:
     return f"rollout node {role.node_index}: engines {engines} ready{router} (logs: {work})"
 
 
-def _watch(k: int, launches, procs, logs) -> int:
-    """Stay until a signal (raises _Stopped) or until one process exits (exit 1 with its log)."""
-    from megatron_rl_fp8.rollout.sglang.process import log_tail
+def _watch(k: int, launches, procs, logs, *, relaunch, max_restarts: int) -> int:
+    """Stay until a signal (raises _Stopped). An engine that exits is started again on
+    placeholder weights (``relaunch(launch, n)``, at most ``max_restarts`` times each), and the
+    trainer re-syncs it when it answers again; the router exiting, or an engine past its
+    relaunches, ends the role (exit 1 with its log)."""
+    from megatron_rl_fp8.rollout.sglang.process import kill_group, log_tail
 
+    restarts = {p.name: 0 for p in launches}
     while True:
         for p in launches:
-            if procs[p.name].poll() is not None:
+            if procs[p.name].poll() is None:
+                continue
+            if p.name != "router" and restarts[p.name] < max_restarts:
+                restarts[p.name] += 1
+                kill_group(procs[p.name])  # whatever is left of its process group
                 print(
-                    f"rollout node {k}: {p.name} ({p.url}) exited; stopping this node's "
-                    f"processes. The end of {logs[p.name]}:\n{log_tail(logs[p.name])}",
+                    f"rollout node {k}: {p.name} ({p.url}) exited; relaunching it (restart "
+                    f"{restarts[p.name]} of rollout.sglang.max_restarts={max_restarts}; the "
+                    f"end of {logs[p.name]}:\n{log_tail(logs[p.name], 5)})",
                     file=sys.stderr,
                     flush=True,
                 )
-                return 1
+                relaunch(p, restarts[p.name])
+                continue
+            print(
+                f"rollout node {k}: {p.name} ({p.url}) exited; stopping this node's "
+                f"processes. The end of {logs[p.name]}:\n{log_tail(logs[p.name])}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
         time.sleep(1.0)

@@ -63,8 +63,9 @@ class SyncPlan:
 
     @property
     def nodes(self) -> list[str]:
-        """The nodes whose engines each get the weights from a rank of their own node (a
-        per-node sync: ``trainer/engine_link.py``), or ``[]``: the senders reach every engine."""
+        """The nodes of engines that take their weights from a rank of their own node (a
+        per-node sync, ``trainer/node_sync.py``, where some stage's sender is elsewhere), or
+        ``[]``: the senders reach every engine."""
         return []
 
     def on_node(self, node: str) -> SyncPlan:

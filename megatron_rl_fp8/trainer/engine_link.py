@@ -130,7 +130,7 @@ class EngineLink:
         driver, which pushes them all. The ranks that only take part in a gather drive its
         collectives and report no parts."""
         g = self.groups
-        if plan.nodes:  # each node's engines from a relay rank of that node
+        if self.node_sync.relayed(plan):  # each node's engines from a relay rank of that node
             return self.node_sync.push(
                 plan,
                 export=lambda times: self._export(plan, times),

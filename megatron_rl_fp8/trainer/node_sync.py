@@ -2,8 +2,8 @@
 trainer rank of their own node, over shared memory (CPU) or CUDA IPC (GPU), so no engine needs
 a cross-node broadcast and no GPU has to stay free for one.
 
-A plan is per node when its engines span several nodes with the ``tensor`` transport
-(``SyncPlan.nodes``). Each such node has one *relay rank* (:func:`relay_ranks`): a pipeline
+A plan is per node (:meth:`NodeSync.relayed`) when, with the ``tensor`` transport, its engines
+span several nodes or some pipeline stage's sender runs on a node without them. Each such node has one *relay rank* (:func:`relay_ranks`): a pipeline
 stage's sending rank on that node when there is one, else a rank of the node outside the
 replica that gathers the weights. Stage by stage, as in every sync:
 
@@ -88,6 +88,17 @@ class NodeSync:
             dist.all_gather_object(places, mine)
             self._places = places
         return self._places
+
+    def relayed(self, plan: SyncPlan) -> bool:
+        """Whether ``plan`` syncs per node: its engines' nodes (``plan.nodes``) are several, or
+        some stage's sender runs elsewhere (a multi-node job whose engines are all on one
+        node). Otherwise every stage's sender reaches the engines itself."""
+        if not plan.nodes:
+            return False
+        places = self.places()
+        return len(plan.nodes) > 1 or any(
+            places[r].node not in plan.nodes for r in stage_senders(places)
+        )
 
     def _group(self, members: tuple[int, ...]):
         """The relay group of ``members`` (made once; ``new_group`` is collective)."""

@@ -14,10 +14,9 @@ engines fill it from GPU 0 and any prefix of the engines spreads evenly over the
 
 Whether the weight sync can reach such engines is the transport's business
 (:func:`check_transport`): the ``distributed`` transport's NCCL broadcast cannot share a GPU
-with a sending rank, and the ``tensor`` transport (CUDA IPC / shared memory) reaches only the
-sending ranks' own node. An engine on every GPU of several nodes needs a per-node sync: each
-node's trainer ranks handing that node's engines the weights (issue 35). Until it lands,
-:data:`PER_NODE_TRANSPORTS` is empty and the launcher refuses ``tensor`` on several nodes.
+with a sending rank; the ``tensor`` transport (CUDA IPC / shared memory) can, and on several
+nodes it syncs per node (``trainer/node_sync.py``): every node's engines get every stage's
+weights from a trainer rank of their own node, so an engine may take every GPU of every node.
 """
 
 from __future__ import annotations
@@ -38,12 +37,10 @@ class EngineSettings(Protocol):
 EVERY_TP_GROUP = 0
 """``rollout.sglang.num_engines`` that asks for one engine on every TP group of every node."""
 
-PER_NODE_TRANSPORTS: frozenset[str] = frozenset()
+PER_NODE_TRANSPORTS: frozenset[str] = frozenset({"tensor"})
 """Transports by which every node's trainer ranks sync their own node's engines (CUDA IPC on
-GPU, shared memory on CPU), so that colocated engines on several nodes need no cross-node
-broadcast and may take every GPU. Empty until the per-node sync of issue 35 lands; then add its
-transport here (``frozenset({"tensor"})``) and :func:`check_transport` accepts it on any number
-of nodes."""
+GPU, shared memory on CPU; ``trainer/node_sync.py``), so that colocated engines on several
+nodes need no cross-node broadcast and may take every GPU."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,8 +127,7 @@ def check_transport(placement: str, transport: str, *, nodes: int) -> None:
     if nodes > 1 and transport not in PER_NODE_TRANSPORTS:
         raise ConfigError(
             f"rollout.sglang.transport={transport} reaches engines on the senders' node only, and "
-            f"colocated engines on {nodes} nodes are on others too (torchrun picks the sending "
-            "ranks' node; the per-node sync that would reach them, issue 35, is not built yet): "
-            "set rollout.sglang.transport=distributed (engines off the sending ranks' GPUs of "
-            "every node, so not num_engines=0), or run on one node"
+            f"colocated engines on {nodes} nodes are on others too: set "
+            f"rollout.sglang.transport to one of {sorted(PER_NODE_TRANSPORTS)} (synced per node) "
+            "or distributed"
         )

@@ -92,13 +92,15 @@ def submit_train(
     config: str = "examples/tiny_cpu.yaml",
     train_nodes: int = 2,
     gpus_per_node: int = 1,
+    env: dict[str, str] | None = None,
 ) -> tuple[int, Path]:
     """``sbatch slurm/train.sbatch CONFIG OVERRIDES`` on both nodes; by default both train, one
     rank each (a CPU cluster: no GPU GRES, GPUS_PER_NODE=1). ``train_nodes=1``: n1 trains, n2
     runs the rollout role; ``gpus_per_node`` is then also the engines a node has room for. The
     job's record goes into the run's directory, ``<train.output_dir>/slurm/<job id>/restart-<n>``.
-    Returns the job id and the job's output file."""
+    ``env``: more of the job's environment. Returns the job id and the job's output file."""
     env = {
+        **(env or {}),
         **cluster.env,
         "GPUS_PER_NODE": str(gpus_per_node),
         "TRAIN_NODES": str(train_nodes),

@@ -495,7 +495,7 @@ def test_plan_says_it_does_not_fit(capsys, paths):
         ((*TINY_SGLANG, "rollout.sglang.engine_urls=[http://h:1]", "--nodes", "2"), "remove them"),
         ((*TINY_SGLANG, "rollout.sglang.tp_size=2", "--nodes", "2", "--gpus-per-node", "1"), "tp_size=2"),
         (("rollout.engine=sglang", "rollout.sglang.transport=tensor", "--nodes", "2"), "transport=distributed"),
-        ((*TINY_SGLANG, "rollout.placement=colocated", "rollout.sglang.transport=tensor", "--nodes", "2"), "colocated engines on 2 nodes"),
+        ((*TINY_SGLANG, "rollout.placement=colocated", "rollout.sglang.transport=tensor", "rollout.sglang.num_engines=0", "rollout.sglang.tp_size=3", "--nodes", "2", "--gpus-per-node", "8"), "does not divide"),
         (("--nodelist", "n[1-2", "--gpus-per-node", "1"), "never closed"),
         (("--gpus-per-node", "1"), "no node list"),
     ],
@@ -534,18 +534,14 @@ def test_dry_run_places_an_engine_on_every_tp_group_of_the_8b_example(capsys, pa
 
 def test_dry_run_of_the_32b_example_on_two_nodes(capsys, paths, monkeypatch):
     """Refused until the per-node sync lands; then 4 TP 4 engines, 2 on each node's 8 GPUs."""
-    from megatron_rl_fp8.utils import engine_placement as placement
 
     more = [f"model.hf_checkpoint={paths['32b']}", *paths["data"]]
     job = ("--nodes", "2", "--gpus-per-node", "8", "--gpu-memory-gb", "141")
-    line = refused(capsys, Q32B, *more, *job)
-    assert "rollout.sglang.transport=tensor" in line and "per-node sync" in line
-    # The workaround its header names: distributed, one engine per node off GPU 0.
-    workaround = ("rollout.sglang.transport=distributed", "rollout.sglang.num_engines=2")
-    rc, out, err = dry_run(capsys, Q32B, *more, *workaround, *job)
+    # The distributed transport instead: one engine per node, off GPU 0.
+    broadcast = ("rollout.sglang.transport=distributed", "rollout.sglang.num_engines=2")
+    rc, out, err = dry_run(capsys, Q32B, *more, *broadcast, *job)
     assert rc == 0, err
     assert "engine 0: node1 GPUs 4,5,6,7" in out and "engine 1: node2 GPUs 4,5,6,7" in out
-    monkeypatch.setattr(placement, "PER_NODE_TRANSPORTS", frozenset({"tensor"}))
     rc, out, err = dry_run(capsys, Q32B, *more, *job)
     assert rc == 0, err
     assert "4 engine(s) x TP 4 on node1,node2" in out and "2 per node x 2 node(s)" in out

@@ -71,18 +71,18 @@ def test_engine_count_is_the_placement_with_zero_and_the_count_otherwise():
         engine_count(sg, "dedicated", nodes=2, gpus_per_node=8)
 
 
-def test_tensor_transport_across_nodes_waits_for_the_per_node_sync(monkeypatch):
-    check_transport("colocated", "tensor", nodes=1)
-    check_transport("colocated", "distributed", nodes=4)
-    with pytest.raises(ConfigError, match="colocated engines on 2 nodes.*per-node sync"):
-        check_transport("colocated", "tensor", nodes=2)
+def test_the_tensor_transport_reaches_colocated_engines_on_every_node(monkeypatch):
+    # Per node on several (trainer/node_sync.py), directly on one; never dedicated nodes.
+    for nodes in (1, 2, 4):
+        check_transport("colocated", "tensor", nodes=nodes)
+        check_transport("colocated", "distributed", nodes=nodes)
     with pytest.raises(ConfigError, match="dedicated rollout nodes are other nodes"):
         check_transport("dedicated", "tensor", nodes=2)
-    # What changes when the per-node sync lands: the transport joins PER_NODE_TRANSPORTS.
-    monkeypatch.setattr(placement, "PER_NODE_TRANSPORTS", frozenset({"tensor"}))
-    check_transport("colocated", "tensor", nodes=2)
-    with pytest.raises(ConfigError, match="dedicated"):
-        check_transport("dedicated", "tensor", nodes=2)
+    # A transport that does not sync per node reaches one node only.
+    monkeypatch.setattr(placement, "PER_NODE_TRANSPORTS", frozenset())
+    check_transport("colocated", "tensor", nodes=1)
+    with pytest.raises(ConfigError, match="colocated engines on 2 nodes"):
+        check_transport("colocated", "tensor", nodes=2)
 
 
 def test_the_planner_counts_the_launchers_engines():
@@ -107,6 +107,22 @@ def test_plan_time_of_the_32b_example_runs_engines_on_all_16_gpus(capsys):
     every, out = rollout_s()
     assert "rollout: 4 engine(s) (rollout.sglang.num_engines=0: one per TP group" in out
     assert "the engines use 16 of the 16 GPUs" in out
-    assert "`megatron-rl-fp8 launch` would refuse" in out and "per-node sync" in out
+    assert "would refuse" not in out  # the launcher places them: synced per node
     one, _ = rollout_s("rollout.sglang.num_engines=1")
     assert every == pytest.approx(one / 4, rel=0.02)
+
+
+def test_nodes_sharing_an_address_give_their_engines_different_ports():
+    """Two slurmd on one host (the local test cluster): the engines of both nodes listen on one
+    address, so each takes the next port of that address; on distinct hosts the slots repeat."""
+    from megatron_rl_fp8.launch.layout import plan_layout
+    from megatron_rl_fp8.launch.slurm import SlurmEnv
+
+    cfg = load_config(Q32B, ["model.hf_checkpoint=null"])
+    env = SlurmEnv(nodes=("n1", "n2"), gpus_per_node=8, job_id=0)
+    shared = plan_layout(cfg, env, addrs={"n1": "127.0.0.1", "n2": "127.0.0.1"}).engines
+    apart = plan_layout(cfg, env, addrs={"n1": "10.0.0.1", "n2": "10.0.0.2"}).engines
+    assert [e.node for e in shared] == ["n1", "n2", "n1", "n2"]
+    assert len({e.url for e in shared}) == 4
+    assert [e.port for e in apart] == [apart[0].port, apart[0].port, apart[2].port, apart[2].port]
+    assert sorted(e.port for e in shared) == sorted({e.port for e in shared})

@@ -80,7 +80,8 @@ def test_four_nodes_two_rollout_nodes_split_the_engines():
     urls = {c.url for k in (2, 3) for c in commands(cfg, layout, k)}
     attach = trainer_overrides(layout)
     assert urls == {*layout.engine_urls, layout.router_url}
-    assert attach[1] == f"rollout.sglang.router_url={layout.router_url}"
+    assert attach[1] == 'rollout.sglang.engine_nodes=["n3","n4","n3","n4"]'
+    assert attach[2] == f"rollout.sglang.router_url={layout.router_url}"
     assert [c.name for c in commands(cfg, layout, 3)] == ["engine1", "engine3"]
 
 

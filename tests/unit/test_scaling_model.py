@@ -206,7 +206,7 @@ def test_cli_bad_gpu_or_preset_is_one_line(args, field, capsys):
     "preset, gpu, nodes, engines, tp",
     [
         ("qwen3-8b", "H200", 1, 8, 1),  # every GPU of the node, CUDA IPC
-        ("qwen3-8b", "H200", 2, 16, 1),  # every GPU of both: the per-node sync (issue 35)
+        ("qwen3-8b", "H200", 2, 16, 1),  # every GPU of both: the per-node sync
         ("qwen3-14b", "H200", 4, 16, 2),
         ("qwen3-32b", "H100", 1, 1, 8),
         ("qwen3-32b", "H100", 2, 2, 8),  # no GPU 0 kept free, so TP 8 fits
@@ -214,8 +214,8 @@ def test_cli_bad_gpu_or_preset_is_one_line(args, field, capsys):
 )
 def test_scaling_tables_engines_are_the_launchers_placement(preset, gpu, nodes, engines, tp):
     """docs/scaling.md's scenario: an engine on every TP group of every node, the count the
-    placement function gives; on one node the launcher places them today, on several it
-    refuses transport=tensor until the per-node sync lands (PER_NODE_TRANSPORTS)."""
+    placement function gives, and the launcher places them there (on several nodes synced per
+    node: transport=tensor)."""
     from megatron_rl_fp8.launch.layout import plan_layout
     from megatron_rl_fp8.launch.slurm import SlurmEnv
     from megatron_rl_fp8.utils import engine_placement as placement
@@ -226,12 +226,8 @@ def test_scaling_tables_engines_are_the_launchers_placement(preset, gpu, nodes, 
     slots = placement.colocated_engines(nodes=nodes, gpus_per_node=8, engine_tp=tp)
     assert len(slots) == engines
     env = SlurmEnv(nodes=tuple(f"n{i}" for i in range(nodes)), gpus_per_node=8, job_id=0)
-    if nodes > 1:
-        with pytest.raises(ConfigError, match="per-node sync"):
-            plan_layout(cfg, env)
-        return
     placed = plan_layout(cfg, env).engines
-    assert [e.gpus for e in placed] == [s.gpus for s in slots]
+    assert [(e.node_index, e.gpus) for e in placed] == [(s.node_index, s.gpus) for s in slots]
     # One more engine is refused: the node's GPUs run out.
     more = dataclasses.replace(cfg.rollout.sglang, num_engines=engines + 1)
     cfg.rollout = dataclasses.replace(cfg.rollout, sglang=more)

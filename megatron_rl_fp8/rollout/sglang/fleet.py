@@ -192,6 +192,9 @@ class SGLangFleet(ServerPool):
             timeout = plan.timeout
             failed = self.each(members, lambda e: e.end_update(version, timeout=timeout))
         if failed or pushed:
+            # The others' sessions are open (begin_update succeeded): the next attempt begins anew.
+            opened = [e for e in members if e not in failed and e.url not in plan.failed]
+            self.each(opened, lambda e: e.abandon_update(timeout=plan.timeout))
             for eng in failed:
                 self.relaunch(eng, f"failed during the sync to version {version}")
             raise SyncFailed(

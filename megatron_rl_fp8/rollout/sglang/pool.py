@@ -13,7 +13,9 @@ that are up. One server's own process and calls are :class:`~.server.SGLangServe
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +31,7 @@ from megatron_rl_fp8.rollout.sglang.process import (
     serving,
 )
 from megatron_rl_fp8.rollout.sglang.router import Router
-from megatron_rl_fp8.rollout.sglang.sender import Senders
+from megatron_rl_fp8.rollout.sglang.sender import Senders, on_this_host
 from megatron_rl_fp8.rollout.sglang.server import SGLangServer, server_gpus
 from megatron_rl_fp8.rollout.sglang.transports import write_model_config
 
@@ -83,7 +85,8 @@ class ServerPool:
             if self.attached:
                 nodes = self.cfg.engine_nodes or [""] * len(self.engines)
                 for eng, url, node in zip(self.engines, self.cfg.engine_urls, nodes):
-                    eng.url, eng.node = url.rstrip("/"), node
+                    eng.url = eng.attached_url = url.rstrip("/")
+                    eng.node = node
             else:
                 for eng in self.engines:
                     eng.node = node_name()
@@ -126,7 +129,8 @@ class ServerPool:
             self._wait_attached()
         for eng in self.engines:
             if eng.proc is None:
-                continue  # attached: one that died was dropped
+                self._rejoin(eng)
+                continue
             if not eng.alive():
                 self.relaunch(eng, "its process exited")
             if eng.version < 0:  # relaunched (or unknown): wait until it can take the weights
@@ -148,9 +152,13 @@ class ServerPool:
         """Take ``eng`` out of the router, kill what is left of it, and start it again (it
         rejoins at the next sync). Attached engines are dropped instead."""
         self._router_remove(eng)
-        if eng.proc is None:  # attached: nothing to relaunch
-            print(f"[sglang] engine {eng.url}: {why}; dropped from the fleet", file=sys.stderr)
-            eng.url, eng.version = "", -1
+        if eng.proc is None:  # attached: its own node relaunches it (launch/rollout_role.py)
+            print(
+                f"[sglang] engine {eng.url}: {why}; dropped from the fleet until it answers "
+                "again (the next sync waits for it)",
+                file=sys.stderr,
+            )
+            eng.url, eng.version, eng.rejoin_wait = "", -1, True
             return
         if eng.restarts >= self.cfg.max_restarts:
             log = eng.log
@@ -171,6 +179,33 @@ class ServerPool:
         )
         eng.kill()
         self._launch(eng)
+
+    def _rejoin(self, eng: SGLangServer) -> None:
+        """An attached engine that was dropped joins again once it answers ``/health`` (its node
+        relaunched it on placeholder weights: the sync that follows gives it the weights). The
+        first sync after the drop waits for it (``startup_timeout_s``); later ones only ask."""
+        if eng.url or not eng.attached_url:
+            return
+        probe = SGLangServer(eng.index, self.work_dir, url=eng.attached_url)
+        deadline = time.monotonic() + (self.cfg.startup_timeout_s if eng.rejoin_wait else 0)
+        while not probe.healthy() and time.monotonic() < deadline:
+            time.sleep(1.0)
+        if eng.rejoin_wait and not probe.healthy():
+            print(
+                f"[sglang] engine {eng.attached_url} did not answer again within "
+                f"rollout.sglang.startup_timeout_s={self.cfg.startup_timeout_s}s; the fleet goes "
+                "on without it and asks again at every sync",
+                file=sys.stderr,
+                flush=True,
+            )
+        eng.rejoin_wait = False
+        if probe.healthy():
+            eng.url, eng.version = eng.attached_url, -1
+            self.stats["restarts"] += 1
+            print(
+                f"[sglang] engine {eng.url} answers again; it rejoins with this sync",
+                file=sys.stderr,
+            )
 
     def each(
         self, engines: list[SGLangServer], call: Callable[[SGLangServer], None]
@@ -204,8 +239,19 @@ class ServerPool:
 
     def kill_server(self) -> None:
         """SIGKILL the last engine's process group without telling the fleet, as a crash would
-        (fault injection: ``MRF8_SGLANG_FAULT``, tests)."""
-        self.engines[-1].kill()
+        (fault injection: ``MRF8_SGLANG_FAULT``, tests). An attached one on this host is found
+        by the pid file its node's rollout role wrote (``<work_dir>/node<k>/engine<i>.pid``)."""
+        eng = self.engines[-1]
+        if eng.proc is not None or not eng.url:
+            return eng.kill()
+        pid_files = list(self.work_dir.glob(f"node*/engine{eng.index}.pid"))
+        if not pid_files or not on_this_host(eng.url):
+            print(
+                f"[sglang] fault: cannot kill attached engine {eng.url} from here", file=sys.stderr
+            )
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(int(pid_files[0].read_text()), signal.SIGKILL)
 
     def fault(self, point: str) -> None:
         """The fault hook at ``point`` (``faults.FAULT_POINTS``; testing only)."""

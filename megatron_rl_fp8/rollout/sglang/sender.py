@@ -67,10 +67,9 @@ class SGLangSyncPlan(SyncPlan):
 
     @property
     def nodes(self) -> list[str]:
-        """``tensor`` transport to engines on several nodes: those nodes, in order (a per-node
-        sync); otherwise ``[]``."""
-        nodes = list(dict.fromkeys(self.engine_nodes))
-        return nodes if self.transport == "tensor" and len(nodes) > 1 else []
+        """``tensor`` transport: the engines' nodes, in order (a per-node sync where they are
+        not all on the sending ranks' node); otherwise ``[]``."""
+        return list(dict.fromkeys(self.engine_nodes)) if self.transport == "tensor" else []
 
     def on_node(self, node: str) -> SGLangSyncPlan:
         if not self.engine_nodes:

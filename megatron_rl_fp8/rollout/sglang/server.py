@@ -18,6 +18,7 @@ is launched, relaunched, dropped, put in the router and synced; a server only do
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -51,6 +52,8 @@ class SGLangServer:
     version: int = -1  # the weight version it was verified to serve; -1 = none
     in_router: bool = False
     node: str = ""  # the node it runs on (a per-node sync's); "" = unknown
+    attached_url: str = ""  # attached: where it was given; kept while it is dropped
+    rejoin_wait: bool = False  # attached and dropped: wait for it once at the next sync
 
     @property
     def http(self) -> Http:
@@ -131,6 +134,13 @@ class SGLangServer:
             timeout=timeout,
         )
         self.http.ok("/begin_weight_update", {}, timeout=timeout)
+
+    def abandon_update(self, *, timeout: float) -> None:
+        """Close an update session that a failed sync left open (its weights stay partial, its
+        version ``"<v>-partial"``: the sync that runs again replaces both); quietly, since the
+        engine may be the one that failed."""
+        with contextlib.suppress(RolloutEngineError):
+            self.http.ok("/end_weight_update", {}, timeout=timeout)
 
     def end_update(self, version: int, *, timeout: float) -> None:
         """Close the update session, mark it ``"<v>"``, flush its KV/radix cache, and check that
