@@ -5,11 +5,19 @@ bucket copy) against a plain memory copy of the same bytes, and the whole sync i
     python tools/bench_sync.py --fleet 1 2 4          # the sync into 1, 2, 4 engines (.venv-sglang)
     python tools/bench_sync.py --fleet 1 --transports distributed tensor   # both transports
     python tools/bench_sync.py --quantizers           # rollout.fp8.quantizer: builtin vs modelopt
+    python tools/bench_sync.py --per-node             # per-node sync beside the broadcast
 
 Weights are random BF16, Qwen3-shaped, given as the *full* Megatron state dict (what
 ``sync.gather.iter_full_params`` yields on the driver at TP=1, where it hands out the parameters
 themselves without copies; TP/PP gathers add network time that this one-box benchmark does not
 model). GB/s = BF16 input bytes / wall seconds for every row, so rows compare with the copy row.
+
+``--per-node`` runs two trainer ranks (gloo) on two "nodes" of this host (``SLURMD_NODENAME``
+n1, n2), one SGLang CPU engine on each, and times whole syncs of the same fleet both ways in one
+run, alternating: the ``distributed`` broadcast from rank 0 to both engines, and the per-node sync
+(``trainer/node_sync.py``: rank 0 relays every bucket to rank 1 over gloo, each rank pushes it to
+its own node's engine over shared memory). Seconds from the sync's begin to its end on rank 0,
+best of ``--reps`` (default 3) per row.
 
 ``--quantizers`` times only the quantization step of that path, ``quantize_for_rollout`` with
 ``rollout.fp8.quantizer`` = builtin and = modelopt, on Qwen3-8B's linear weights (``--small``: the
@@ -283,6 +291,101 @@ def print_quantizers(rows: list[dict]) -> None:
     print(f"modelopt/builtin time ratio: {min(ratios):.2f}-{max(ratios):.2f}")
 
 
+def _per_node_rank(rank: int, world: int, port: int, size: str, bucket_mb: float, python: str,
+                   reps: int, out) -> None:  # fmt: skip
+    """One rank of ``--per-node``: rank 0 drives the fleet and exports; both push."""
+    import os
+    import tempfile
+    import types
+
+    import torch.distributed as dist
+
+    os.environ.update(SLURMD_NODENAME=f"n{rank + 1}", MASTER_ADDR="127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron_rl_fp8.models.hf_mapping import hf_config
+    from megatron_rl_fp8.rollout.config import RolloutConfig
+    from megatron_rl_fp8.rollout.sglang import SGLangFleet
+    from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
+    from megatron_rl_fp8.rollout.sglang.sender import WeightSender
+    from megatron_rl_fp8.trainer.node_sync import NodeSync
+
+    mc = model_config(*SHAPES[size])
+    state = random_mcore_state(mc) if rank == 0 else None
+    # A DP 2 trainer: rank 0 is the stage's sender, rank 1 n2's relay rank.
+    node_sync = NodeSync(
+        types.SimpleNamespace(tp=None, rank=rank, pp_rank=0, dp_rank=rank, cp_rank=0)
+    )
+    sender = None if rank == 0 else WeightSender()
+    with tempfile.TemporaryDirectory() as work:
+        fleet = None
+        if rank == 0:
+            cfg = RolloutConfig(engine="sglang", sglang=SGLangConfig(
+                python=python, num_engines=2, bucket_mb=bucket_mb, work_dir=work,
+                dtype="bfloat16", startup_timeout_s=900))  # fmt: skip
+            fleet = SGLangFleet(cfg, hf_config(mc), pad_token_id=0, eos_token_id=2)
+            fleet.engines[1].node = "n2"  # what the launcher's engine_nodes says on a cluster
+            sender = fleet.sender
+        rows, version = [], 0
+        try:
+            weights = (("bf16", RolloutFP8Config()),
+                       ("fp8 blockwise", RolloutFP8Config(weight_quant="blockwise")))  # fmt: skip
+            for (label, fp8), _, transport in itertools.product(
+                weights, range(reps), ("distributed", "tensor")
+            ):
+                if rank == 0:
+                    fleet.cfg.transport = transport
+                dist.barrier()
+                t0 = time.perf_counter()
+                plan = fleet.begin_sync(version) if rank == 0 else None
+                box = [plan]
+                dist.broadcast_object_list(box, src=0)
+                plan = box[0]
+
+                def export(times, fp8=fp8, plan=plan):
+                    return export_for_rollout(state.items(), mc, fp8, **plan.export_options)
+
+                if transport == "tensor":
+                    error, times = node_sync.push(plan, export=export, sender=lambda: sender)
+                else:
+                    error = sender.push(plan, export(None)) if rank == 0 else None
+                errors: list = [None] * world
+                dist.all_gather_object(errors, error)
+                if rank == 0:
+                    fleet.end_sync(plan, errors)
+                    rows.append({"weights": label, "transport": transport,
+                                 "s": time.perf_counter() - t0})  # fmt: skip
+                version += 1
+        finally:
+            if fleet is not None:
+                fleet.shutdown()
+            dist.destroy_process_group()
+    if rank == 0:
+        out.put(rows)
+
+
+def bench_per_node(size: str, bucket_mb: float, python: str, reps: int) -> list[dict]:
+    """``--per-node``: best seconds per sync by (weights, transport)."""
+    import torch.multiprocessing as mp
+
+    from megatron_rl_fp8.parallel import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    args = (2, free_port(), size, bucket_mb, python, reps, out)
+    procs = [ctx.Process(target=_per_node_rank, args=(r, *args)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = out.get()
+    for p in procs:
+        p.join()
+    best: dict[tuple[str, str], float] = {}
+    for r in rows:
+        key = (r["weights"], r["transport"])
+        best[key] = min(best.get(key, float("inf")), r["s"])
+    return [{"weights": w, "transport": t, "s": s} for (w, t), s in best.items()]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -315,8 +418,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--small", action="store_true", help="--quantizers: Qwen3-8B shapes / 8")
     ap.add_argument("--reps", type=int, help="--quantizers: timed rounds (10 on cuda, 5 on cpu)")
     ap.add_argument("--json", type=Path, help="--quantizers: also write the rows to this file")
+    ap.add_argument(
+        "--per-node",
+        action="store_true",
+        help="instead of the export rows: the per-node sync beside the broadcast, 2 ranks and "
+        "2 engines (model --sglang-size, buckets --sglang-bucket-mb, best of --reps, default 3)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.per_node:
+        mc = model_config(*SHAPES[args.sglang_size])
+        n = sum(t.numel() for t in random_mcore_state(mc).values())
+        print(
+            f"2 ranks on 2 nodes of one host (gloo), one SGLang CPU engine per node, "
+            f"{args.sglang_size} ({n / 1e6:.0f}M params, bf16), bucket_mb={args.sglang_bucket_mb}"
+        )
+        rows = bench_per_node(args.sglang_size, args.sglang_bucket_mb, args.sglang_python,
+                              args.reps or 3)  # fmt: skip
+        print("| weights | sync | s / sync | per-node / broadcast |")
+        print("|---|---|---:|---:|")
+        by = {(r["weights"], r["transport"]): r["s"] for r in rows}
+        for (w, t), sec in by.items():
+            name = "per node (relay + shared memory)" if t == "tensor" else "broadcast (gloo)"
+            ratio = f"{sec / by[(w, 'distributed')]:.2f}x" if t == "tensor" else ""
+            print(f"| {w} | {name} | {sec:.2f} | {ratio} |")
+        return
     if args.quantizers:
         device = torch.device(args.device)
         where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
