@@ -42,6 +42,19 @@ def _sglang_args(py, work):
     ]
 
 
+def _pp2_colocated(py, tmp_path, work):
+    """A 2-step PP=2 run of the small job with colocated SGLang engines in ``work``."""
+    return [
+        *SMALL,
+        "train.steps=2",
+        "parallel.pipeline_model_parallel_size=2",
+        f"train.output_dir={tmp_path / 'run'}",
+        f"train.cache_dir={tmp_path / 'cache'}",
+        *_sglang_args(py, work),
+        "rollout.placement=colocated",
+    ]
+
+
 def test_pp2_trainer_feeds_a_colocated_engine_from_each_stage_and_resends_a_failed_sync(
     sglang_py, tmp_path, monkeypatch
 ):
@@ -51,13 +64,7 @@ def test_pp2_trainer_feeds_a_colocated_engine_from_each_stage_and_resends_a_fail
     monkeypatch.setenv(FAULT_ENV, "begin_update@2")
     work = tmp_path / "sglang"
     overrides = [
-        *SMALL,
-        "train.steps=2",
-        "parallel.pipeline_model_parallel_size=2",
-        f"train.output_dir={tmp_path / 'run'}",
-        f"train.cache_dir={tmp_path / 'cache'}",
-        *_sglang_args(sglang_py, work),
-        "rollout.placement=colocated",
+        *_pp2_colocated(sglang_py, tmp_path, work),
     ]
     metrics, events = run_distributed(colocated_body, world_size=2, args=(overrides,), timeout=900)[
         0
@@ -165,13 +172,7 @@ def test_pipelined_run_survives_an_engine_killed_during_an_update(sglang_py, tmp
 def test_per_node_sync_feeds_each_nodes_engine_from_its_own_rank(sglang_py, tmp_path):
     work = tmp_path / "sglang"
     overrides = [
-        *SMALL,
-        "train.steps=2",
-        "parallel.pipeline_model_parallel_size=2",
-        f"train.output_dir={tmp_path / 'run'}",
-        f"train.cache_dir={tmp_path / 'cache'}",
-        *_sglang_args(sglang_py, work),
-        "rollout.placement=colocated",
+        *_pp2_colocated(sglang_py, tmp_path, work),
         "rollout.sglang.transport=tensor",
         "rollout.sglang.num_engines=2",
     ]

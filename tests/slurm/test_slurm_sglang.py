@@ -25,6 +25,29 @@ ENGINES = 2
 JOB_TIMEOUT_S = 480  # engines ready and SFT done ~80 s after sbatch here; 2 steps after that
 
 
+def _tiny_job(sglang_py, tmp_path) -> list[str]:
+    """SGLang CPU engines and a few seconds of compute: a short SFT warm start, ``STEPS`` RL
+    steps of 16 rows, no evaluation, no checkpoint; the run in ``tmp_path / "run"``."""
+    return [
+        "rollout.engine=sglang",
+        f"rollout.sglang.python={sglang_py}",
+        # CPU engines on a small box: each sizes its KV pool from host memory.
+        "rollout.sglang.mem_fraction_static=0.3",
+        "rollout.sglang.max_total_tokens=8192",
+        "rollout.sglang.startup_timeout_s=300",
+        "sft.steps=5",
+        "sft.batch_size=16",
+        f"train.steps={STEPS}",
+        "train.prompts_per_step=4",
+        "rollout.n_samples_per_prompt=4",
+        "train.eval_interval=0",
+        "train.eval_prompts=8",
+        "train.save_interval=0",
+        f"train.output_dir={tmp_path / 'run'}",
+        f"train.cache_dir={tmp_path / 'cache'}",
+    ]
+
+
 def _log(path) -> str:
     return path.read_text(errors="replace") if path.exists() else f"({path} missing)"
 
@@ -34,27 +57,11 @@ def test_dedicated_rollout_node_runs_sglang_engines_and_router(slurm_cluster, sg
 
     run = tmp_path / "run"
     overrides = [
-        "rollout.engine=sglang",
         "rollout.placement=dedicated",
         f"rollout.sglang.num_engines={ENGINES}",
-        f"rollout.sglang.python={sglang_py}",
-        # Two CPU engines on a small box: each sizes its KV pool from host memory.
-        "rollout.sglang.mem_fraction_static=0.3",
-        "rollout.sglang.max_total_tokens=8192",
-        "rollout.sglang.startup_timeout_s=300",
-        # A few seconds of compute: a short SFT warm start, 2 RL steps, no evaluation.
-        "sft.steps=5",
-        "sft.batch_size=16",
-        f"train.steps={STEPS}",
-        "train.prompts_per_step=4",
-        "rollout.n_samples_per_prompt=4",
+        *_tiny_job(sglang_py, tmp_path),
         # 16 rows = 2 updates x DP 2 x micro-batch 4.
         "train.micro_batch_size=4",
-        "train.eval_interval=0",
-        "train.eval_prompts=8",
-        "train.save_interval=0",
-        f"train.output_dir={run}",
-        f"train.cache_dir={tmp_path / 'cache'}",
     ]
     start = time.monotonic()
     # Two "GPUs" per node: the trainer's 2 ranks on n1, one engine per slot on n2.
@@ -117,26 +124,13 @@ def test_colocated_engine_on_each_node_synced_per_node(slurm_cluster, sglang_py,
 
     run = tmp_path / "run"
     overrides = [
-        "rollout.engine=sglang",
         "rollout.placement=colocated",
         "rollout.sglang.num_engines=0",
         "rollout.sglang.transport=tensor",
         "parallel.pipeline_model_parallel_size=2",
-        f"rollout.sglang.python={sglang_py}",
-        "rollout.sglang.mem_fraction_static=0.3",
-        "rollout.sglang.max_total_tokens=8192",
-        "rollout.sglang.startup_timeout_s=300",
-        "sft.steps=5",
-        "sft.batch_size=16",
-        f"train.steps={STEPS}",
-        "train.prompts_per_step=4",
-        "rollout.n_samples_per_prompt=4",
+        *_tiny_job(sglang_py, tmp_path),
+        # 16 rows = 2 updates x DP 1 x micro-batch 8.
         "train.micro_batch_size=8",
-        "train.eval_interval=0",
-        "train.eval_prompts=8",
-        "train.save_interval=0",
-        f"train.output_dir={run}",
-        f"train.cache_dir={tmp_path / 'cache'}",
     ]
     start = time.monotonic()
     fault = {FAULT_ENV: "generate@2"}
