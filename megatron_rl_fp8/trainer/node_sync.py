@@ -63,6 +63,22 @@ def relay_ranks(places: list[RankPlace], nodes: Iterable[str]) -> dict[str, int]
     return out
 
 
+class RelayFailed(RolloutEngineError):
+    """A per-node sync's relay between trainer ranks broke: a rank of one of its nodes died or
+    lost its network. Not retried: the job's ranks cannot go on without it."""
+
+
+def relay_failure(stage: int, members: tuple[int, ...], places: list[RankPlace], e) -> str:
+    """The one line for a relay that broke in ``stage``'s turn between ``members``."""
+    nodes = ", ".join(f"{places[r].node} (rank {r})" for r in members)
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (
+        f"per-node weight sync, stage {stage}: the relay between {nodes} failed ({reason[:200]}): "
+        "a trainer rank there died or lost its network; the run stops, and resubmitting it "
+        "resumes from the last checkpoint"
+    )
+
+
 def stage_senders(places: list[RankPlace]) -> list[int]:
     """The sending rank of every pipeline stage, by stage."""
     senders = {p.pp_rank: r for r, p in enumerate(places) if p.stage_sender}
@@ -135,13 +151,16 @@ class NodeSync:
                     stream, mine = None, SyncTimes()
             if g.rank in members:
                 stream = relay(stream, src=src, group=group, device=current_device(), times=mine)
-                if relaying:
-                    pusher = sender()
-                    failed = pusher.push(plan.on_node(me.node), stream)
-                    error = error or failed
-                    mine.transfer += pusher.times.transfer
-                    mine.load += pusher.times.load
-                else:  # a stage sender whose node has another relay rank
-                    collections.deque(stream, maxlen=0)
+                try:
+                    if relaying:
+                        pusher = sender()
+                        failed = pusher.push(plan.on_node(me.node), stream)
+                        error = error or failed
+                        mine.transfer += pusher.times.transfer
+                        mine.load += pusher.times.load
+                    else:  # a stage sender whose node has another relay rank
+                        collections.deque(stream, maxlen=0)
+                except (RuntimeError, dist.DistError) as e:
+                    raise RelayFailed(relay_failure(stage, members, places, e)) from None
             dist.barrier()
         return error, mine

@@ -4,6 +4,8 @@ the group takes no part."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tests.dist_utils import run_distributed
@@ -68,3 +70,62 @@ def test_a_stage_sender_relays_its_buckets_byte_for_byte():
     ]
     assert sent == expected
     assert t_sent > 0 and t_recv == 0  # the sender's broadcasts are the relay's seconds
+
+
+def _broken_relay_body(rank, world_size):
+    import types
+
+    import torch.distributed as dist
+
+    from megatron_rl_fp8.rollout.sglang.sender import SGLangSyncPlan
+    from megatron_rl_fp8.sync.buckets import Bucket
+    from megatron_rl_fp8.sync.timing import SyncTimes
+    from megatron_rl_fp8.trainer.node_sync import NodeSync, RelayFailed
+
+    os.environ["SLURMD_NODENAME"] = f"n{rank + 1}"
+    # DP 2 on two nodes: rank 0 is the stage's sender, rank 1 node n2's relay rank.
+    sync = NodeSync(types.SimpleNamespace(tp=None, rank=rank, pp_rank=0, dp_rank=rank, cp_rank=0))
+    plan = SGLangSyncPlan(
+        version=1, export_options={}, engines=[("http://a:1", 1), ("http://b:1", 1)],
+        device="cpu", timeout=1.0, failed=[], transport="tensor", engine_nodes=["n1", "n2"],
+    )  # fmt: skip
+
+    class Dies:
+        """n2's rank: takes one bucket, then its process group goes (as when it dies)."""
+
+        times = SyncTimes()
+
+        def push(self, plan, buckets):
+            next(iter(buckets))
+            dist.destroy_process_group()
+            raise _Died
+
+    class Takes:
+        times = SyncTimes()
+
+        def push(self, plan, buckets):
+            for _ in buckets:
+                pass
+
+    def export(times):
+        for i in range(50):
+            yield Bucket(i, [("w", torch.full((1000,), float(i)))])
+
+    try:
+        sync.push(plan, export=export, sender=lambda: Dies() if rank == 1 else Takes())
+    except RelayFailed as e:
+        return str(e)
+    except _Died:
+        return "gone"
+    return "no error"
+
+
+class _Died(BaseException):
+    """The dying rank's way out of the sync (not an error the sync handles)."""
+
+
+def test_a_relay_rank_that_dies_fails_the_sync_in_one_line():
+    line, gone = run_distributed(_broken_relay_body, world_size=2, timeout=120)
+    assert gone == "gone"
+    assert "\n" not in line and line.startswith("per-node weight sync, stage 0: the relay between")
+    assert "n1 (rank 0), n2 (rank 1)" in line and "resumes from the last checkpoint" in line
