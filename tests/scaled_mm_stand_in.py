@@ -18,10 +18,16 @@ from pathlib import Path
 
 
 def allow_fp8_backends() -> None:
-    """In this process, answer the backend selection's "which GPU?" with Hopper (9.0)."""
+    """In this process, answer the backend selection's "which GPU?" with Hopper (9.0), and run
+    CPU ``_scaled_mm`` on ATen's own kernel rather than oneDNN's: on CPUs with AMX / AVX512-FP16
+    oneDNN's FP8 matmul took ~1 s per 256x512x256 call (2026-12-02), ATen's 2 ms, and the
+    trainer makes thousands (test_scaled_mm_run: 17 min instead of 1-2)."""
+    import torch
+
     import megatron_rl_fp8.fp8.backend as backend
 
     backend.cuda_capability = lambda: (9, 0)
+    torch.backends.mkldnn.enabled = False
 
 
 if __name__ == "__main__":  # spawned workers (the reward pool) import this file as __mp_main__
