@@ -188,9 +188,11 @@ class ServerPool:
             return
         probe = SGLangServer(eng.index, self.work_dir, url=eng.attached_url)
         deadline = time.monotonic() + (self.cfg.startup_timeout_s if eng.rejoin_wait else 0)
-        while not probe.healthy() and time.monotonic() < deadline:
+        back = probe.healthy()
+        while not back and time.monotonic() < deadline:
             time.sleep(1.0)
-        if eng.rejoin_wait and not probe.healthy():
+            back = probe.healthy()
+        if eng.rejoin_wait and not back:
             print(
                 f"[sglang] engine {eng.attached_url} did not answer again within "
                 f"rollout.sglang.startup_timeout_s={self.cfg.startup_timeout_s}s; the fleet goes "
@@ -199,7 +201,7 @@ class ServerPool:
                 flush=True,
             )
         eng.rejoin_wait = False
-        if probe.healthy():
+        if back:
             eng.url, eng.version = eng.attached_url, -1
             self.stats["restarts"] += 1
             print(
