@@ -319,11 +319,6 @@ def _every_tp_group(
             "null, or num_engines to a count"
         )
     slots = colocated_engines(nodes=len(nodes), gpus_per_node=g, engine_tp=tp)
-    if g // tp > MAX_ENGINES_PER_NODE:
-        raise ConfigError(
-            f"rollout.sglang.num_engines=0 puts {g // tp} engines on a node, more than the "
-            f"{MAX_ENGINES_PER_NODE} a job's ports allow: raise rollout.sglang.tp_size"
-        )
     avoid = senders.gpus if senders is not None else {}
     clash = next(((s, x) for s in slots for x in s.gpus if x in avoid), None)
     if clash is not None:

@@ -88,8 +88,9 @@ class ServerPool:
                     eng.url = eng.attached_url = url.rstrip("/")
                     eng.node = node
             else:
+                here = node_name()
                 for eng in self.engines:
-                    eng.node = node_name()
+                    eng.node = here
                 if self.device == "cuda":
                     self._gpus = server_gpus(
                         self.cfg, n, colocated=self.colocated, senders=self.senders
