@@ -36,8 +36,8 @@ def exact_calibrated_clip_bounds(
 ) -> tuple[float, float]:
     """Reference for tests: the same bounds from raw tokens, exactly (O(tokens), one process).
 
-    Uses ``torch.quantile`` for the lower bound and a sorted cumulative sum for the balance; the
-    edge-case rules are those of :func:`bounds_from_histogram`, with token values in place of bin
+    Uses ``torch.quantile`` for the lower bound (and the upper one under ``quantile``) and a sorted
+    cumulative sum for the balance; the edge-case rules are those of :func:`bounds_from_histogram`, with token values in place of bin
     edges.
     """
     x8, x16, adv, neg, pos = _token_views(fp8_log_ratio, bf16_log_ratio, advantages, mask)
@@ -62,7 +62,17 @@ def exact_calibrated_clip_bounds(
     bf16_neg_unclipped = float(w16[neg & (x16 >= log_lower)].sum())
     if strategy == "shift":
         upper = lower * nominal_upper / nominal_lower
-    elif strategy == "lower_only" or not bool(pos.any()) or bf16_neg_unclipped == 0:
+    elif strategy == "lower_only" or not bool(pos.any()):
+        upper = nominal_upper
+    elif strategy == "quantile":
+        pos_x8 = x8[pos]
+        q_plus = float((x16[pos] > log_upper).double().mean())
+        upper = (
+            max(nominal_upper, math.exp(float(pos_x8.max())))
+            if q_plus == 0
+            else math.exp(float(torch.quantile(pos_x8, 1.0 - q_plus)))
+        )
+    elif bf16_neg_unclipped == 0:
         upper = nominal_upper
     else:
         balance = float(w16[pos & (x16 <= log_upper)].sum()) / bf16_neg_unclipped
@@ -74,8 +84,28 @@ def exact_calibrated_clip_bounds(
         else:
             target_t = torch.tensor([target], dtype=cum.dtype, device=cum.device)
             k = int(torch.searchsorted(cum, target_t))
-            upper = math.exp(float(x8[pos][order][k]))
+            upper = max(nominal_upper, math.exp(float(x8[pos][order][k])))
     return lower, _clamp(upper, upper_limits)
+
+
+@torch.no_grad()
+def exact_clip_shares(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    lower: float,
+    upper: float,
+) -> tuple[float, float]:
+    """(share of A<0 tokens with r < lower, share of A>0 tokens with r > upper), token by token
+    in float64; NaN for a sign without tokens."""
+    x, _, adv, neg, pos = _token_views(log_ratio, log_ratio, advantages, mask)
+    x = x.double()
+
+    def share(sel: torch.Tensor, hit: torch.Tensor) -> float:
+        n = int(sel.sum())
+        return int((sel & hit).sum()) / n if n else math.nan
+
+    return share(neg, x < math.log(lower)), share(pos, x > math.log(upper))
 
 
 # Plain histograms and quantiles read from them: the building blocks the packed calibration

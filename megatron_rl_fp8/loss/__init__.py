@@ -9,7 +9,7 @@
                        process group passed in by the caller); its knobs in :mod:`.calib_config`.
 
 Nothing here imports Megatron, and ``torch.distributed`` is imported only inside
-:func:`calibrated_clip_bounds` when a group is given, so CPU unit tests reach every function.
+:func:`merged_calibration_histogram` when a group is given, so CPU unit tests reach every function.
 """
 
 from megatron_rl_fp8.loss.advantages import (
@@ -22,7 +22,10 @@ from megatron_rl_fp8.loss.calibration import (
     bounds_from_histogram,
     build_calibration_histogram,
     calibrated_clip_bounds,
+    clip_shares,
     ema_bounds,
+    invariant_violations,
+    merged_calibration_histogram,
 )
 from megatron_rl_fp8.loss.histogram import hist_mass_below
 from megatron_rl_fp8.loss.importance import ISCorrectionConfig, importance_weights
@@ -38,14 +41,17 @@ __all__ = [
     "bounds_from_histogram",
     "build_calibration_histogram",
     "calibrated_clip_bounds",
+    "clip_shares",
     "dynamic_sampling_keep_mask",
     "ema_bounds",
     "grpo_advantages",
     "hist_mass_below",
     "importance_weights",
+    "invariant_violations",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
+    "merged_calibration_histogram",
     "overlong_reward_penalty",
     "policy_loss",
 ]

@@ -12,8 +12,9 @@ from typing import Any, Literal
 
 from megatron_rl_fp8.config_utils import field
 
-Strategy = Literal["balance", "shift", "lower_only"]
-STRATEGIES = ("balance", "shift", "lower_only")
+Strategy = Literal["balance", "quantile", "shift", "lower_only"]
+STRATEGIES = ("balance", "quantile", "shift", "lower_only")
+Mode = Literal["calibrate", "oracle"]
 
 DEFAULT_BINS = 4096
 DEFAULT_LOG_RATIO_RANGE = (-2.0, 2.0)
@@ -35,11 +36,28 @@ class CalibConfig:
         help="Calibrate every this many optimizer steps (each calibration costs one "
         "BF16 shadow forward of pi_old and pi_theta).",
     )
+    mode: Mode = field(
+        default="calibrate",
+        help="'calibrate': bounds from a BF16 shadow pass every `interval` steps; 'oracle': "
+        "every mini-batch runs the BF16 shadow forward and the clip decision of each token comes "
+        "from its BF16 ratio at the nominal bounds (gradient still FP8): what calibration "
+        "approximates, at one shadow forward per mini-batch (a study arm, not a production mode).",
+    )
     strategy: Strategy = field(
         default="balance",
         help="Upper-bound rule: 'balance' matches BF16's positive/negative update "
-        "balance; 'shift' keeps the nominal log-width of the clip interval; 'lower_only' keeps "
-        "the nominal upper bound (the paper's ablation: it over-penalises).",
+        "balance, widening the nominal upper bound but never tightening it; 'quantile' clips the "
+        "share of positive-advantage tokens BF16 clips at the nominal upper bound (the lower "
+        "rule's mirror); 'shift' keeps the nominal log-width of the clip interval; 'lower_only' "
+        "keeps the nominal upper bound (the paper's ablation: it over-penalises).",
+    )
+    invariant_tolerance: float = field(
+        default=0.01,
+        help="At every calibration, FP8's A<0 lower-clip share and A>0 upper-clip share under the "
+        "bounds about to be used are compared with BF16's under the nominal bounds; a sign whose "
+        "share is further than this (absolute share of that sign's tokens) from BF16's and "
+        "further than the nominal bounds' share is a violation: the bounds fall back to nominal "
+        "and the guard records a `calib` event.",
     )
     bins: int = field(
         default=DEFAULT_BINS,
@@ -80,6 +98,16 @@ class CalibConfig:
                 f"CalibConfig.ema_decay={self.ema_decay!r} must lie in [0, 1); "
                 "use 0 to disable smoothing."
             )
+        if not 0 < self.invariant_tolerance < 1:
+            raise ValueError(
+                f"CalibConfig.invariant_tolerance={self.invariant_tolerance!r} must lie in (0, 1): "
+                "it is a share of one sign's tokens (0.01 = one percentage point)."
+            )
+        if self.mode not in ("calibrate", "oracle"):
+            raise ValueError(
+                f"CalibConfig.mode={self.mode!r} is not supported; use 'calibrate' (default) or "
+                "'oracle'."
+            )
         check_solver_args(
             strategy=self.strategy,
             bins=self.bins,
@@ -109,8 +137,8 @@ def check_solver_args(
     """Validate the calibration solver arguments; errors name ``owner + field``."""
     if strategy not in STRATEGIES:
         raise ValueError(
-            f"{owner}strategy={strategy!r} is not supported; use 'balance' (default), 'shift' "
-            "or 'lower_only'."
+            f"{owner}strategy={strategy!r} is not supported; use one of "
+            f"{', '.join(STRATEGIES)} ('balance' is the default)."
         )
     if not isinstance(bins, int) or bins < 16:
         raise ValueError(f"{owner}bins={bins!r} must be an int >= 16 (4096 is a good default).")

@@ -11,27 +11,39 @@ gives BF16 log ratios next to the FP8 ones for the same tokens:
 1. **Lower bound by quantile.** ``q`` = share of negative-advantage tokens whose BF16 ratio is below
    1 - eps_low. The FP8 lower bound is the q-quantile of the negative-advantage FP8 ratios, so FP8
    clips the same share of negative tokens that BF16 would.
-2. **Upper bound by balance** (``strategy="balance"``, the default). Loosening only the lower bound
-   makes the update more negative overall (rewards drop, answers shorten). Define the balance of a
-   (precision, bounds) pair as::
+2. **Upper bound.** Loosening only the lower bound makes the update more negative overall (rewards
+   drop, answers shorten), so the upper bound is re-chosen too. ``strategy="balance"`` (the
+   paper's rule, the default) defines the balance of a (precision, bounds) pair as::
 
        sum_{A>0, r <= upper} |A| r   /   sum_{A<0, r >= lower} |A| r
 
-   i.e. the effective update magnitude of the tokens whose gradient the clip does *not* zero.
-   The FP8 upper bound u is chosen so that FP8's balance under (calibrated lower, u) equals BF16's
+   i.e. the effective update magnitude of the tokens whose gradient the clip does *not* zero, and
+   chooses the FP8 upper bound u so that FP8's balance under (calibrated lower, u) equals BF16's
    balance under the nominal bounds. The numerator only grows with u, so u is found by inverting a
-   cumulative histogram. ``strategy="shift"`` instead keeps the log-width of the nominal interval:
+   cumulative histogram. Where the method departs from the paper: the solved u is never below the
+   nominal 1 + eps_high. Matching a bulk quantity (update mass) with a tail mechanism (the clip)
+   let a 1-2% bulk shift of the A>0 FP8 ratios pull u down into the bulk, where it clipped up to
+   40% of the positive tokens (BF16 clips ~1%); like BAPO's adaptive bound, ``balance`` now only
+   widens from the nominal floor. ``strategy="quantile"`` mirrors the lower rule instead:
+   q+ = share of A>0 tokens whose BF16 ratio exceeds 1 + eps_high, and u is the (1 - q+)
+   quantile of the A>0 FP8 ratios, so both signs lose to the clip what they lose under BF16.
+   ``strategy="shift"`` keeps the log-width of the nominal interval:
    ``log u = log lower_fp8 + log((1 + eps_high) / (1 - eps_low))``; ``strategy="lower_only"``
    keeps the nominal upper bound, the ablation the paper reports over-penalising (kept to show it).
 3. Bounds are clamped to safety limits, and the trainer smooths successive calibrations with
    :func:`ema_bounds`.
+4. **The invariant** (:func:`clip_shares`, :func:`invariant_violations`): on the calibration batch
+   itself, FP8's A<0 lower-clip share and A>0 upper-clip share under the bounds about to be used
+   must stay within ``CalibConfig.invariant_tolerance`` of BF16's under the nominal bounds (or be
+   no further from them than the nominal bounds' shares are). Whatever the rule, a calibration
+   that breaks it is not used: the trainer falls back to the nominal bounds.
 
 Distributed. Every rank builds one flat float64 tensor (:func:`build_calibration_histogram`):
 FP8 log-ratio histograms (token counts and |A|*r sums, split by advantage sign) plus a few exact
 scalar sums of the BF16 (and FP8) quantities at the nominal bounds. BF16 is only ever evaluated at
 the nominal bounds, which are known before any data is seen, so exact sums replace its histograms.
 One all-reduce (SUM) over the data-parallel (x context-parallel) group merges them; traffic is
-``8 * (4 * bins + 7)`` bytes, independent of tokens and ranks. Reading the bounds is then a pure
+``8 * (4 * bins + 9)`` bytes, independent of tokens and ranks. Reading the bounds is then a pure
 function of the merged tensor (:func:`bounds_from_histogram`), so every rank gets identical bounds.
 ``tests/calib_reference.py`` computes the same thing from raw tokens (O(tokens)) and exists
 as the reference for tests.
@@ -66,15 +78,20 @@ __all__ = [
     "build_calibration_histogram",
     "calibrated_clip_bounds",
     "check_solver_args",
+    "clip_shares",
     "ema_bounds",
+    "invariant_violations",
+    "merged_calibration_histogram",
 ]
 
 # Exact scalar sums packed after the four histograms, in this order.
 _SCALARS = (
     "bf16_neg_below",  # count, A < 0 and BF16 r < nominal lower
+    "bf16_pos_above",  # count, A > 0 and BF16 r > nominal upper
     "bf16_pos_unclipped",  # sum |A| r, A > 0 and BF16 r <= nominal upper
     "bf16_neg_unclipped",  # sum |A| r, A < 0 and BF16 r >= nominal lower
-    "fp8_neg_below",  # the same three for FP8 at the nominal bounds (diagnostics)
+    "fp8_neg_below",  # the same four for FP8 at the nominal bounds (the invariant, diagnostics)
+    "fp8_pos_above",
     "fp8_pos_unclipped",
     "fp8_neg_unclipped",
     "fp8_out_of_range",  # count of tokens whose FP8 log ratio was clamped into an edge bin
@@ -140,7 +157,7 @@ def build_calibration_histogram(
         [b, 2b)     FP8 log-ratio token counts, A > 0
         [2b, 3b)    FP8 sum of |A| * r, A < 0
         [3b, 4b)    FP8 sum of |A| * r, A > 0
-        [4b, 4b+7)  exact sums at the nominal bounds (see ``_SCALARS``)
+        [4b, 4b+9)  exact sums at the nominal bounds (see ``_SCALARS``)
 
     Inputs are [B, T] (advantages may be [B]); the tensor stays on the inputs' device and no
     host sync happens here. Log ratios must be finite on response tokens (+-inf is tolerated and
@@ -185,13 +202,16 @@ def build_calibration_histogram(
         return (kept.sum(dim=-1) if kept.dim() > 1 else kept).double().sum()
 
     below8, below16 = x8 < log_lower, x16 < log_lower
+    above8, above16 = x8 > log_upper, x16 > log_upper
     packed[4 * bins :] = torch.stack(
         [
             count(neg & below16),
-            total(w16, pos & (x16 <= log_upper)),
+            count(pos & above16),
+            total(w16, pos & ~above16),
             total(w16, neg & ~below16),
             count(neg & below8),
-            total(w8, pos & (x8 <= log_upper)),
+            count(pos & above8),
+            total(w8, pos & ~above8),
             total(w8, neg & ~below8),
             count(valid & ((x8 < lo) | (x8 > hi))),
         ]
@@ -205,6 +225,74 @@ def _ratio(num: float, den: float) -> float:
 
 def _clamp(x: float, limits: tuple[float, float]) -> float:
     return min(max(x, limits[0]), limits[1])
+
+
+def _unpack(packed: torch.Tensor, bins: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """([4, bins] histograms on the CPU: neg counts, pos counts, neg |A|r, pos |A|r; scalars)."""
+    if packed.numel() != 4 * bins + NUM_SCALARS:
+        raise ValueError(
+            f"packed histogram has {packed.numel()} entries, expected "
+            f"4 * bins + {NUM_SCALARS} = {4 * bins + NUM_SCALARS} for bins={bins}; "
+            "pass the bins it was built with."
+        )
+    # The one host sync of a calibration: a few thousand float64 numbers to the CPU, where the
+    # rest is cheap scalar work (a no-op when the caller already copied them).
+    packed = packed.detach().to("cpu", torch.float64)
+    return packed[: 4 * bins].view(4, bins), dict(zip(_SCALARS, packed[4 * bins :].tolist()))
+
+
+def clip_shares(
+    packed: torch.Tensor,
+    lower: float,
+    upper: float,
+    *,
+    bins: int = DEFAULT_BINS,
+    log_ratio_range: tuple[float, float] = DEFAULT_LOG_RATIO_RANGE,
+) -> dict[str, float]:
+    """What the clip removes, per advantage sign, read from a (merged) packed histogram.
+
+    ``bf16_*`` and ``fp8_*_nominal``: the exact shares at the nominal bounds (the sums the histogram
+    was built with); ``fp8_*_calibrated``: FP8's shares under ``(lower, upper)``, read from the
+    histogram (to within the mass of the bin each bound falls in). ``neg_lower`` is the share of
+    A<0 tokens with r < lower, ``pos_upper`` the share of A>0 tokens with r > upper; NaN when the
+    batch has no token of that sign.
+    """
+    hist, s = _unpack(packed, bins)
+    neg_cnt, pos_cnt = hist[0], hist[1]
+    n_neg, n_pos = float(neg_cnt.sum()), float(pos_cnt.sum())
+    return {
+        "bf16_neg_lower_clipfrac": _ratio(s["bf16_neg_below"], n_neg),
+        "bf16_pos_upper_clipfrac": _ratio(s["bf16_pos_above"], n_pos),
+        "fp8_neg_lower_clipfrac_nominal": _ratio(s["fp8_neg_below"], n_neg),
+        "fp8_pos_upper_clipfrac_nominal": _ratio(s["fp8_pos_above"], n_pos),
+        "fp8_neg_lower_clipfrac_calibrated": _ratio(
+            hist_mass_below(neg_cnt, math.log(lower), log_ratio_range), n_neg
+        ),
+        "fp8_pos_upper_clipfrac_calibrated": _ratio(
+            n_pos - hist_mass_below(pos_cnt, math.log(upper), log_ratio_range), n_pos
+        ),
+    }
+
+
+def invariant_violations(shares: dict[str, float], tolerance: float) -> list[str]:
+    """The signs (``"neg_lower"``, ``"pos_upper"``) on which calibrated bounds do harm.
+
+    A sign is violated when FP8's share under the calibrated bounds is further than ``tolerance``
+    from BF16's under the nominal bounds *and* further from it than FP8's share under the nominal
+    bounds: falling back to nominal then brings that sign closer to BF16. A sign without tokens
+    (NaN shares) has nothing to violate. ``shares`` is :func:`clip_shares`' dict.
+    """
+    out = []
+    for sign in ("neg_lower", "pos_upper"):
+        bf16 = shares[f"bf16_{sign}_clipfrac"]
+        cal = shares[f"fp8_{sign}_clipfrac_calibrated"]
+        nominal = shares[f"fp8_{sign}_clipfrac_nominal"]
+        if math.isnan(bf16) or math.isnan(cal):
+            continue
+        gap = abs(cal - bf16)
+        if gap > tolerance and gap > abs(nominal - bf16):
+            out.append(sign)
+    return out
 
 
 def bounds_from_histogram(
@@ -225,14 +313,18 @@ def bounds_from_histogram(
     * no negative-advantage tokens: lower = nominal 1 - eps_low (there is nothing to calibrate);
     * q = 0 (BF16 clips no negative token): lower = min(nominal, left edge of the lowest non-empty
       FP8 bin), i.e. FP8 clips none either, loosening past nominal only as far as needed;
-    * ``balance`` without positive tokens, or with no unclipped BF16 negative mass (balance
-      undefined): upper = nominal 1 + eps_high;
+    * no positive-advantage tokens: upper = nominal 1 + eps_high, whatever the strategy but shift;
+    * ``quantile`` with q+ = 0 (BF16 clips no positive token): upper = max(nominal, right edge of
+      the highest non-empty positive FP8 bin), the mirror of q = 0;
+    * ``balance`` with no unclipped BF16 negative mass (balance undefined): upper = nominal;
     * ``balance`` unreachable (even unclipping every positive token gives too little mass):
       upper = the larger of nominal and the right edge of the last non-empty positive bin (the
-      tightest bound that unclips every positive token; looser would change nothing now).
+      tightest bound that unclips every positive token; looser would change nothing now);
+    * ``balance`` below nominal (FP8's positive ratios shifted up in bulk): upper = nominal.
 
     Both bounds are finally clamped to ``lower_limits`` / ``upper_limits``; the balance is solved
-    with the clamped lower bound. Returns ``(lower, upper, stats)`` with Python floats.
+    with the clamped lower bound. Returns ``(lower, upper, stats)`` with Python floats; ``stats``
+    holds :func:`clip_shares` at the returned bounds too.
     """
     check_eps(eps_low, eps_high)
     check_solver_args(
@@ -242,17 +334,8 @@ def bounds_from_histogram(
         lower_limits=lower_limits,
         upper_limits=upper_limits,
     )
-    if packed.numel() != 4 * bins + NUM_SCALARS:
-        raise ValueError(
-            f"packed histogram has {packed.numel()} entries, expected "
-            f"4 * bins + {NUM_SCALARS} = {4 * bins + NUM_SCALARS} for bins={bins}; "
-            "pass the bins it was built with."
-        )
-    # The one host sync of a calibration: a few thousand float64 numbers to the CPU, where the
-    # rest is cheap scalar work.
-    packed = packed.detach().to("cpu", torch.float64)
-    neg_cnt, pos_cnt, neg_sum, pos_sum = packed[: 4 * bins].view(4, bins)
-    s = dict(zip(_SCALARS, packed[4 * bins :].tolist()))
+    hist, s = _unpack(packed, bins)
+    neg_cnt, pos_cnt, neg_sum, pos_sum = hist
     n_neg, n_pos = float(neg_cnt.sum()), float(pos_cnt.sum())
     neg_total, pos_total = float(neg_sum.sum()), float(pos_sum.sum())
     nominal_lower, nominal_upper = 1.0 - eps_low, 1.0 + eps_high
@@ -270,34 +353,44 @@ def bounds_from_histogram(
     def fp8_neg_unclipped(log_lower: float) -> float:
         return neg_total - hist_mass_below(neg_sum, log_lower, log_ratio_range)
 
+    def unclip_all(weights: torch.Tensor) -> float:
+        # The right edge of the last non-empty positive bin, never below nominal.
+        return max(nominal_upper, math.exp(hist_inverse_mass(weights, math.inf, log_ratio_range)))
+
     bf16_balance = _ratio(s["bf16_pos_unclipped"], s["bf16_neg_unclipped"])
+    q_plus = _ratio(s["bf16_pos_above"], n_pos)
     if strategy == "shift":
         upper = lower * nominal_upper / nominal_lower
-    elif strategy == "lower_only" or n_pos == 0 or math.isnan(bf16_balance):
+    elif strategy == "lower_only" or n_pos == 0:
+        upper = nominal_upper
+    elif strategy == "quantile":
+        upper = (
+            unclip_all(pos_cnt)
+            if q_plus == 0
+            else math.exp(hist_inverse_mass(pos_cnt, (1.0 - q_plus) * n_pos, log_ratio_range))
+        )
+    elif math.isnan(bf16_balance):
         upper = nominal_upper
     else:
         target = bf16_balance * fp8_neg_unclipped(log_l)
         if target >= pos_total:
-            # Unreachable: unclip every positive token this batch has (the right edge of the last
-            # non-empty bin) but never tighten below nominal. Going further, e.g. to the safety
-            # maximum, would not move this batch's balance at all, only drop the upper clip for
-            # every step until the next calibration.
-            upper = max(
-                nominal_upper, math.exp(hist_inverse_mass(pos_sum, pos_total, log_ratio_range))
-            )
+            # Unreachable: unclip every positive token this batch has. Going further, e.g. to the
+            # safety maximum, would not move this batch's balance at all, only drop the upper
+            # clip for every step until the next calibration.
+            upper = unclip_all(pos_sum)
         else:
-            upper = math.exp(hist_inverse_mass(pos_sum, target, log_ratio_range))
+            # One-sided: the balance may widen the upper bound, never tighten it (see the module
+            # docstring: a bulk shift of the positive ratios would pull it into the bulk).
+            upper = max(
+                nominal_upper, math.exp(hist_inverse_mass(pos_sum, target, log_ratio_range))
+            )
     upper = _clamp(upper, upper_limits)
     log_u = math.log(upper)
 
     stats = {
         "lower": lower,
         "upper": upper,
-        "bf16_neg_lower_clipfrac": q,
-        "fp8_neg_lower_clipfrac_nominal": _ratio(s["fp8_neg_below"], n_neg),
-        "fp8_neg_lower_clipfrac_calibrated": _ratio(
-            hist_mass_below(neg_cnt, log_l, log_ratio_range), n_neg
-        ),
+        **clip_shares(packed, lower, upper, bins=bins, log_ratio_range=log_ratio_range),
         "bf16_balance": bf16_balance,
         "fp8_balance_nominal": _ratio(s["fp8_pos_unclipped"], s["fp8_neg_unclipped"]),
         "fp8_balance_calibrated": _ratio(
@@ -309,6 +402,37 @@ def bounds_from_histogram(
         "hist_bytes": float(packed.numel() * packed.element_size()),
     }
     return lower, upper, stats
+
+
+def merged_calibration_histogram(
+    fp8_log_ratio: torch.Tensor,
+    bf16_log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    *,
+    group: Any = None,
+    bins: int = DEFAULT_BINS,
+    log_ratio_range: tuple[float, float] = DEFAULT_LOG_RATIO_RANGE,
+) -> torch.Tensor:
+    """:func:`build_calibration_histogram` summed over ``group`` (one all-reduce; ``None``: this
+    rank's tokens only). Every rank of the group must call it; every rank gets the same tensor."""
+    packed = build_calibration_histogram(
+        fp8_log_ratio,
+        bf16_log_ratio,
+        advantages,
+        mask,
+        eps_low,
+        eps_high,
+        bins=bins,
+        log_ratio_range=log_ratio_range,
+    )
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    return packed
 
 
 def calibrated_clip_bounds(
@@ -350,20 +474,17 @@ def calibrated_clip_bounds(
         lower_limits=lower_limits,
         upper_limits=upper_limits,
     )
-    packed = build_calibration_histogram(
+    packed = merged_calibration_histogram(
         fp8_log_ratio,
         bf16_log_ratio,
         advantages,
         mask,
         eps_low,
         eps_high,
+        group=group,
         bins=bins,
         log_ratio_range=log_ratio_range,
     )
-    if group is not None:
-        import torch.distributed as dist
-
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
     lower, upper, stats = bounds_from_histogram(
         packed,
         eps_low,

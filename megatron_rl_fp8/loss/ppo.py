@@ -106,6 +106,7 @@ def policy_loss(
     global_seq_count: float | torch.Tensor | None = None,
     rollout_log_prob: torch.Tensor | None = None,
     is_correction: ISCorrectionConfig | None = None,
+    clip_log_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss and its diagnostics (see the module docstring for the math).
 
@@ -123,6 +124,11 @@ def policy_loss(
         is_correction: importance-sampling config, see :mod:`megatron_rl_fp8.loss.importance`.
             Rejected tokens get weight 0 but stay in the denominator, so the global counts stay
             valid and a rejection shrinks the update instead of renormalising it.
+        clip_log_ratio: [B, T] the log ratio that *decides* the clip, when it is not the one
+            carrying the gradient (calibrated clipping's oracle: the BF16 shadow's ratio decides,
+            the FP8 ratio trains). A token is clipped (zero gradient) when its deciding ratio is
+            past the bound on its advantage's side; otherwise its loss is ``-A * r``. The clip
+            metrics then count the deciding ratio's clips.
 
     Returns:
         ``(loss, metrics)``: ``loss`` is a 0-d tensor; ``metrics`` maps names to detached 0-d
@@ -162,11 +168,21 @@ def policy_loss(
     log_ratio = torch.where(mask_b, log_prob - old_log_prob, torch.zeros_like(log_prob))
     log_ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * ratio.clamp(clip_low, clip_high)
-    loss_tok = torch.maximum(loss_unclipped, loss_clipped)
     neg = advantages < 0
     pos = advantages > 0
+    loss_unclipped = -advantages * ratio
+    if clip_log_ratio is None:
+        decide = ratio
+        loss_clipped = -advantages * ratio.clamp(clip_low, clip_high)
+        loss_tok = torch.maximum(loss_unclipped, loss_clipped)
+        clipped = loss_clipped > loss_unclipped
+    else:
+        # The same pessimistic clip, decided on the other ratio: past its bound on the side the
+        # advantage pushes, a token keeps its loss value but loses its gradient.
+        decide = torch.where(mask_b, clip_log_ratio.detach(), torch.zeros_like(log_ratio))
+        decide = decide.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+        clipped = (neg & (decide < clip_low)) | (pos & (decide > clip_high))
+        loss_tok = torch.where(clipped, loss_unclipped.detach(), loss_unclipped)
     if clip_c is not None:
         # Dual clip: a very large ratio on a negative token would otherwise give an unbounded
         # loss (and gradient); cap it at -clip_c * A, which has zero gradient.
@@ -196,11 +212,11 @@ def policy_loss(
 
     with torch.no_grad():
         r = ratio.detach()
-        lower = (neg & (r < clip_low)).to(mask_f.dtype)
-        upper = (pos & (r > clip_high)).to(mask_f.dtype)
+        lower = (neg & (decide < clip_low)).to(mask_f.dtype)
+        upper = (pos & (decide > clip_high)).to(mask_f.dtype)
         metrics.update(
             pg_loss=pg_loss.detach(),
-            pg_clipfrac=masked_mean((loss_clipped > loss_unclipped).to(mask_f.dtype), mask_f),
+            pg_clipfrac=masked_mean(clipped.to(mask_f.dtype), mask_f),
             pg_clipfrac_lower=masked_mean(lower, mask_f),
             pg_clipfrac_upper=masked_mean(upper, mask_f),
             pg_clipfrac_neg_lower=masked_mean(lower, mask_f * neg),

@@ -6,13 +6,32 @@ current policy runs next to the FP8 one on the same mini-batch, ``calibrated_cli
 the two sets of log ratios into bounds (histograms merged over the data-parallel group), and the
 bounds in use become their EMA over calibrations. The state (bounds and how many calibrations made
 them) travels in checkpoints, so a resumed run clips exactly as the uninterrupted one.
+
+Every calibration checks its own bounds on the batch it came from (``loss/calibration.py``'s
+invariant): when the bounds about to be used (after the EMA) clip a sign's tokens further from
+BF16's nominal share than ``loss.calib.invariant_tolerance`` and than the nominal bounds would,
+they are not used: the bounds fall back to nominal, ``calib/fallback`` is 1 and the stability
+guard records a ``calib`` event (its action: ``guard.on_calib``).
+
+``loss.calib.mode=oracle`` calibrates nothing: every mini-batch after the first runs the BF16
+shadow forward of the current policy (:meth:`ClipCalibrator.oracle_log_ratio`), and each token's
+clip decision comes from its BF16 ratio at the nominal bounds while the FP8 ratio carries the
+gradient: what calibration approximates at one shadow pass per ``interval`` steps.
 """
 
 from __future__ import annotations
 
 import time
 
-from megatron_rl_fp8.loss import calibrated_clip_bounds, ema_bounds
+import torch
+
+from megatron_rl_fp8.loss import (
+    bounds_from_histogram,
+    clip_shares,
+    ema_bounds,
+    invariant_violations,
+    merged_calibration_histogram,
+)
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.trainer.collectives import broadcast_object
 from megatron_rl_fp8.trainer.config import PolicyLossConfig
@@ -20,8 +39,11 @@ from megatron_rl_fp8.trainer.config import PolicyLossConfig
 # Diagnostics of calibrated_clip_bounds reported as calib/<name> on calibration steps.
 _REPORTED = (
     "bf16_neg_lower_clipfrac",
+    "bf16_pos_upper_clipfrac",
     "fp8_neg_lower_clipfrac_nominal",
+    "fp8_pos_upper_clipfrac_nominal",
     "fp8_neg_lower_clipfrac_calibrated",
+    "fp8_pos_upper_clipfrac_calibrated",
     "bf16_balance",
     "fp8_balance_nominal",
     "fp8_balance_calibrated",
@@ -48,11 +70,18 @@ class ClipCalibrator:
         """The uncalibrated PPO bounds (1 - eps_low, 1 + eps_high)."""
         return 1.0 - self.loss_cfg.eps_low, 1.0 + self.loss_cfg.eps_high
 
+    @property
+    def oracle(self) -> bool:
+        """Whether every mini-batch's clip is decided by the BF16 shadow (``mode=oracle``)."""
+        c = self.loss_cfg.calib
+        return self.fp8_training and c.enabled and c.mode == "oracle"
+
     def due(self, step: int) -> bool:
-        """Whether RL step ``step`` (1-based) calibrates. BF16 has nothing to calibrate against."""
+        """Whether RL step ``step`` (1-based) calibrates. BF16 has nothing to calibrate against;
+        the oracle does not calibrate, it decides every clip."""
         c = self.loss_cfg.calib
         scheduled = (step - 1) % c.interval == 0
-        return self.fp8_training and c.enabled and (scheduled or self.requested)
+        return self.fp8_training and c.enabled and not self.oracle and (scheduled or self.requested)
 
     def request(self) -> None:
         """Calibrate at the next step, whatever the interval (the guard's recalibrate action)."""
@@ -76,6 +105,7 @@ class ClipCalibrator:
         Returns ``calib/`` metrics and ``perf/shadow_time_s``.
         """
         loss_cfg, g = self.loss_cfg, groups
+        calib = loss_cfg.calib
         t0 = time.perf_counter()
         kwargs = {"temperature": temperature, "max_tokens": max_tokens, "entropy": False}
         cur8 = actor.compute_logprobs(mini, micro_batch_size, **kwargs)
@@ -83,7 +113,8 @@ class ClipCalibrator:
             cur16 = actor.compute_logprobs(mini, micro_batch_size, **kwargs)
         result = None
         if g.is_last_stage:
-            lower, upper, stats = calibrated_clip_bounds(
+            hist = {"bins": calib.bins, "log_ratio_range": calib.log_ratio_range}
+            packed = merged_calibration_histogram(
                 cur8["logprobs"] - mini["old_logprobs"],
                 cur16["logprobs"] - mini["old_logprobs_bf16"],
                 mini["advantages"],
@@ -91,19 +122,53 @@ class ClipCalibrator:
                 loss_cfg.eps_low,
                 loss_cfg.eps_high,
                 group=g.dp if g.dp_size > 1 else None,
-                return_stats=True,
-                **loss_cfg.calib.solver_kwargs(),
+                **hist,
+            ).cpu()
+            lower, upper, stats = bounds_from_histogram(
+                packed, loss_cfg.eps_low, loss_cfg.eps_high, **calib.solver_kwargs()
             )
             prev = None if self.count == 0 else self.bounds
-            lower, upper = ema_bounds(prev, (lower, upper), loss_cfg.calib.ema_decay)
-            result = (lower, upper, stats)
+            bounds = ema_bounds(prev, (lower, upper), calib.ema_decay)
+            # The invariant judges the bounds the next updates clip with: the smoothed ones.
+            shares = clip_shares(packed, *bounds, **hist)
+            violated = invariant_violations(shares, calib.invariant_tolerance)
+            if violated:
+                bounds = self.nominal
+            stats |= shares | {"fallback": float(bool(violated))}
+            stats |= {f"invariant_violated/{sign}": 1.0 for sign in violated}
+            result = (*bounds, stats)
         self.lower, self.upper, stats = broadcast_object(result, g.last_stage_rank)
         self.count += 1
         self.requested = False
         out = {f"calib/{k}": v for k, v in stats.items() if k in _REPORTED}
+        out |= {f"calib/{k}": v for k, v in stats.items() if k.startswith("invariant_violated/")}
+        out["calib/fallback"] = stats["fallback"]
         out["calib/raw_lower"], out["calib/raw_upper"] = stats["lower"], stats["upper"]
         out["perf/shadow_time_s"] = time.perf_counter() - t0
         return out
+
+    def oracle_log_ratio(
+        self,
+        actor,
+        mini: dict,
+        *,
+        micro_batch_size: int,
+        temperature: float,
+        max_tokens: int | None = None,
+    ) -> torch.Tensor:
+        """The BF16 log ratio of the current policy on ``mini`` (``mode=oracle``): the shadow
+        forward minus ``old_logprobs_bf16``; zeros off the last pipeline stage (no loss there)."""
+        with actor.full_precision():
+            cur16 = actor.compute_logprobs(
+                mini,
+                micro_batch_size,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                entropy=False,
+            )
+        if cur16 is None:
+            return torch.zeros_like(mini["old_logprobs"])
+        return cur16["logprobs"] - mini["old_logprobs_bf16"]
 
     # {"lower", "upper", "count"} is the format runs were first saved with; "requested" is newer.
     def state_dict(self) -> dict:

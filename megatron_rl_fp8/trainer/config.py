@@ -275,7 +275,7 @@ class TrainConfig:
 
 # Severity order: when several rules fire, the strongest action is taken.
 ACTIONS = ("skip", "recalibrate", "bf16", "rollback", "stop")
-RULES = ("nonfinite", "entropy", "mismatch", "reward", "garbled")
+RULES = ("nonfinite", "entropy", "mismatch", "reward", "garbled", "calib")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -319,6 +319,11 @@ class GuardConfig:
     )
     on_garbled: Literal["rollback", "bf16", "stop"] = field(
         "rollback", help="Action when the garbled share passes max_garbled_frac."
+    )
+    on_calib: Literal["recalibrate", "bf16", "stop"] = field(
+        "recalibrate",
+        help="Action when a calibration broke its invariant (loss.calib.invariant_tolerance) and "
+        "the clip bounds fell back to nominal; 'recalibrate' tries again on the next step's batch.",
     )
     max_consecutive_skips: int = field(
         3, help="Skipped updates in a row before the guard rolls back instead."

@@ -18,6 +18,8 @@ rule               fires when                                                   
 ``reward``         ``rollout/reward_mean`` below ``reward_collapse_ratio`` x the    rollback, stop
                    best of the last ``window`` healthy steps
 ``garbled``        ``rollout/garbled_frac`` above ``max_garbled_frac``             rollback, bf16, stop
+``calib``          a calibration broke its invariant and its bounds fell back to   recalibrate, bf16,
+                   nominal (``calib/fallback``; ``loss.calib.invariant_tolerance``) stop
 =================  =============================================================  ===================
 
 * **skip**: the update stays unapplied; after ``max_consecutive_skips`` in a row, roll back.
@@ -157,9 +159,27 @@ class StabilityGuard:
                 f"rollout/garbled_frac {gar:.4g} > guard.max_garbled_frac={c.max_garbled_frac}",
                 gar,
             )
-        # A non-finite update concerns this step's update; the policy measured here (the previous
-        # update's) passed if no other rule fired.
-        if all(e.rule == "nonfinite" for e in events):
+        if m.get("calib/fallback") == 1.0:
+            signs = sorted(
+                k.removeprefix("calib/invariant_violated/")
+                for k in m
+                if k.startswith("calib/invariant_violated/")
+            )
+            shares = "; ".join(
+                f"{s}: FP8 {m.get(f'calib/fp8_{s}_clipfrac_calibrated', math.nan):.4g} calibrated "
+                f"vs BF16 {m.get(f'calib/bf16_{s}_clipfrac', math.nan):.4g} nominal"
+                for s in signs
+            )
+            fire(
+                "calib",
+                c.on_calib,
+                f"the calibrated clip bounds clipped {shares}, past loss.calib.invariant_tolerance;"
+                " the updates after it clipped with the nominal bounds",
+                1.0,
+            )
+        # A non-finite update concerns this step's update, and a calibration's fallback its clip
+        # bounds; the policy measured here (the previous update's) passed if no other rule fired.
+        if all(e.rule in ("nonfinite", "calib") for e in events):
             self._healthy(step, ent, rew)
         return events
 

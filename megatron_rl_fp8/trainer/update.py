@@ -8,7 +8,9 @@ ranks: TP=2, PP=2 or DP=2 give the 1-rank loss.
 
 On calibration steps (``ClipCalibrator.due``) the old logprobs are also computed by the BF16
 shadow pass, and the calibrator resets the clip bounds before every mini-batch after the first
-(update 0 sees pi_theta == pi_old: all ratios 1, nothing to calibrate).
+(update 0 sees pi_theta == pi_old: all ratios 1, nothing to calibrate). Under
+``loss.calib.mode=oracle`` every step computes the BF16 old logprobs, and every mini-batch after
+the first gets the BF16 shadow's log ratio (``clip_log_ratio``), which decides its clip.
 
 With ``loss.kl_coef > 0`` the frozen reference (``reference.py``) adds ``ref_logprobs`` in the same
 phase, and each token's loss gains ``kl_coef * kl_penalty(logp, ref, loss.kl_type)``, aggregated
@@ -180,6 +182,7 @@ class PolicyUpdate:
                 # Needed only to reweight (TIS/MIS): the trainer reports the rollout mismatch
                 # itself (fp8/), once per step, so the loss need not recompute it.
                 rollout_log_prob=mb["rollout_logprobs"] if loss_cfg.is_correction else None,
+                clip_log_ratio=mb.get("clip_log_ratio"),
             )
             m.pop("rollout_kl_k1", None)
             m.pop("token_mult_prob_error", None)
@@ -204,9 +207,10 @@ class PolicyUpdate:
         acc = MetricAccumulator()
         # A BF16 step (the guard's action) has no FP8 to calibrate and clips nominally.
         calibrating = self.calibrator.due(step) and not self.bf16
+        oracle = self.calibrator.oracle and not self.bf16
         precision = self.actor.full_precision() if self.bf16 else contextlib.nullcontext()
         with precision:
-            metrics, logprob_time, shadow_time = self._update(local, acc, calibrating)
+            metrics, logprob_time, shadow_time = self._update(local, acc, calibrating, oracle)
         # The rollout sync, checkpoints and the norm read the weights next: gather them now
         # when the distributed optimizer left that to the next forward pass.
         self.actor.finish_param_gather()
@@ -219,17 +223,17 @@ class PolicyUpdate:
             # read, the norm). The update is the rest of this call.
             metrics["perf/logprob_time_s"] = logprob_time
             metrics["perf/update_time_s"] = time.perf_counter() - t0 - logprob_time - shadow_time
-            if calibrating:
+            if calibrating or oracle:
                 metrics["perf/shadow_time_s"] = shadow_time
         return metrics
 
-    def _update(self, local, acc, calibrating: bool) -> tuple[dict, float, float]:
+    def _update(self, local, acc, calibrating: bool, oracle: bool) -> tuple[dict, float, float]:
         """The step's work; returns (driver's metrics, old-logprob seconds, BF16 shadow
-        seconds: the shadow old logprobs and the calibration passes)."""
+        seconds: the shadow old logprobs and the calibration or oracle passes)."""
         cfg, g = self.cfg, self.groups
         bounds = self.calibrator.nominal if self.bf16 else None
         t0 = time.perf_counter()
-        shadow_time = self.old_logprobs(local, acc, calibrating)
+        shadow_time = self.old_logprobs(local, acc, calibrating or oracle)
         if self.reference is not None:
             self.ref_logprobs(local)
             _phase_done(local["ref_logprobs"])
@@ -257,6 +261,22 @@ class PolicyUpdate:
                     max_tokens=cfg.train.max_tokens_per_gpu,
                 )
                 shadow_time += calib_metrics.pop("perf/shadow_time_s")
+            if oracle:
+                ts = time.perf_counter()
+                # Update 0 trains pi_old itself: every BF16 ratio is 1, no pass needed.
+                mini["clip_log_ratio"] = (
+                    torch.zeros_like(mini["old_logprobs"])
+                    if u == 0
+                    else self.calibrator.oracle_log_ratio(
+                        self.actor,
+                        mini,
+                        micro_batch_size=cfg.train.micro_batch_size,
+                        temperature=cfg.rollout.temperature,
+                        max_tokens=cfg.train.max_tokens_per_gpu,
+                    )
+                )
+                _phase_done(mini["clip_log_ratio"])
+                shadow_time += time.perf_counter() - ts
             lr = self.actor.lr  # the lr this update uses (the schedule steps after it)
             outs, grad_norm, applied = self.actor.train_step(
                 mini,

@@ -20,7 +20,8 @@ def _data(b: int = 64, t: int = 256, seed: int = 0):
     return fp8, bf16, adv, mask
 
 
-CASES = [("balance", 32), ("shift", 32), ("balance", 7)]  # (strategy, rows on rank 0)
+# (strategy, rows on rank 0)
+CASES = [("balance", 32), ("quantile", 32), ("shift", 32), ("balance", 7)]
 
 
 def _calibrate_on_shards(rank, world_size, data, cases):

@@ -107,7 +107,7 @@ def test_fp8_calibration_matches_one_rank(reference, fp8_reference, tmp_path, la
         args=(SMALL + FP8 + layout + [f"train.output_dir={tmp_path}", f"train.cache_dir={cache}"],),
     )[0]
     got, ref = {m["step"]: m for m in metrics}[1], fp8_reference[1]
-    assert ref["calib/hist_bytes"] == got["calib/hist_bytes"] == 8 * (4 * 4096 + 7)
+    assert ref["calib/hist_bytes"] == got["calib/hist_bytes"] == 8 * (4 * 4096 + 9)
     assert ref["rollout/sampling_rounds"] == got["rollout/sampling_rounds"] >= 1
     for key in FP8_KEYS:
         assert math.isclose(got[key], ref[key], rel_tol=1e-4, abs_tol=1e-6), (layout, key)

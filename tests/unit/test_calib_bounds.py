@@ -20,14 +20,15 @@ EPS_LOW, EPS_HIGH = 0.2, 0.28
 BIN_WIDTH = 4.0 / 4096
 
 
-def _fp8_biased_batch(b: int = 128, t: int = 512, seed: int = 0):
-    """BF16 log ratios, and FP8 = BF16 + noise with a negative bias on negative-advantage tokens."""
+def _fp8_biased_batch(b: int = 128, t: int = 512, seed: int = 0, bias: float = -0.05):
+    """BF16 log ratios, and FP8 = BF16 + noise with a bias (negative by default) on the
+    negative-advantage tokens."""
     g = torch.Generator().manual_seed(seed)
     bf16 = 0.1 * torch.randn(b, t, generator=g)
     adv = torch.randn(b, generator=g)
     mask = torch.rand(b, t, generator=g) < 0.9
     neg = (adv < 0)[:, None].expand(b, t)
-    fp8 = bf16 + 0.05 * torch.randn(b, t, generator=g) - 0.05 * neg
+    fp8 = bf16 + 0.05 * torch.randn(b, t, generator=g) + bias * neg
     return fp8, bf16, adv, mask
 
 
@@ -43,7 +44,24 @@ def _exact_stats(log_ratio, adv, mask, lower, upper):
     return share, num / den
 
 
-def test_calibration_restores_bf16_clip_share_and_balance():
+def test_calibration_restores_bf16_clip_share_and_widens_to_the_balance():
+    # FP8 ratios of negative tokens shifted up in bulk: more negative update mass than BF16's, so
+    # the balance asks for a wider upper bound, which it gets.
+    fp8, bf16, adv, mask = _fp8_biased_batch(bias=+0.005)
+    nominal = (1 - EPS_LOW, 1 + EPS_HIGH)
+    bf16_share, bf16_balance = _exact_stats(bf16, adv, mask, *nominal)
+    lower, upper, stats = calibrated_clip_bounds(
+        fp8, bf16, adv, mask, EPS_LOW, EPS_HIGH, return_stats=True
+    )
+    assert upper > nominal[1]
+    fp8_share, fp8_balance = _exact_stats(fp8, adv, mask, lower, upper)
+    assert fp8_share == pytest.approx(bf16_share, rel=0.05)
+    assert fp8_balance == pytest.approx(bf16_balance, rel=0.01)
+    assert stats["bf16_balance"] == pytest.approx(bf16_balance, rel=1e-6)
+    assert stats["fp8_balance_calibrated"] == pytest.approx(bf16_balance, rel=1e-6)
+
+
+def test_calibration_restores_bf16_clip_share_and_never_tightens_the_upper_bound():
     fp8, bf16, adv, mask = _fp8_biased_batch()
     nominal = (1 - EPS_LOW, 1 + EPS_HIGH)
     bf16_share, bf16_balance = _exact_stats(bf16, adv, mask, *nominal)
@@ -56,17 +74,19 @@ def test_calibration_restores_bf16_clip_share_and_balance():
     assert lower < nominal[0]
     fp8_share, fp8_balance = _exact_stats(fp8, adv, mask, lower, upper)
     assert fp8_share == pytest.approx(bf16_share, rel=0.05)
-    assert fp8_balance == pytest.approx(bf16_balance, rel=0.01)
+    # The downward bias shrinks FP8's negative mass (the balance rises above BF16's), so the
+    # paper's rule would tighten the upper bound below nominal: the floor holds it there.
+    assert upper == nominal[1]
+    assert fp8_balance > bf16_balance
 
     assert stats["bf16_neg_lower_clipfrac"] == pytest.approx(bf16_share, rel=1e-6)
     assert stats["fp8_neg_lower_clipfrac_nominal"] == pytest.approx(fp8_share_nominal, rel=1e-6)
     assert stats["fp8_neg_lower_clipfrac_calibrated"] == pytest.approx(bf16_share, rel=1e-6)
     assert stats["bf16_balance"] == pytest.approx(bf16_balance, rel=1e-6)
-    assert stats["fp8_balance_calibrated"] == pytest.approx(bf16_balance, rel=1e-6)
-    assert stats["hist_bytes"] == 8 * (4 * 4096 + 7)
+    assert stats["hist_bytes"] == 8 * (4 * 4096 + 9)
 
 
-@pytest.mark.parametrize("strategy", ["balance", "shift", "lower_only"])
+@pytest.mark.parametrize("strategy", ["balance", "quantile", "shift", "lower_only"])
 def test_histogram_bounds_agree_with_exact_reference(strategy):
     fp8, bf16, adv, mask = _fp8_biased_batch(seed=1)
     lower, upper = calibrated_clip_bounds(
@@ -111,7 +131,7 @@ def test_hist_bytes_do_not_depend_on_token_count():
                 "hist_bytes"
             ]
         )
-    assert sizes == {8 * (4 * 4096 + 7)}
+    assert sizes == {8 * (4 * 4096 + 9)}
 
 
 def test_no_negative_tokens_gives_nominal_bounds():
@@ -206,6 +226,8 @@ def test_calib_config_validation_and_solver_kwargs():
     for kwargs, name in [
         ({"interval": 0}, "interval"),
         ({"strategy": "median"}, "strategy"),
+        ({"mode": "always"}, "mode"),
+        ({"invariant_tolerance": 0.0}, "invariant_tolerance"),
         ({"bins": 4}, "bins"),
         ({"log_ratio_range": (0.5, 2.0)}, "log_ratio_range"),
         ({"ema_decay": 1.0}, "ema_decay"),

@@ -275,3 +275,36 @@ def test_masked_helpers():
     assert masked_sum(x, m).item() == 4.0
     assert masked_mean(x, m).item() == 2.0
     torch.testing.assert_close(masked_mean(x, m, dim=-1), torch.tensor([2.0, 0.0]))
+
+
+def test_clip_decided_by_another_ratio_keeps_the_gradient_of_the_training_ratio():
+    """Calibrated clipping's oracle: the BF16 ratio decides which tokens are clipped, the FP8
+    ratio carries the gradient. Token by token: -A * r (gradient -A * r) unless the deciding
+    ratio is past the bound on the advantage's side, then no gradient."""
+    log_prob, old, adv, mask = _batch(seed=7)
+    decide = (log_prob - old) + 0.3 * torch.randn(log_prob.shape, dtype=torch.float64)
+    lp = log_prob.clone().requires_grad_(True)
+    loss, m = policy_loss(lp, old, adv, mask, clip_low=LOW, clip_high=HIGH, clip_log_ratio=decide)
+    loss.backward()
+    a = adv[:, None].expand_as(lp)
+    r = torch.exp(log_prob - old)
+    rd = torch.exp(decide)
+    clipped = ((a < 0) & (rd < LOW)) | ((a > 0) & (rd > HIGH))
+    n = mask.sum()
+    want_grad = torch.where(clipped | ~mask, 0.0, -a * r) / n
+    assert torch.allclose(lp.grad, want_grad, rtol=1e-12, atol=1e-15)
+    assert loss.item() == pytest.approx(((-a * r) * mask).sum().item() / n.item(), rel=1e-12)
+    neg = mask & (a < 0)
+    want_lower = ((rd < LOW) & neg).sum().item() / neg.sum().item()
+    assert m["pg_clipfrac_neg_lower"].item() == pytest.approx(want_lower, rel=1e-12)
+    assert m["pg_clipfrac"].item() == pytest.approx((clipped & mask).sum().item() / n.item())
+    # Deciding with its own log ratio is the plain PPO clip, value and gradient.
+    lp2 = log_prob.clone().requires_grad_(True)
+    own, _ = policy_loss(
+        lp2, old, adv, mask, clip_low=LOW, clip_high=HIGH, clip_log_ratio=log_prob - old
+    )
+    own.backward()
+    lp3 = log_prob.clone().requires_grad_(True)
+    plain, _ = policy_loss(lp3, old, adv, mask, clip_low=LOW, clip_high=HIGH)
+    plain.backward()
+    assert torch.equal(lp2.grad, lp3.grad)
