@@ -69,3 +69,15 @@ def test_train_your_own_doc_lists_every_field():
     assert len(wanted) > 20
     missing = [p for p in wanted if f"`{p}`" not in doc]
     assert not missing, f"docs/train_your_own.md does not describe {missing}"
+
+
+@pytest.mark.parametrize(
+    "study", sorted((EXAMPLES_DIR / "studies").glob("*.yaml")), ids=lambda p: p.stem
+)
+def test_shipped_study_files_validate(study, tmp_path):
+    """Every arm of every committed study is a valid run (the study command checks the same
+    before it starts anything)."""
+    from megatron_rl_fp8.study.runner import load_study
+
+    s = load_study(study, tmp_path / "out")
+    assert s.runs and s.reference in s.arms
