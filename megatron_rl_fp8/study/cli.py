@@ -1,4 +1,5 @@
-"""``megatron-rl-fp8 study STUDY.yaml [--jobs N] [--report-only] [--out DIR]`` (see runner.py)."""
+"""``megatron-rl-fp8 study STUDY.yaml [--jobs N] [--report-only] [--out DIR]`` (see runner.py),
+and ``megatron-rl-fp8 study --evidence STUDY.yaml ...`` (see evidence.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "report: per-arm means with 95% intervals over seeds, differences from the reference "
         "arm, curves with seed bands. Re-running resumes unfinished runs and skips finished ones.",
     )
-    p.add_argument("study", help="Study file (examples/studies/*.yaml; format: docs/study.md).")
+    p.add_argument(
+        "study",
+        nargs="+",
+        help="Study file (examples/studies/*.yaml; format: docs/study.md); several with --evidence.",
+    )
     p.add_argument(
         "--jobs",
         type=int,
@@ -31,6 +36,17 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         action="store_true",
         help="Write the report from the runs that exist; run nothing.",
     )
+    p.add_argument(
+        "--evidence",
+        action="store_true",
+        help="Run nothing: print the calibration evidence table of the studies' existing runs "
+        "(each FP8 arm's accuracy against the nominal arm, its clip shares against the reference).",
+    )
+    p.add_argument(
+        "--nominal",
+        default="fp8_nominal",
+        help="With --evidence: the arm with FP8 and the nominal clip bounds (default fp8_nominal).",
+    )
     return p
 
 
@@ -40,9 +56,24 @@ def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> 
     from megatron_rl_fp8.study.runner import load_study, run_study, usable_cores
 
     try:
+        if args.evidence:
+            if args.out or args.jobs or args.report_only:
+                raise ConfigError(
+                    "--evidence reads each study's own directory and runs nothing; "
+                    "drop --out, --jobs and --report-only"
+                )
+            from megatron_rl_fp8.study.evidence import evidence_table
+
+            print(evidence_table(args.study, args.nominal), end="")
+            return 0
+        if len(args.study) > 1:
+            raise ConfigError(
+                f"{len(args.study)} study files given; a study runs one at a time (several "
+                "only with --evidence)"
+            )
         if args.jobs is not None and args.jobs < 1:
             raise ConfigError(f"--jobs {args.jobs}: give at least 1")
-        study = load_study(args.study, args.out)
+        study = load_study(args.study[0], args.out)
         jobs = min(args.jobs or usable_cores(), len(study.runs))
         failed = 0
         if not args.report_only:

@@ -6,6 +6,8 @@ seeds with an interval. Each (arm, seed) is an ordinary run directory (``metrics
 ``config.yaml``, maybe ``guard_events.jsonl``); a value that is not a finite number is missing.
 
 Per run (``run_stats``; None where the run lacks the data):
+- ``sft_loss``: ``sft/final_loss``, the warm start's loss (logged with the first step);
+  ``start_accuracy``: ``eval/reward_mean`` at the first eval step (step 0: the warm start's).
 - ``final_accuracy`` / ``best_accuracy``: ``eval/reward_mean`` at the last eval step / its maximum.
 - ``accuracy_auc``: the trapezoid area under the eval curve over steps, divided by (last - first
   eval step): the time-mean accuracy, which credits learning early (None with < 2 eval points).
@@ -71,6 +73,8 @@ STEP_MEANS = {
 }
 # Every statistic in report order: its column label and number format.
 STATS: dict[str, tuple[str, str]] = {
+    "sft_loss": ("SFT loss", ".3f"),
+    "start_accuracy": ("start acc.", ".3f"),
     "final_accuracy": ("final acc.", ".3f"),
     "best_accuracy": ("best acc.", ".3f"),
     "accuracy_auc": ("acc. AUC", ".3f"),
@@ -88,8 +92,8 @@ STATS: dict[str, tuple[str, str]] = {
     "steps": ("steps", ".1f"),
 }
 TABLES = {  # report.md's per-arm and difference tables: heading -> columns
-    "Accuracy and stability": list(STATS)[:6],
-    "Clipping, mismatch and throughput": list(STATS)[6:14],
+    "Accuracy and stability": list(STATS)[:8],
+    "Clipping, mismatch and throughput": list(STATS)[8:16],
 }
 # Panels of curves.png: metric key -> title. Eval steps are sparse, so that panel has markers.
 CURVES = {
@@ -213,16 +217,26 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def accuracy_stats(steps: list[int], acc: list[float]) -> dict[str, float | None]:
-    """final, best and time-mean (trapezoid) accuracy of one eval curve."""
+    """start, final, best and time-mean (trapezoid) accuracy of one eval curve."""
     if not steps:
-        return {"final_accuracy": None, "best_accuracy": None, "accuracy_auc": None}
+        return {
+            "start_accuracy": None,
+            "final_accuracy": None,
+            "best_accuracy": None,
+            "accuracy_auc": None,
+        }
     auc = None
     if len(steps) >= 2 and steps[-1] > steps[0]:
         area = sum(
             (s1 - s0) * (a0 + a1) / 2 for s0, s1, a0, a1 in zip(steps, steps[1:], acc, acc[1:])
         )
         auc = area / (steps[-1] - steps[0])
-    return {"final_accuracy": acc[-1], "best_accuracy": max(acc), "accuracy_auc": auc}
+    return {
+        "start_accuracy": acc[0],
+        "final_accuracy": acc[-1],
+        "best_accuracy": max(acc),
+        "accuracy_auc": auc,
+    }
 
 
 def entropy_stats(steps: list[int], entropy: list[float], limit: float) -> dict:
@@ -246,6 +260,7 @@ def run_stats(run: Run) -> dict[str, float | None]:
     out = {**accuracy_stats(*run.series(EVAL)), **entropy_stats(*run.series(ENTROPY), limit)}
     for name, key in STEP_MEANS.items():
         out[name] = _mean(run.series(key)[1])
+    out["sft_loss"] = next(iter(run.series("sft/final_loss")[1]), None)
     out["guard_events"] = len(run.guard_events)
     steps = [r["step"] for r in run.records if isinstance(r.get("step"), int)]
     out["steps"] = max(steps, default=None)

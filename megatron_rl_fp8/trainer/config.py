@@ -172,7 +172,14 @@ class SFTConfig:
         "task needs it), 0 from a pretrained start (model.hf_checkpoint / model.load).",
     )
     batch_size: int = field(64, help="Examples per SFT step (global, across DP).")
-    lr: float = field(3e-3, help="SFT learning rate.")
+    lr: float = field(3e-3, help="SFT learning rate (the peak, under a schedule).")
+    lr_schedule: Literal["constant", "cosine"] = field(
+        "constant",
+        help="constant: sft.lr every step. cosine: linear warmup over sft.warmup_steps from 0 "
+        "to sft.lr, then cosine decay to sft.min_lr at the last step.",
+    )
+    warmup_steps: int = field(0, help="Linear warmup steps of the cosine schedule.")
+    min_lr: float = field(0.0, help="The cosine schedule's final learning rate.")
     cache: bool = field(
         True,
         help="Reuse a warm start cached under train.cache_dir when its "
@@ -182,6 +189,22 @@ class SFTConfig:
     def __post_init__(self):
         if (self.steps is not None and self.steps < 0) or self.batch_size < 1 or self.lr <= 0:
             raise ValueError(f"sft: need steps >= 0, batch_size >= 1, lr > 0; got {self}")
+        if self.warmup_steps < 0 or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(
+                f"sft: need warmup_steps >= 0 and 0 <= min_lr <= lr; got warmup_steps="
+                f"{self.warmup_steps}, min_lr={self.min_lr}, lr={self.lr}"
+            )
+        check_literals(self, "sft")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based) of ``self.steps``."""
+        if self.lr_schedule == "constant":
+            return self.lr
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        decay = max((self.steps or 1) - self.warmup_steps - 1, 1)
+        progress = min((step - self.warmup_steps) / decay, 1.0)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 @dataclasses.dataclass(kw_only=True)

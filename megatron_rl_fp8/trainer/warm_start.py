@@ -94,9 +94,13 @@ def _sft(cfg: RunConfig, actor: Actor, groups: Groups, tokenizer, records) -> di
     t0 = time.perf_counter()
     g = groups
     data = PromptDataset(records, seed=cfg.train.seed + 1, shuffle=True)
-    actor.set_lr(sft.lr)
     loss_value = float("nan")
+    # The reported loss is the mean of the last steps' batch losses: one batch's loss swings by
+    # more than the differences between seeds that it is compared across.
+    tail: list[float] = []
+    tail_len = max(1, min(50, sft.steps // 10))
     for s in range(sft.steps):
+        actor.set_lr(sft.lr_at(s))
         batch = build_sft_batch(
             collate(sft_examples_from_records(tokenizer, data.next_batch(sft.batch_size))),
             pad_id=tokenizer.pad_token_id,
@@ -121,9 +125,13 @@ def _sft(cfg: RunConfig, actor: Actor, groups: Groups, tokenizer, records) -> di
             if g.dp_size * g.cp_size > 1:  # each CP rank's loss covers its own tokens
                 dist.all_reduce(local, group=g.dp_cp if g.cp_size > 1 else g.dp)
             loss_value = local.item()
+            if s >= sft.steps - tail_len:
+                tail.append(loss_value)
         if (s + 1) % 50 == 0 or s == sft.steps - 1:
             loss_value = broadcast_object(loss_value, g.last_stage_rank)
             print_rank0(f"warm start: SFT step {s + 1}/{sft.steps} loss {loss_value:.4f}")
+    loss_value = broadcast_object(math.fsum(tail) / len(tail) if tail else None, g.last_stage_rank)
+    loss_value = float("nan") if loss_value is None else loss_value
     # Fresh Adam state, and the RL lr schedule (which set_lr had paused for sft.lr) at its step 0.
     actor.reset_optimizer()
     if not math.isfinite(loss_value):

@@ -153,3 +153,32 @@ def test_actor_steps_the_schedule_and_restarts_it_after_sft():
     assert out["sft"] == [3e-3] * 3
     assert out["rl"] == pytest.approx([reference_lr(n, cfg, 6) for n in range(4)], rel=1e-12)
     assert out["resumed"][0] == out["resumed"][1] == pytest.approx(reference_lr(4, cfg, 6))
+
+
+def test_sft_cosine_schedule_by_hand():
+    """``sft.lr_schedule: cosine``: warmup reaches the peak at its last step, the decay ends at
+    min_lr on the last SFT step, and the midpoint of the decay is halfway between them."""
+    from megatron_rl_fp8.trainer.config import SFTConfig
+
+    sft = SFTConfig(steps=11, lr=1e-3, lr_schedule="cosine", warmup_steps=2, min_lr=1e-4)
+    lrs = [sft.lr_at(s) for s in range(11)]
+    assert lrs[0] == pytest.approx(5e-4) and lrs[1] == pytest.approx(1e-3)
+    assert lrs[2] == pytest.approx(1e-3)  # the decay's first step is the peak
+    assert lrs[10] == pytest.approx(1e-4)  # and its last is min_lr
+    assert lrs[6] == pytest.approx(5.5e-4)  # halfway through the decay (steps 2..10)
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:], strict=False))
+    constant = SFTConfig(steps=11, lr=1e-3)
+    assert {constant.lr_at(s) for s in range(11)} == {1e-3}
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("sft.lr_schedule=linear", "sft.lr_schedule"),
+        ("sft.min_lr=1.0", "min_lr"),
+        ("sft.warmup_steps=-1", "warmup_steps"),
+    ],
+)
+def test_sft_schedule_validation(override, field):
+    with pytest.raises(ConfigError, match=field):
+        load_config("examples/tiny_cpu.yaml", [override])

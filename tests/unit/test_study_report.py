@@ -126,6 +126,7 @@ def test_run_stats_hand_computed(tmp_path):
     s = one_run_stats(detailed_run(tmp_path / "r", events=2))
     assert s["final_accuracy"] == pytest.approx(0.3)
     assert s["best_accuracy"] == pytest.approx(0.4)
+    assert s["start_accuracy"] == pytest.approx(0.2) and s["sft_loss"] == 2.0
     # Trapezoids (2 - 0)(0.2 + 0.4)/2 + (4 - 2)(0.4 + 0.3)/2 = 1.3, over 4 steps.
     assert s["accuracy_auc"] == pytest.approx(1.3 / 4)
     assert s["max_entropy_rise"] == pytest.approx(1.3)
@@ -156,7 +157,8 @@ def test_run_without_eval_or_events(tmp_path):
         tmp_path / "r", [{"step": 1, "train/entropy": 3.0}, {"step": 2, "eval/reward_mean": 0.5}]
     )
     s = one_run_stats(path)
-    assert s["final_accuracy"] == s["best_accuracy"] == 0.5 and s["accuracy_auc"] is None
+    assert s["final_accuracy"] == s["best_accuracy"] == s["start_accuracy"] == 0.5
+    assert s["accuracy_auc"] is None and s["sft_loss"] is None
     assert s["max_entropy_rise"] == 0.0 and s["entropy_rule_step"] is None
     assert s["guard_events"] == 0 and s["steps"] == 2
 
