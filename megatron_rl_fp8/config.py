@@ -78,6 +78,11 @@ class RunConfig:
             # A random tiny model needs a supervised start to ever be rewarded; a pretrained one
             # does not, and SFT on bare answers would only teach it a format.
             self.sft.steps = 0 if self.model.pretrained else SFT_STEPS_FROM_SCRATCH
+        # The seeds left null follow train.seed: one number varies a run (config.yaml records
+        # what each resolved to).
+        for section in (self.sft, self.task, self.rollout):
+            if section.seed is None:
+                section.seed = self.train.seed
 
     def validate(self, world_size: int = 1, *, this_machine: bool = True) -> RunConfig:
         """Cross-section rules; raises ConfigError naming the fields involved. ``this_machine``:

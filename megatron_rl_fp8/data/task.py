@@ -60,9 +60,9 @@ class TaskConfig:
         default=8,
         help="Max generated tokens including <eos> (shipped answers need at most 5).",
     )
-    seed: int = field(
-        default=0,
-        help="Seed of the epoch-wise shuffle of the train prompts.",
+    seed: int | None = field(
+        default=None,
+        help="Seed of the epoch-wise shuffle of the train prompts. null = train.seed.",
     )
 
     def __post_init__(self) -> None:

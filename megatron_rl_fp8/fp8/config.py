@@ -17,7 +17,7 @@ from typing import Literal
 from megatron_rl_fp8.config_utils import check_literals, field
 
 Recipe = Literal[
-    "bf16", "tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise", "mxfp8"
+    "bf16", "tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise", "mxfp8", "nvfp4"
 ]
 Format = Literal["e4m3", "hybrid"]
 AmaxComputeAlgo = Literal["max", "most_recent"]
@@ -30,7 +30,14 @@ BACKEND_RECIPES: dict[str, tuple[str, ...]] = {
     "te": ("tensorwise_delayed", "tensorwise_current", "blockwise", "mxfp8"),
     "torch": ("tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise"),
     "torchao": ("tensorwise_current", "rowwise"),
-    "emulate": ("tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise", "mxfp8"),
+    "emulate": (
+        "tensorwise_delayed",
+        "tensorwise_current",
+        "rowwise",
+        "blockwise",
+        "mxfp8",
+        "nvfp4",
+    ),
 }
 """Which FP8 recipes each backend can run. TE has no per-row recipe; the torch backend runs
 tensorwise / rowwise through ``torch._scaled_mm`` and blockwise through
@@ -74,7 +81,9 @@ class FP8Config:
         "along the GEMM contraction dim (torch backend and emulation; no TE recipe). "
         "'blockwise': 1x128 "
         "activation/gradient groups and 128x128 weight blocks (TE Float8BlockScaling, "
-        "DeepSeek-V3). 'mxfp8': 32-element blocks with power-of-two E8M0 scales (Blackwell).",
+        "DeepSeek-V3). 'mxfp8': 32-element blocks with power-of-two E8M0 scales (Blackwell). "
+        "'nvfp4': a study-only emulation of NVFP4's grid (E2M1 values, 16-element blocks with "
+        "E4M3 scales; fp8/fp4_emulation.py), backend 'emulate' only.",
     )
     format: Format = field(
         default="e4m3",
@@ -213,6 +222,11 @@ class FP8Config:
                 "FP8Config.keep_lm_head_bf16=False cannot run on backend='te' (Megatron's output "
                 "layer is not a TE module); set it to true, or use backend 'torch' or 'emulate'"
             )
+        if self.recipe == "nvfp4" and self.format != "e4m3":
+            raise ValueError(
+                "FP8Config.format='hybrid' is not valid with recipe='nvfp4': every operand, "
+                "gradients included, is on the E2M1 grid; use format 'e4m3'"
+            )
         if self.backend == "torch" and self.recipe == "blockwise" and self.format == "hybrid":
             raise ValueError(
                 f"FP8Config.format='hybrid' cannot run on backend='torch': {HYBRID_BLOCKWISE}"
@@ -261,11 +275,11 @@ class FP8Config:
             )
         if self.accumulation != "hopper":
             return
-        if self.recipe == "mxfp8":
+        if self.recipe in ("mxfp8", "nvfp4"):
             raise ValueError(
-                "FP8Config.accumulation='hopper' is not valid with recipe='mxfp8': Hopper has no "
-                "MXFP8 tensor cores, and Blackwell's accumulate differently; use "
-                "accumulation='fp32' with mxfp8"
+                f"FP8Config.accumulation='hopper' is not valid with recipe={self.recipe!r}: "
+                "Hopper has no MX or FP4 tensor cores, and Blackwell's accumulate differently; "
+                f"use accumulation='fp32' with {self.recipe}"
             )
         if self.recipe == "blockwise" and 128 % chunk:
             raise ValueError(

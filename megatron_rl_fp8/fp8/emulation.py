@@ -19,7 +19,10 @@ tensorwise_current     one scale, from the tensor's own amax
 rowwise                per row along K/T   per row along K/N            per row along N/T
 blockwise              1x128 along K/T     128x128 tiles (both GEMMs)   1x128 along N/T
 mxfp8                  32 along K/T        32 along K/N                 32 along N/T
+nvfp4 (study only)     16 along K/T        16 along K/N                 16 along N/T
 =====================  ==================  ===========================  =====================
+
+``nvfp4`` is not FP8: a 4-bit grid for precision studies (``fp4_emulation.py``).
 
 Forward operands are e4m3. Gradients are e5m2 under the "hybrid" format (more range, since
 gradients span many decades) and e4m3 otherwise. The emulation dequantizes every operand to
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 from megatron_rl_fp8.fp8.accumulation import emulated_gemm
 from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.fp8.formats import FP8_MAX, check_format
+from megatron_rl_fp8.fp8.fp4_emulation import fake_quant_nvfp4
 from megatron_rl_fp8.fp8.quantize import (
     compute_scale_inv,
     fake_quant_blocks,
@@ -186,9 +190,11 @@ def quantize_operand(
             return fake_quant_groups(t.float(), BLOCK_GROUP, fmt, dim=dim)
         if recipe == "mxfp8":
             return fake_quant_mxfp8(t.float(), fmt, dim=dim, block=MX_BLOCK)
+        if recipe == "nvfp4":
+            return fake_quant_nvfp4(t, dim=dim)
     raise ValueError(
         f"recipe={recipe!r} is not valid; choose one of 'bf16', 'tensorwise_delayed', "
-        "'tensorwise_current', 'rowwise', 'blockwise', 'mxfp8'"
+        "'tensorwise_current', 'rowwise', 'blockwise', 'mxfp8', 'nvfp4'"
     )
 
 

@@ -41,7 +41,11 @@ class RolloutConfig:
     temperature: float = field(1.0, help="Sampling temperature (logprobs use the same).")
     top_p: float = field(1.0, help="Nucleus sampling mass; 1.0 keeps logprobs unbiased.")
     max_new_tokens: int = field(8, help="Longest completion in tokens.")
-    seed: int = field(1234, help="Base seed; step s samples with seed + s (resumable).")
+    seed: int | None = field(
+        None,
+        help="Base seed of sampling; step s samples with seed + s (resumable). null = "
+        "train.seed, so a study's seeds vary the rollouts.",
+    )
     fp8: RolloutFP8Config = field(
         default_factory=RolloutFP8Config,
         help="FP8 rollout numerics: how synced weights are quantized (and activations, in the "

@@ -179,6 +179,12 @@ class SFTConfig:
         "to sft.lr, then cosine decay to sft.min_lr at the last step.",
     )
     warmup_steps: int = field(0, help="Linear warmup steps of the cosine schedule.")
+    seed: int | None = field(
+        None,
+        help="Seed of the warm start: the model's random init and the SFT data order. null = "
+        "train.seed. Fix it to give every train.seed one base policy, as RL studies start every "
+        "seed from one pretrained checkpoint (train.seed then varies RL alone).",
+    )
     min_lr: float = field(0.0, help="The cosine schedule's final learning rate.")
     cache: bool = field(
         True,
@@ -230,7 +236,9 @@ class TrainConfig:
     updates_per_step: int = field(
         1, help="Optimizer steps per RL step (mini-batches); 1 = strictly on-policy."
     )
-    seed: int = field(1, help="Model init and everything else not seeded elsewhere.")
+    seed: int = field(
+        1, help="The run's seed: sft.seed, task.seed and rollout.seed follow it when null."
+    )
     output_dir: str = field("runs/tiny_cpu", help="Checkpoints, metrics.jsonl, resolved config.")
     cache_dir: str = field("~/.cache/megatron-rl-fp8", help="Warm-start cache.")
     save_interval: int = field(10, help="Checkpoint every N steps (0 = only at the end).")

@@ -45,7 +45,8 @@ from megatron_rl_fp8.trainer.update import PolicyUpdate
 class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        self.groups = g = parallel.initialize(cfg.parallel, seed=cfg.train.seed)
+        # The random init belongs to the warm start (the base policy): sft.seed seeds it.
+        self.groups = g = parallel.initialize(cfg.parallel, seed=cfg.sft.seed)
         cfg.validate(dist.get_world_size())
         self.is_driver = g.is_driver
         self.out_dir = Path(cfg.train.output_dir)

@@ -50,10 +50,11 @@ def cache_key(cfg: RunConfig, tokenizer) -> str:
         {
             # The KL reference does not change what SFT produces.
             "model": {k: v for k, v in to_dict(cfg.model).items() if k != "ref_checkpoint"},
-            "task": to_dict(cfg.task),
+            # task.seed orders RL's prompts only (SFT shuffles by sft.seed).
+            "task": {k: v for k, v in to_dict(cfg.task).items() if k != "seed"},
             "tokenizer": to_dict(cfg.tokenizer),
             "sft": to_dict(cfg.sft),
-            "seed": cfg.train.seed,
+            "seed": cfg.sft.seed,
             "vocab": tokenizer.tokenizer.get_vocab(),
         },
         sort_keys=True,
@@ -93,7 +94,7 @@ def _sft(cfg: RunConfig, actor: Actor, groups: Groups, tokenizer, records) -> di
     sft = cfg.sft
     t0 = time.perf_counter()
     g = groups
-    data = PromptDataset(records, seed=cfg.train.seed + 1, shuffle=True)
+    data = PromptDataset(records, seed=cfg.sft.seed + 1, shuffle=True)
     loss_value = float("nan")
     # The reported loss is the mean of the last steps' batch losses: one batch's loss swings by
     # more than the differences between seeds that it is compared across.
