@@ -29,19 +29,20 @@ from megatron_rl_fp8.fp8.formats import E4M3_MAX, FP8_DTYPES
 
 E2M1_MAX = 6.0
 NVFP4_BLOCK = 16
-_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """``x`` (float32, already scaled) rounded to the nearest E2M1 value, ties to the even code;
-    magnitudes above 6 saturate to +-6."""
-    grid = torch.tensor(_GRID, dtype=x.dtype, device=x.device)
+    magnitudes above 6 saturate to +-6.
+
+    The grid's step is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], and within each range the codes
+    count the steps, so ``torch.round`` (half to even) in units of the step is E2M1's rounding.
+    """
     a = x.abs().clamp(max=E2M1_MAX)
-    hi = torch.bucketize(a, grid)  # first code whose value is >= a
-    lo = (hi - 1).clamp(min=0)
-    d_lo, d_hi = a - grid[lo], grid[hi] - a
-    code = torch.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
-    return grid[code].copysign(x)
+    q = torch.where(
+        a < 2, torch.round(a * 2) / 2, torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2)
+    )
+    return q.copysign(x)
 
 
 def _qdq_last(x: torch.Tensor, block: int) -> torch.Tensor:
