@@ -23,7 +23,7 @@ Per arm (``interval``): n (the seeds that have the statistic), the mean, and the
 interval mean +- t_{0.975, n-1} sd / sqrt(n), sd with n - 1 (no interval for n = 1).
 
 Difference from the reference arm (``difference``): an arm run with exactly the reference's seeds
-is *paired*, seed by seed (same seed = same warm start and prompt order, so the seed-to-seed noise
+is *paired*, seed by seed (same seed = same warm start, sampling seeds and prompt order, so the seed-to-seed noise
 cancels): the interval above over the per-seed differences, when >= 2 seeds have the statistic in
 both. Otherwise Welch's interval: d = m_a - m_r, se^2 = s_a^2/n_a + s_r^2/n_r, t at the
 Welch-Satterthwaite df = se^4 / ((s_a^2/n_a)^2/(n_a-1) + (s_r^2/n_r)^2/(n_r-1)).

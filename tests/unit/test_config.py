@@ -233,3 +233,15 @@ def test_config_file_errors_are_one_line_and_name_the_file(tmp_path):
         load_config(tmp_path / "flow.yaml")
     with pytest.raises(ConfigError, match=r"not valid YAML: line 2: character #x0001"):
         load_config(tmp_path / "control.yaml")
+
+
+def test_null_seeds_follow_train_seed():
+    """A study seed is an RL seed: the prompt order and the sampling follow train.seed; the tiny
+    job fixes sft.seed (one base policy); an explicit seed is kept."""
+    cfg = load_config("examples/tiny_cpu.yaml", ["train.seed=5"])
+    assert (cfg.task.seed, cfg.rollout.seed, cfg.sft.seed) == (5, 5, 1)
+    cfg = load_config("examples/tiny_cpu.yaml", ["train.seed=5", "sft.seed=null", "rollout.seed=7"])
+    assert (cfg.task.seed, cfg.rollout.seed, cfg.sft.seed) == (5, 7, 5)
+    # What config.yaml records reads back as the same run.
+    again = load_config(None, [])
+    assert again.rollout.seed == again.train.seed == 1
