@@ -37,6 +37,19 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="Write the report from the runs that exist; run nothing.",
     )
     p.add_argument(
+        "--slurm",
+        action="store_true",
+        help="Submit each unfinished (arm, seed) as a job of slurm/train.sbatch instead of running "
+        "it here, and return; run again to submit what failed, --report-only for the report.",
+    )
+    p.add_argument(
+        "--sbatch",
+        default="",
+        metavar="FLAGS",
+        help="With --slurm: sbatch flags for every job, one string after '=' (e.g. "
+        "--sbatch='--nodes=2 --partition=gpu --time=08:00:00').",
+    )
+    p.add_argument(
         "--evidence",
         action="store_true",
         help="Run nothing: print the calibration evidence table of the studies' existing runs "
@@ -74,6 +87,20 @@ def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> 
         if args.jobs is not None and args.jobs < 1:
             raise ConfigError(f"--jobs {args.jobs}: give at least 1")
         study = load_study(args.study[0], args.out)
+        if args.sbatch and not args.slurm:
+            raise ConfigError("--sbatch applies to --slurm only; add --slurm or drop --sbatch")
+        if args.slurm:
+            if args.report_only or args.jobs:
+                raise ConfigError("--slurm submits jobs: drop --report-only and --jobs")
+            from megatron_rl_fp8.study.slurm import submit_study
+
+            counts = submit_study(study, args.sbatch)
+            print("study: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items())))
+            print(
+                f"study: the report, once runs have metrics: megatron-rl-fp8 study "
+                f"{args.study[0]} --report-only" + (f" --out {args.out}" if args.out else "")
+            )
+            return 0
         jobs = min(args.jobs or usable_cores(), len(study.runs))
         failed = 0
         if not args.report_only:

@@ -43,6 +43,7 @@ import yaml
 from megatron_rl_fp8 import checkpoint
 from megatron_rl_fp8.config import RunConfig, load_config
 from megatron_rl_fp8.config_utils import ConfigError, to_dict
+from megatron_rl_fp8.metrics.logger import EVENTS_FILE
 from megatron_rl_fp8.trainer.run_dir import changed_settings
 from megatron_rl_fp8.utils.fs import atomic_write_text
 
@@ -68,17 +69,27 @@ class StudyRun:
     def state(self) -> str:
         """``done`` (reached train.steps), ``stopped`` (by the guard), ``failed``, ``partial``
         (checkpoints, not finished) or ``new``."""
-        status = _read_status(self.path)
+        status = read_status(self.path)
         if (
             checkpoint.latest_name(self.path / "checkpoints")
             == f"iter_{self.config.train.steps:07d}"
         ):
             return "done"
-        if status.get("state") == "stopped":
+        if status.get("state") == "stopped" or self._guard_stopped():
             return "stopped"
         if status.get("state") == "failed":
             return "failed"
         return "partial" if (self.path / "checkpoints").is_dir() else "new"
+
+    def _guard_stopped(self) -> bool:
+        """Whether the run's last guard event is a stop (how a run under Slurm, whose exit code
+        torchrun hides, says the guard stopped it)."""
+        try:
+            lines = (self.path / EVENTS_FILE).read_text(errors="replace").splitlines()
+            last = json.loads(lines[-1]) if lines else {}
+        except (OSError, ValueError):
+            return False
+        return isinstance(last, dict) and last.get("action") == "stop"
 
     def last_step(self) -> int:
         """The newest step in the run's metrics.jsonl (its last line; 0 when none yet)."""
@@ -107,7 +118,7 @@ class Study:
     runs: list[StudyRun]
 
 
-def _read_status(run_dir: Path) -> dict:
+def read_status(run_dir: Path) -> dict:
     try:
         status = json.loads((run_dir / RUN_STATUS).read_text())
     except (OSError, ValueError):
@@ -236,7 +247,7 @@ def _start(run: StudyRun, threads: int) -> tuple[subprocess.Popen, int]:
     run.path.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run.path / RUN_CONFIG, run.config.to_yaml())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    before = _read_status(run.path).get("threads")
+    before = read_status(run.path).get("threads")
     threads = before if isinstance(before, int) and before > 0 else threads
     env.setdefault("OMP_NUM_THREADS", str(threads))
     threads = int(env["OMP_NUM_THREADS"]) if env["OMP_NUM_THREADS"].isdigit() else threads
