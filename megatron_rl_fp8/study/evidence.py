@@ -21,7 +21,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_rl_fp8.config_utils import ConfigError
-from megatron_rl_fp8.study.report import STATS, _cell, _numbers, _table, load_arms
+from megatron_rl_fp8.study.report import (
+    STATS,
+    format_cell,
+    load_arms,
+    loaded_numbers,
+    markdown_table,
+)
 from megatron_rl_fp8.study.runner import load_study
 
 VS_NOMINAL = ("final_accuracy", "accuracy_auc")
@@ -72,8 +78,8 @@ def study_evidence(path: str | Path, nominal: str) -> list[dict]:
         if need not in arms:
             raise ConfigError(f"{where}: the {what} arm {need!r} has no runs yet; run the study")
     loaded = load_arms(arms, study.reference)
-    vs_bf16 = _numbers(loaded, study.reference)["arms"]
-    vs_nom = _numbers(loaded, nominal)["arms"]
+    vs_bf16 = loaded_numbers(loaded, study.reference)["arms"]
+    vs_nom = loaded_numbers(loaded, nominal)["arms"]
     rows = []
     for arm in arms:
         if arm == study.reference:
@@ -110,14 +116,14 @@ def evidence_table(paths: list[str | Path], nominal: str = "fp8_nominal") -> str
         nom = [
             "(nominal)"
             if r["vs_nominal"] is None
-            else _cell(r["vs_nominal"][k], STATS[k][1], n, True)
+            else format_cell(r["vs_nominal"][k], STATS[k][1], n, True)
             for k in VS_NOMINAL
         ]
-        bf16 = [_cell(r["vs_bf16"][k], STATS[k][1], n, True) for k in VS_BF16]
+        bf16 = [format_cell(r["vs_bf16"][k], STATS[k][1], n, True) for k in VS_BF16]
         cells.append([r["setting"], r["arm"], str(n), *nom, *bf16, r["verdict"]])
     note = (
         f"Cells: paired difference, mean [95% interval] over seeds; `*`: the interval excludes 0. "
         f"Verdict: `ok` when no accuracy interval lies below the nominal arm (`{nominal}`) and "
         "both signs' clip-share intervals contain BF16's; `?` when too few seeds give an interval."
     )
-    return "\n".join([*_table(header, cells), "", note]) + "\n"
+    return "\n".join([*markdown_table(header, cells), "", note]) + "\n"

@@ -290,7 +290,8 @@ def load_arms(arms: dict[str, dict[int, Path]], reference: str) -> dict[str, dic
     return loaded
 
 
-def _numbers(loaded: dict[str, dict[int, Run]], reference: str) -> dict:
+def loaded_numbers(loaded: dict[str, dict[int, Run]], reference: str) -> dict:
+    """``study_numbers`` over runs already loaded (``load_arms``)."""
     per_run = {arm: {s: run_stats(r) for s, r in runs.items()} for arm, runs in loaded.items()}
     ref = per_run[reference]
     out = {}
@@ -313,7 +314,7 @@ def study_numbers(arms: dict[str, dict[int, Path]], reference: str) -> dict:
     (``runs``, keyed by str(seed)), the per-arm intervals (``stats``: n, mean, lo, hi) and the
     differences from ``reference`` (``diff``: also n_ref, df, test; empty for the reference).
     Missing values are None."""
-    return _numbers(load_arms(arms, reference), reference)
+    return loaded_numbers(load_arms(arms, reference), reference)
 
 
 # -- figure ------------------------------------------------------------------------------------
@@ -381,7 +382,7 @@ def _fmt(v, spec: str) -> str:
     return "–" if v is None else format(v, spec)
 
 
-def _cell(iv: dict, spec: str, seeds: int, mark: bool = False) -> str:
+def format_cell(iv: dict, spec: str, seeds: int, mark: bool = False) -> str:
     """The cell ``mean [lo, hi]``, with ``(n=k)`` where only k of the seeds have the value and
     (``mark``) a ``*`` where the interval excludes 0."""
     if iv["mean"] is None:
@@ -394,7 +395,7 @@ def _cell(iv: dict, spec: str, seeds: int, mark: bool = False) -> str:
     return text + (f" (n={iv['n']})" if iv["n"] != seeds else "")
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return lines + ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
 
@@ -407,18 +408,18 @@ def _markdown(title: str, numbers: dict, figure: bool, skipped: list[str]) -> st
         rows = []
         for arm, a in arms.items():
             n = len(a["seeds"])
-            rows.append([arm, str(n), *(_cell(a["stats"][c], STATS[c][1], n) for c in cols)])
-        lines += [f"## {heading}", "", *_table(header, rows), ""]
+            rows.append([arm, str(n), *(format_cell(a["stats"][c], STATS[c][1], n) for c in cols)])
+        lines += [f"## {heading}", "", *markdown_table(header, rows), ""]
         diff_rows = []
         for arm, a in arms.items():
             if arm == ref:
                 continue
             tests = sorted({a["diff"][c]["test"] for c in cols if a["diff"][c]["mean"] is not None})
-            cells = [_cell(a["diff"][c], STATS[c][1], len(a["seeds"]), True) for c in cols]
+            cells = [format_cell(a["diff"][c], STATS[c][1], len(a["seeds"]), True) for c in cols]
             diff_rows.append([arm, "/".join(tests), *cells])
         if diff_rows:
             header = ["arm", "test", *(STATS[c][0] for c in cols)]
-            lines += [f"### Difference from `{ref}`", "", *_table(header, diff_rows), ""]
+            lines += [f"### Difference from `{ref}`", "", *markdown_table(header, diff_rows), ""]
     lines += [
         "Cells: mean [95% interval] over seeds; (n=k) where only k seeds have the value; "
         "`*`: the difference's interval excludes 0. Accuracy AUC: the time-mean of the eval "
@@ -434,7 +435,7 @@ def _markdown(title: str, numbers: dict, figure: bool, skipped: list[str]) -> st
         for arm, a in arms.items()
         for seed, stats in a["runs"].items()
     ]
-    lines += [*_table(["arm", "seed", *(STATS[c][0] for c in cols)], rows), ""]
+    lines += [*markdown_table(["arm", "seed", *(STATS[c][0] for c in cols)], rows), ""]
     lines += ["## Curves", ""]
     lines += ["![curves](curves.png)", ""] if figure else ["No figure: no run has the metrics.", ""]
     if skipped:
@@ -448,7 +449,7 @@ def write_study_report(
     """Write ``report.md``, ``study.json`` (``study_numbers``) and ``curves.png`` into ``out``;
     returns the report's path. Every input is checked (``ConfigError``) before anything is written."""
     loaded = load_arms(arms, reference)
-    numbers = _numbers(loaded, reference)
+    numbers = loaded_numbers(loaded, reference)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     runs = [r for seeds in loaded.values() for r in seeds.values()]
