@@ -3,6 +3,7 @@
 Writes, under megatron_rl_fp8/data/assets/ (or --out-dir):
   tokenizer/   tokenizer.json, tokenizer_config.json, special_tokens_map.json  (char tokenizer)
   arithmetic/  train.jsonl, val.jsonl                                          (disjoint prompts)
+  chain/       train.jsonl, val.jsonl             (the long-answer task, its own seed and sizes)
 
 The same seed gives the same bytes; tests/unit/test_data_assets.py checks the shipped files
 against a fresh run, so rerun this script after changing the vocabulary or the task mix.
@@ -25,6 +26,7 @@ from megatron_rl_fp8.data.arithmetic import (  # noqa: E402
     DEFAULT_SEED,
     write_task_files,
 )
+from megatron_rl_fp8.data.chain import write_chain_files  # noqa: E402
 from megatron_rl_fp8.data.tokenizer import VOCAB_SIZE, write_tokenizer_files  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parents[1] / "megatron_rl_fp8" / "data" / "assets"
@@ -33,17 +35,19 @@ ASSETS = Path(__file__).resolve().parents[1] / "megatron_rl_fp8" / "data" / "ass
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=ASSETS, help="assets root to write")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="task sampling seed")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="arithmetic task seed")
     parser.add_argument("--num-train", type=int, default=DEFAULT_NUM_TRAIN, help="train prompts")
     parser.add_argument("--num-val", type=int, default=DEFAULT_NUM_VAL, help="held-out prompts")
+    # The chain task's files keep their own seed and sizes (megatron_rl_fp8/data/chain.py).
     args = parser.parse_args(argv)
 
     tok_dir = write_tokenizer_files(args.out_dir / "tokenizer")
     train, val = write_task_files(
         args.out_dir / "arithmetic", seed=args.seed, num_train=args.num_train, num_val=args.num_val
     )
+    chain = write_chain_files(args.out_dir / "chain")
     print(f"tokenizer ({VOCAB_SIZE} ids) -> {tok_dir}")
-    for path in (train, val):
+    for path in (train, val, *chain):
         print(f"{path} ({path.stat().st_size} bytes)")
 
 

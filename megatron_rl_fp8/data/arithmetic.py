@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_SEED = 20240607
@@ -49,9 +50,14 @@ def sample_problem(rng: random.Random) -> dict[str, str]:
 
 
 def generate_splits(
-    *, seed: int = DEFAULT_SEED, num_train: int = DEFAULT_NUM_TRAIN, num_val: int = DEFAULT_NUM_VAL
+    *,
+    seed: int = DEFAULT_SEED,
+    num_train: int = DEFAULT_NUM_TRAIN,
+    num_val: int = DEFAULT_NUM_VAL,
+    sample: Callable[[random.Random], dict[str, str]] = sample_problem,
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """Sample ``(train, val)`` problem lists with no prompt in both; validation is drawn first.
+    ``sample`` draws one problem (this task's by default; :mod:`.chain` passes its own).
 
     Validation prompts are distinct (each counts once in the held-out score). Train prompts may
     repeat: only 200 distinct one-digit-with-one-digit prompts exist, and forcing train to be
@@ -68,7 +74,7 @@ def generate_splits(
         attempts += 1
         if attempts > 50 * (num_train + num_val) + 1000:
             raise RuntimeError(f"could not draw the splits after {attempts} tries; ask for fewer")
-        problem = sample_problem(rng)
+        problem = sample(rng)
         if problem["prompt"] in val_prompts:
             continue
         if len(val) < num_val:
@@ -95,8 +101,9 @@ def write_task_files(
     seed: int = DEFAULT_SEED,
     num_train: int = DEFAULT_NUM_TRAIN,
     num_val: int = DEFAULT_NUM_VAL,
+    sample: Callable[[random.Random], dict[str, str]] = sample_problem,
 ) -> tuple[Path, Path]:
     """Generate and write ``train.jsonl`` and ``val.jsonl`` into ``out_dir``."""
-    train, val = generate_splits(seed=seed, num_train=num_train, num_val=num_val)
+    train, val = generate_splits(seed=seed, num_train=num_train, num_val=num_val, sample=sample)
     out = Path(out_dir)
     return write_jsonl(train, out / "train.jsonl"), write_jsonl(val, out / "val.jsonl")

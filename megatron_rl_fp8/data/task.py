@@ -18,10 +18,15 @@ from typing import TYPE_CHECKING
 
 from megatron_rl_fp8.config_utils import field
 from megatron_rl_fp8.data.arithmetic import DEFAULT_TRAIN_PATH, DEFAULT_VAL_PATH
+from megatron_rl_fp8.data.chain import CHAIN_TRAIN_PATH, CHAIN_VAL_PATH
 from megatron_rl_fp8.data.dataset import SUPPORTED_SUFFIXES, DataError, PromptDataset, load_records
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.data.prompts import PromptEncoder
+
+SHIPPED_FILES: dict[str, tuple[Path, Path]] = {"chain": (CHAIN_TRAIN_PATH, CHAIN_VAL_PATH)}
+"""Task name -> the (train, val) files read when the paths are None; any other name reads the
+default arithmetic files."""
 
 
 @dataclass(kw_only=True)
@@ -30,16 +35,18 @@ class TaskConfig:
 
     name: str = field(
         default="arithmetic",
-        help="Task; picks the reward verifier: arithmetic, gsm8k, math, or any name registered "
+        help="Task; picks the reward verifier: arithmetic, chain (worked multi-step sums, "
+        "answers of 24-64 tokens), gsm8k, math, or any name registered "
         "with megatron_rl_fp8.reward.register_verifier (reward.function overrides it).",
     )
     train_path: str | None = field(
         default=None,
-        help="Train prompts (.jsonl or .parquet); None = the shipped train.jsonl.",
+        help="Train prompts (.jsonl or .parquet); None = the shipped train.jsonl (of the chain "
+        "task for name: chain, else of the arithmetic task).",
     )
     val_path: str | None = field(
         default=None,
-        help="Held-out prompts (.jsonl or .parquet); None = the shipped val.jsonl.",
+        help="Held-out prompts (.jsonl or .parquet); None = the shipped val.jsonl (as train_path).",
     )
     prompt_field: str = field(
         default="prompt",
@@ -88,12 +95,16 @@ class TaskConfig:
     @property
     def resolved_train_path(self) -> Path:
         """The train file actually read (the shipped one when ``train_path`` is None)."""
-        return DEFAULT_TRAIN_PATH if self.train_path is None else Path(self.train_path)
+        if self.train_path is None:
+            return SHIPPED_FILES.get(self.name, (DEFAULT_TRAIN_PATH, DEFAULT_VAL_PATH))[0]
+        return Path(self.train_path)
 
     @property
     def resolved_val_path(self) -> Path:
         """The validation file actually read (the shipped one when ``val_path`` is None)."""
-        return DEFAULT_VAL_PATH if self.val_path is None else Path(self.val_path)
+        if self.val_path is None:
+            return SHIPPED_FILES.get(self.name, (DEFAULT_TRAIN_PATH, DEFAULT_VAL_PATH))[1]
+        return Path(self.val_path)
 
 
 def _encoded(cfg: TaskConfig, path: Path, encoder: PromptEncoder) -> tuple[list[dict], int]:

@@ -2,8 +2,8 @@
 
 The registry is a plain typed dict from task name to function (no dotted-path strings), so a
 config naming a task can be checked against ``VERIFIERS`` before any server or weight is touched,
-and a new task is one :func:`register_verifier` call. Shipped tasks: ``arithmetic`` (here),
-``gsm8k`` and ``math`` (:mod:`megatron_rl_fp8.reward.math_tasks`).
+and a new task is one :func:`register_verifier` call. Shipped tasks: ``arithmetic`` and ``chain``
+(here), ``gsm8k`` and ``math`` (:mod:`megatron_rl_fp8.reward.math_tasks`).
 
 Responses reach a verifier as decoded text; verifiers read it only up to the first ``<eos>`` or
 ``<pad>`` (:func:`megatron_rl_fp8.reward.text.answer_region`). Whether generation stopped on
@@ -95,14 +95,60 @@ def arithmetic_format(response_text: str) -> float:
     return 1.0 if _INT.fullmatch(answer_region(response_text)) else 0.0
 
 
+_CHAIN_STEP = r"[+-]?[0-9]{1,32}[+-][0-9]{1,32}=[+-]?[0-9]{1,32}"
+_CHAIN = re.compile(rf"{_CHAIN_STEP}(,{_CHAIN_STEP})*")
+
+
+def _chain_total(text: str) -> int | None:
+    """The integer after the last ``=`` of a worked chain, if that is all that follows it."""
+    _, mark, tail = text.rpartition("=")
+    tail = tail.strip()
+    if not mark or not _INT.fullmatch(tail) or len(tail.lstrip("+-")) > _MAX_DIGITS:
+        return None
+    return int(tail)
+
+
+def chain_exact(response_text: str, answer: str | int) -> float:
+    """1.0 if the response's final total (the integer after its last ``=``) equals the answer's.
+
+    ``answer`` is the worked solution (``"12+35=47,47-7=40"``, :mod:`megatron_rl_fp8.data.chain`)
+    or the bare final integer. A response cut off mid-step (``"...=40,40+"``) has no final total
+    and scores 0, as does any response without ``=``. A malformed reference raises (a data bug).
+    """
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        expected = answer
+    elif isinstance(answer, str) and _INT.fullmatch(answer.strip()):
+        expected = int(answer.strip())
+    elif isinstance(answer, str) and _CHAIN.fullmatch(answer.strip()):
+        expected = _chain_total(answer)
+    else:
+        raise ValueError(
+            f"reference answer {answer!r} is neither an integer nor a worked chain such as "
+            "'12+35=47,47-7=40' (fix the prompt file)"
+        )
+    if not isinstance(response_text, str):
+        return 0.0
+    got = _chain_total(answer_region(response_text))
+    return 1.0 if got is not None and got == expected else 0.0
+
+
+def chain_format(response_text: str) -> float:
+    """1.0 if the response is a worked chain: ``total op operand = total`` steps joined by ``,``."""
+    if not isinstance(response_text, str):
+        return 0.0
+    return 1.0 if _CHAIN.fullmatch(answer_region(response_text)) else 0.0
+
+
 VERIFIERS: dict[str, Verifier] = {
     "arithmetic": arithmetic_exact,
+    "chain": chain_exact,
     "gsm8k": gsm8k_exact,
     "math": math_boxed,
 }
 """Task name -> correctness verifier. Keys match ``TaskConfig.name``."""
 FORMAT_CHECKS: dict[str, FormatCheck] = {
     "arithmetic": arithmetic_format,
+    "chain": chain_format,
     "gsm8k": gsm8k_format,
     "math": math_format,
 }
