@@ -1,5 +1,6 @@
 """``megatron-rl-fp8 study STUDY.yaml [--jobs N] [--report-only] [--out DIR]`` (see runner.py),
-and ``megatron-rl-fp8 study --evidence STUDY.yaml ...`` (see evidence.py)."""
+``megatron-rl-fp8 study --evidence STUDY.yaml ...`` (see evidence.py) and ``--dose-response``
+(see dose.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "study",
         nargs="+",
-        help="Study file (examples/studies/*.yaml; format: docs/study.md); several with --evidence.",
+        help="Study file (examples/studies/*.yaml; format: docs/study.md); several with "
+        "--evidence or --dose-response.",
     )
     p.add_argument(
         "--jobs",
@@ -50,6 +52,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--sbatch='--nodes=2 --partition=gpu --time=08:00:00').",
     )
     p.add_argument(
+        "--dose-response",
+        action="store_true",
+        help="Run nothing: write dose_response.png/.md (into --out, default "
+        "runs/studies/dose_response): each FP8 arm's noise (fp8/token_mult_prob_error) against "
+        "its clip shares, accuracy and entropy rise minus the reference's, by clip mode.",
+    )
+    p.add_argument(
         "--evidence",
         action="store_true",
         help="Run nothing: print the calibration evidence table of the studies' existing runs "
@@ -69,6 +78,16 @@ def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> 
     from megatron_rl_fp8.study.runner import load_study, run_study, usable_cores
 
     try:
+        if args.dose_response:
+            if args.evidence or args.jobs or args.report_only or args.slurm:
+                raise ConfigError(
+                    "--dose-response reads the studies' existing runs and runs nothing; "
+                    "drop --evidence, --jobs, --report-only and --slurm"
+                )
+            from megatron_rl_fp8.study.dose import write_dose_response
+
+            print(f"dose response: {write_dose_response(args.study, args.out)}")
+            return 0
         if args.evidence:
             if args.out or args.jobs or args.report_only:
                 raise ConfigError(
@@ -82,7 +101,7 @@ def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> 
         if len(args.study) > 1:
             raise ConfigError(
                 f"{len(args.study)} study files given; a study runs one at a time (several "
-                "only with --evidence)"
+                "only with --evidence or --dose-response)"
             )
         if args.jobs is not None and args.jobs < 1:
             raise ConfigError(f"--jobs {args.jobs}: give at least 1")
@@ -111,11 +130,7 @@ def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> 
             counts = run_study(study, jobs)
             print("study: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items())))
             failed = counts.get("failed", 0)
-        arms = {
-            arm: {r.seed: r.path for r in study.runs if r.arm == arm and r.state() != "new"}
-            for arm in study.arms
-        }
-        arms = {a: seeds for a, seeds in arms.items() if seeds}
+        arms = study.started_runs()
         if study.reference not in arms:
             raise ConfigError(
                 f"study {study.name}: the reference arm {study.reference!r} has no runs in "

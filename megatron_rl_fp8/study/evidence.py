@@ -28,7 +28,7 @@ from megatron_rl_fp8.study.report import (
     loaded_numbers,
     markdown_table,
 )
-from megatron_rl_fp8.study.runner import load_study
+from megatron_rl_fp8.study.runner import Study, load_study
 
 VS_NOMINAL = ("final_accuracy", "accuracy_auc")
 VS_BF16 = ("final_accuracy", "max_entropy_rise", "neg_lower_clip_share", "pos_upper_clip_share")
@@ -60,16 +60,14 @@ def verdict(vs_nominal: dict[str, dict] | None, vs_bf16: dict[str, dict]) -> str
     return "; ".join(failed) if failed else ("?" if unknown else "ok")
 
 
-def study_evidence(path: str | Path, nominal: str) -> list[dict]:
-    """Rows of one study: every arm but the reference, each with its differences."""
+def load_started(path: str | Path, nominal: str | None = None) -> tuple[Study, dict]:
+    """The study at ``path`` and its started runs, loaded (``load_arms``); a one-line
+    ``ConfigError`` when the reference arm (or the ``nominal`` one) is missing or has no runs."""
     study = load_study(path)
-    arms = {
-        arm: {r.seed: r.path for r in study.runs if r.arm == arm and r.state() != "new"}
-        for arm in study.arms
-    }
-    arms = {a: s for a, s in arms.items() if s}
+    arms = study.started_runs()
     where = f"study {study.name} ({study.out})"
-    for need, what in ((study.reference, "reference"), (nominal, "nominal")):
+    needs = [(study.reference, "reference")] + ([(nominal, "nominal")] if nominal else [])
+    for need, what in needs:
         if need not in study.arms:
             raise ConfigError(
                 f"{where}: has no arm {need!r} (the {what} arm); its arms are "
@@ -77,11 +75,16 @@ def study_evidence(path: str | Path, nominal: str) -> list[dict]:
             )
         if need not in arms:
             raise ConfigError(f"{where}: the {what} arm {need!r} has no runs yet; run the study")
-    loaded = load_arms(arms, study.reference)
+    return study, load_arms(arms, study.reference)
+
+
+def study_evidence(path: str | Path, nominal: str) -> list[dict]:
+    """Rows of one study: every arm but the reference, each with its differences."""
+    study, loaded = load_started(path, nominal)
     vs_bf16 = loaded_numbers(loaded, study.reference)["arms"]
     vs_nom = loaded_numbers(loaded, nominal)["arms"]
     rows = []
-    for arm in arms:
+    for arm, runs in loaded.items():
         if arm == study.reference:
             continue
         nom = None if arm == nominal else {k: vs_nom[arm]["diff"][k] for k in VS_NOMINAL}
@@ -90,7 +93,7 @@ def study_evidence(path: str | Path, nominal: str) -> list[dict]:
             {
                 "setting": study.name,
                 "arm": arm,
-                "seeds": len(arms[arm]),
+                "seeds": len(runs),
                 "vs_nominal": nom,
                 "vs_bf16": bf16,
                 "verdict": verdict(nom, bf16),

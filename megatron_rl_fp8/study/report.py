@@ -37,7 +37,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -51,7 +50,7 @@ from megatron_rl_fp8.metrics.runs import (
     read_guard_events,
     read_run_config,
 )
-from megatron_rl_fp8.utils.fs import atomic_write_text
+from megatron_rl_fp8.utils.fs import atomic_write_bytes, atomic_write_text
 
 EVAL = "eval/reward_mean"
 ENTROPY = "train/entropy"
@@ -360,10 +359,10 @@ def _render(title: str, keys: list[str], loaded: dict[str, dict[int, Run]]) -> b
     labels = [f"{arm} ({len(runs)} seeds)" for arm, runs in loaded.items()]
     fig.suptitle(f"{title}: mean over seeds, band 95% t interval", fontsize=12)
     fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 5), fontsize=9)
-    return _png(fig)
+    return palette_png(fig)
 
 
-def _png(fig) -> bytes:
+def palette_png(fig) -> bytes:
     """``fig`` as a 64-colour palette PNG: noisy curves under seed bands make an RGBA PNG of
     ~300 KB; a palette keeps them under ~100 KB and loses nothing a plot needs."""
     from PIL import Image  # matplotlib's own dependency
@@ -457,9 +456,7 @@ def write_study_report(
     skipped = [k for k in CURVES if k not in shown]
     png = out / "curves.png"
     if shown:
-        tmp = png.with_name(png.name + ".tmp")
-        tmp.write_bytes(_render(title, shown, loaded))
-        os.replace(tmp, png)
+        atomic_write_bytes(png, _render(title, shown, loaded))
     else:
         png.unlink(missing_ok=True)  # a stale figure of an earlier report would mislead
     atomic_write_text(out / "study.json", json.dumps(numbers, indent=1, allow_nan=False) + "\n")

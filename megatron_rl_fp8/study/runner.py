@@ -117,6 +117,14 @@ class Study:
     seeds: list[int]
     runs: list[StudyRun]
 
+    def started_runs(self) -> dict[str, dict[int, Path]]:
+        """arm -> seed -> run directory, for the runs that have started; arms with none left out."""
+        arms = {
+            arm: {r.seed: r.path for r in self.runs if r.arm == arm and r.state() != "new"}
+            for arm in self.arms
+        }
+        return {arm: seeds for arm, seeds in arms.items() if seeds}
+
 
 def read_status(run_dir: Path) -> dict:
     try:

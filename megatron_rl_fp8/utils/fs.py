@@ -32,9 +32,14 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace ``path`` with ``text`` atomically and durably."""
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically and durably."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
