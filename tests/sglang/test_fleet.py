@@ -8,7 +8,8 @@ the same fleet shows:
   rollouts through the router reach both engines; no weight file is written anywhere;
 * the colocated sequencing: release -> (sync and rollout refused) -> resume weights -> sync ->
   resume KV cache -> rollout, recorded by the fleet in that order (on CPU the memory calls are
-  logged no-ops);
+  logged no-ops); an engine relaunched while the fleet is released is asked to resume only what
+  it released, and joins released at the next sync;
 * a router that dies (SIGKILL) is relaunched in front of both engines and the rollout's failed
   requests go through the new one;
 * an engine that hangs (SIGSTOP) while a rollout's requests are in flight: its requests time out
@@ -133,11 +134,39 @@ def test_colocated_memory_calls_come_in_order_and_guard_sync_and_rollout(fleet):
         fleet.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0),
         _reference(sd, 3),
     )
+    both = tuple(e.index for e in fleet.engines)
     assert fleet.memory_calls == [
-        ("release_memory_occupation", ("weights", "kv_cache")),
-        ("resume_memory_occupation", ("weights",)),
-        ("resume_memory_occupation", ("kv_cache",)),
+        ("release_memory_occupation", ("weights", "kv_cache"), both),
+        ("resume_memory_occupation", ("weights",), both),
+        ("resume_memory_occupation", ("kv_cache",), both),
     ]
+
+
+def test_a_relaunched_engine_is_asked_only_for_what_it_released(fleet):
+    # Contract SG-7 (docs/gpu_contracts.md): SGLang's WeightUpdater.resume_memory_occupation
+    # removes each tag from the process's offload_tags and raises on one it never released. An
+    # engine relaunched while the others are released holds all its memory: resuming the weights
+    # skips it, and the next sync makes it release its KV cache before all resume it at once.
+    _sync(fleet, 17, 7)
+    fleet.memory_calls.clear()
+    fleet.release_memory()
+    first, fresh = fleet.engines
+    fleet.relaunch(fresh, "test: a new process while the fleet is released")
+    assert fresh.released == set() and first.released == {"weights", "kv_cache"}
+    fleet.resume_memory(("weights",))
+    sd = _sync(fleet, 18, 8)  # waits for the relaunched engine
+    fleet.resume_memory(("kv_cache",))
+    _assert_same(
+        fleet.generate(PROMPTS, n=1, greedy=True, max_new_tokens=8, temperature=1.0),
+        _reference(sd, 8),
+    )
+    assert fleet.memory_calls == [
+        ("release_memory_occupation", ("weights", "kv_cache"), (first.index, fresh.index)),
+        ("resume_memory_occupation", ("weights",), (first.index,)),
+        ("release_memory_occupation", ("kv_cache",), (fresh.index,)),
+        ("resume_memory_occupation", ("kv_cache",), (first.index, fresh.index)),
+    ]
+    assert first.released == fresh.released == set()
 
 
 def test_a_router_that_died_is_relaunched_in_front_of_the_engines(fleet):

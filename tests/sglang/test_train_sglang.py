@@ -77,7 +77,8 @@ def test_pp2_trainer_feeds_a_colocated_engine_from_each_stage_and_resends_a_fail
         assert sum(parts) <= m["perf/sync_time_s"], m
     assert metrics[2]["rollout/engine_restarts"] >= 1
     # Step 0: sync, evaluate; steps 1 and 2: rollout, train, sync (step 1's twice); step 2
-    # evaluates too. The KV cache is resumed only once released, the weights only before a sync.
+    # evaluates too. The KV cache is resumed only once released, the weights only before a sync;
+    # an engine relaunched by the failed sync starts holding everything, and joins released.
     generate = ["offload", "resume kv_cache", "generate"]
     train = [*generate, "release weights+kv_cache", "reload", "train", "resume weights"]
     evaluate = ["release kv_cache", "reload"]
@@ -88,6 +89,7 @@ def test_pp2_trainer_feeds_a_colocated_engine_from_each_stage_and_resends_a_fail
         *train,
         "sync",
         "sync",  # the failed sync, sent again
+        "release kv_cache",  # the relaunched engine joins the others' released KV cache
         *train,
         "sync",
         *generate,
@@ -245,7 +247,7 @@ def colocated_body(rank, world_size, overrides):
             return lambda *args, **kwargs: events.append(name)
 
         fleet.memory_calls = _Noted(
-            lambda call, tags: events.append(f"{call.split('_')[0]} {'+'.join(tags)}")
+            lambda call, tags, engines: events.append(f"{call.split('_')[0]} {'+'.join(tags)}")
         )
         fleet.begin_sync = _Recorded(fleet.begin_sync, note("sync"))
         fleet.generate = _Recorded(fleet.generate, note("generate"))

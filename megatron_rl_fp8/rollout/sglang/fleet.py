@@ -42,9 +42,14 @@ Colocated placement (``rollout.placement=colocated``): the engines share the tra
 The trainer calls :meth:`release_memory` once the rollout is done, :meth:`resume_memory` with
 ``("weights",)`` before the sync and ``("kv_cache",)`` before generating (SGLang's
 ``/release_memory_occupation`` and ``/resume_memory_occupation``, with ``--enable-memory-saver``).
+What is released is kept per engine (``SGLangServer.released``): an engine is only ever asked to
+resume what its own process released (SGLang raises on any other tag, which takes the engine
+down), and an engine relaunched or rejoined while the fleet holds memory released joins released
+at the next sync (:meth:`begin_sync`), before the KV cache is resumed on every engine at once.
 On CPU there is no GPU memory to give back: the calls are logged and recorded
-(``memory_calls``), not sent, so the sequencing is tested there. A sync while the weights are
-released, or a rollout while anything is, is refused.
+(``memory_calls``: call, tags, engine indices), not sent, and each engine's ``released`` is kept
+as on a GPU, so the sequencing is tested there. A sync while the weights are released, or a
+rollout while anything is, is refused.
 """
 
 from __future__ import annotations
@@ -120,8 +125,10 @@ class SGLangFleet(ServerPool):
         self._members: list[SGLangServer] = []  # the engines of the sync in progress
         self._sync_started = 0.0
         self._version = -1  # the last version synced into every engine that is up
-        self._released: set[str] = set()  # colocated: memory tags released, not yet resumed
-        self.memory_calls: list[tuple[str, tuple[str, ...]]] = []
+        # Colocated: the tags the trainer has released and not resumed, the state every engine
+        # is brought to (each engine's own is SGLangServer.released).
+        self._released: set[str] = set()
+        self.memory_calls: list[tuple[str, tuple[str, ...], tuple[int, ...]]] = []
         self._engines_used = 0  # engines that answered requests in the last rollout
         # Seconds of the last generate call with fewer requests in flight than engines serving
         # (``short_of_engines``): the rollout's time waiting on its slowest engines.
@@ -157,6 +164,9 @@ class SGLangFleet(ServerPool):
         members = self.bring_up()
         if not members:
             raise RolloutEngineError("no SGLang engine is up to take the weights")
+        if self._released:  # colocated: engines (re)started since the release join released
+            self._memory("release_memory_occupation", tuple(sorted(self._released)))
+            members = self.up()
         self._version = -1
         for eng in members:
             eng.version = -1
@@ -219,9 +229,8 @@ class SGLangFleet(ServerPool):
         """Colocated: the engines give the memory of ``tags`` back to the trainer. Released
         weights are gone (SGLang keeps no copy): generating needs a sync first."""
         tags = tuple(t for t in tags if t not in self._released)
-        if tags:
-            self._memory("release_memory_occupation", tags)
-            self._released |= set(tags)
+        self._memory("release_memory_occupation", tags)
+        self._released |= set(tags)
         if self.colocated and "weights" in tags:
             self._version = -1
             for eng in self.engines:
@@ -231,25 +240,41 @@ class SGLangFleet(ServerPool):
         """Colocated: the engines take back the memory of ``tags`` (weights before a sync, the
         KV cache before generating); tags not released are skipped."""
         tags = tuple(t for t in tags if t in self._released)
-        if tags:
-            self._memory("resume_memory_occupation", tags)
-            self._released -= set(tags)
+        self._memory("resume_memory_occupation", tags)
+        self._released -= set(tags)
 
     def _memory(self, call: str, tags: tuple[str, ...]) -> None:
-        if not self.colocated:
+        """``call`` for ``tags`` on every engine that is up, each asked only for what it can
+        take: to release what it holds, to resume what it released. An engine whose call failed
+        is relaunched (it comes back holding everything; the next sync makes it join)."""
+        if not self.colocated or not tags:
             return
-        self.memory_calls.append((call, tuple(tags)))
-        if self.device != "cuda":
-            print(
-                f"[sglang] colocated: {call}{list(tags)} skipped (no GPU memory on CPU)",
-                file=sys.stderr,
-                flush=True,
-            )
-            return
+        release = call == "release_memory_occupation"
+        todo: dict[tuple[str, ...], list[SGLangServer]] = {}
+        for eng in self.up():
+            mine = tuple(t for t in tags if (t in eng.released) != release)
+            if mine:
+                todo.setdefault(mine, []).append(eng)
         timeout = self.cfg.request_timeout_s
-        failed = self.each(self.up(), lambda e: e.memory(call, tags, timeout=timeout))
-        for eng in failed:
-            self.relaunch(eng, f"/{call} failed")
+        for mine, engines in todo.items():
+            self.memory_calls.append((call, mine, tuple(e.index for e in engines)))
+            if self.device != "cuda":
+                print(
+                    f"[sglang] colocated: {call}{list(mine)} on engine(s) "
+                    f"{[e.index for e in engines]} skipped (no GPU memory on CPU)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                failed = []
+            else:
+                failed = self.each(engines, lambda e, m=mine: e.memory(call, m, timeout=timeout))
+            for eng in engines:
+                if eng in failed:
+                    self.relaunch(eng, f"/{call} failed")
+                elif release:
+                    eng.released |= set(mine)
+                else:
+                    eng.released -= set(mine)
 
     # -- generation ------------------------------------------------------------------------------
     def generate(

@@ -54,6 +54,10 @@ class SGLangServer:
     node: str = ""  # the node it runs on (a per-node sync's); "" = unknown
     attached_url: str = ""  # attached: where it was given; kept while it is dropped
     rejoin_wait: bool = False  # attached and dropped: wait for it once at the next sync
+    # Colocated: the memory tags this process released and has not resumed. Per engine, since
+    # SGLang's scheduler raises on resuming a tag its process never released (a relaunched or
+    # rejoined engine starts with none): WeightUpdater.resume_memory_occupation, offload_tags.
+    released: set[str] = dataclasses.field(default_factory=set)
 
     @property
     def http(self) -> Http:
@@ -104,6 +108,7 @@ class SGLangServer:
         )
         self.proc, self.url = proc, f"http://{cfg.host}:{port}"
         self.version, self.in_router = -1, False
+        self.released = set()  # a new process holds all of its memory
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Until it answers ``/health``; raises ``ServerGone`` when it exits, cannot bind its
