@@ -144,9 +144,7 @@ def role_commands(
     ``rollout.sglang``; the arguments after it are :func:`~...process.serving`'s (pure)."""
     from megatron_rl_fp8.rollout.sglang.process import router_command, server_command
 
-    sg = listening(sg, role)
-    if colocated and device == "cuda":  # the trainer releases their memory while it trains
-        sg = dataclasses.replace(sg, extra_args=[*sg.extra_args, "--enable-memory-saver"])
+    sg = node_sglang(sg, role, colocated=colocated, device=device)
     out = [
         Launch(
             name=f"engine{e.index}",
@@ -179,6 +177,18 @@ def role_commands(
 def listening(sg: SGLangConfig, role: NodeRole) -> SGLangConfig:
     """``rollout.sglang`` with the host the node's processes bind (:func:`listen_host`)."""
     return dataclasses.replace(sg, host=listen_host(sg.host, role.addr))
+
+
+def node_sglang(sg: SGLangConfig, role: NodeRole, *, colocated: bool, device: str) -> SGLangConfig:
+    """``rollout.sglang`` as the node's engines run it: :func:`listening`, and colocated on GPUs
+    ``--enable-memory-saver`` (the trainer releases their memory while it trains), which also
+    keeps ``expandable_segments`` out of their environment (``process.server_env``)."""
+    from megatron_rl_fp8.rollout.sglang.process import MEMORY_SAVER_FLAG
+
+    sg = listening(sg, role)
+    if colocated and device == "cuda":
+        sg = dataclasses.replace(sg, extra_args=[*sg.extra_args, MEMORY_SAVER_FLAG])
+    return sg
 
 
 def node_dir(cfg: RunConfig, k: int) -> Path:
@@ -238,7 +248,9 @@ def serve_node(cfg: RunConfig, layout: Layout, k: int, *, log_dir: Path | None =
     )
     suffix = f"-restart{layout.env.restart_count}" if layout.env.restart_count else ""
     logs = {p.name: work / f"{p.name}{suffix}.log" for p in launches}
-    env = server_env(listening(sg, role), device)
+    env = server_env(
+        node_sglang(sg, role, colocated=layout.placement == "colocated", device=device), device
+    )
     procs: dict[str, subprocess.Popen] = {}
     old = {s: signal.signal(s, _on_stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:

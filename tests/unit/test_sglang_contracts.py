@@ -330,3 +330,73 @@ def test_cli_refuses_per_tensor_fp8_for_sglang_in_one_line(capsys):
     assert cli.main(["train", "examples/tiny_cpu.yaml", *overrides]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("config error: rollout.fp8.weight_quant=per_tensor")
+
+
+# -- SG-9 (issue 43 #2): expandable segments ------------------------------------------------------
+ALLOC = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+@pytest.mark.parametrize(
+    "conf, left",
+    [
+        ("expandable_segments:True", None),
+        ("expandable_segments:True,max_split_size_mb:128", "max_split_size_mb:128"),
+        (
+            "garbage_collection_threshold:0.6, expandable_segments:True",
+            "garbage_collection_threshold:0.6",
+        ),
+        ("max_split_size_mb:128", "max_split_size_mb:128"),
+    ],
+)
+def test_memory_saver_engines_start_without_expandable_segments(monkeypatch, conf, left):
+    # torch_memory_saver 0.0.10 (entrypoint.py: _sanity_checks) raises at the engine's start when
+    # PYTORCH_CUDA_ALLOC_CONF holds expandable_segments:True; slurm/README.md recommends it for
+    # the trainer, whose environment the engines inherit.
+    from megatron_rl_fp8.launch.rollout_role import NodeRole, node_sglang
+    from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
+    from megatron_rl_fp8.rollout.sglang.process import MEMORY_SAVER_FLAG, server_env
+
+    monkeypatch.setenv(ALLOC, conf)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", conf)
+    saver = SGLangConfig(extra_args=[MEMORY_SAVER_FLAG])
+    for var in (ALLOC, "PYTORCH_ALLOC_CONF"):
+        assert server_env(saver, "cuda").get(var) == left
+        assert server_env(SGLangConfig(), "cuda")[var] == conf  # no memory saver: untouched
+    role = NodeRole(
+        node_index=0, node="n1", addr="127.0.0.1", engines=(), router_port=None, worker_urls=()
+    )
+    colocated = node_sglang(SGLangConfig(), role, colocated=True, device="cuda")
+    assert MEMORY_SAVER_FLAG in colocated.extra_args
+    assert server_env(colocated, "cuda").get(ALLOC) == left
+    assert (
+        MEMORY_SAVER_FLAG
+        not in node_sglang(SGLangConfig(), role, colocated=False, device="cuda").extra_args
+    )
+
+
+def test_ipc_buffers_are_allocated_outside_expandable_segments(monkeypatch):
+    # torch shares an expandable segment over CUDA IPC by pidfd_getfd on the sender
+    # (CUDACachingAllocator.cpp: ExpandableSegment::fromShared), which containers and Yama
+    # ptrace_scope >= 1 deny; the buffers the tensor transport hands out must be cudaMalloc'd.
+    from megatron_rl_fp8.rollout.sglang import transports
+
+    assert not transports.expandable_segments_on({ALLOC: "max_split_size_mb:64"})
+    assert not transports.expandable_segments_on({ALLOC: "expandable_segments:False"})
+    assert transports.expandable_segments_on({"PYTORCH_ALLOC_CONF": " expandable_segments:True"})
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.setenv(ALLOC, "expandable_segments:True")
+    with transports.ipc_allocations(torch.device("cuda")):
+        assert calls == ["expandable_segments:False"]
+    assert calls == ["expandable_segments:False", "expandable_segments:True"]
+    calls.clear()
+    with transports.ipc_allocations(torch.device("cpu")):  # shared memory: nothing to switch
+        pass
+    monkeypatch.setenv(ALLOC, "max_split_size_mb:64")
+    with transports.ipc_allocations(torch.device("cuda")):
+        pass
+    assert calls == []
+    named = [("a", torch.ones(3)), ("b", torch.zeros(2, 2))]
+    flat = transports.flatten_per_dtype(named)
+    assert [n for n, _ in flat] == ["a", "b"] and flat[1][1].untyped_storage() is not None
+    assert flat[0][1].data_ptr() + 3 * 4 == flat[1][1].data_ptr()  # one buffer per dtype

@@ -255,9 +255,26 @@ def router_command(
     ]
 
 
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+MEMORY_SAVER_FLAG = "--enable-memory-saver"
+
+
+def without_expandable_segments(conf: str) -> str:
+    """A ``PYTORCH_CUDA_ALLOC_CONF`` value (``key:value`` options joined by ``,``) without its
+    ``expandable_segments`` option."""
+    kept = [o for o in conf.split(",") if o.split(":", 1)[0].strip() != "expandable_segments"]
+    return ",".join(o for o in kept if o.strip())
+
+
 def server_env(cfg: SGLangConfig, device: str) -> dict[str, str]:
     """The server's environment: ours, minus the trainer's torch.distributed variables (the
-    server builds its own process groups), plus the CPU engine switch and ``cfg.env``."""
+    server builds its own process groups), plus the CPU engine switch and ``cfg.env``.
+
+    An engine with ``--enable-memory-saver`` in ``cfg.extra_args`` (colocated) gets no
+    ``expandable_segments`` allocator option: torch_memory_saver (0.0.10,
+    ``entrypoint.py: _sanity_checks``) raises at the engine's start when
+    ``PYTORCH_CUDA_ALLOC_CONF`` holds ``expandable_segments:True``, which the trainer's
+    environment may well set (it reduces the trainer's fragmentation)."""
     env = dict(os.environ)
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -272,6 +289,14 @@ def server_env(cfg: SGLangConfig, device: str) -> dict[str, str]:
     ):
         env.pop(key, None)
     env.update(cfg.env)
+    if MEMORY_SAVER_FLAG in cfg.extra_args:
+        for var in ALLOC_CONF_VARS:
+            if var in env:
+                conf = without_expandable_segments(env[var])
+                if conf:
+                    env[var] = conf
+                else:
+                    del env[var]
     return env
 
 

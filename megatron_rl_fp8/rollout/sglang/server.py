@@ -30,6 +30,7 @@ from megatron_rl_fp8.rollout.errors import RolloutEngineError, ServerGone
 from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
 from megatron_rl_fp8.rollout.sglang.http import Http
 from megatron_rl_fp8.rollout.sglang.process import (
+    MEMORY_SAVER_FLAG,
     kill_group,
     launch_guarded_server,
     pick_port,
@@ -90,7 +91,7 @@ class SGLangServer:
         port ``cfg.port + index`` (a free one when ``cfg.port`` is 0). ``memory_saver``:
         ``--enable-memory-saver``, so that it can release its GPU memory (colocated)."""
         self.launches += 1
-        extra = ["--enable-memory-saver"] if memory_saver else []
+        extra = [MEMORY_SAVER_FLAG] if memory_saver else []
         proc, port = launch_guarded_server(
             dataclasses.replace(cfg, extra_args=[*cfg.extra_args, *extra]),
             python=python,
