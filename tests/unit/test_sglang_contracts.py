@@ -400,3 +400,23 @@ def test_ipc_buffers_are_allocated_outside_expandable_segments(monkeypatch):
     flat = transports.flatten_per_dtype(named)
     assert [n for n, _ in flat] == ["a", "b"] and flat[1][1].untyped_storage() is not None
     assert flat[0][1].data_ptr() + 3 * 4 == flat[1][1].data_ptr()  # one buffer per dtype
+
+
+def test_colocated_tp_engines_start_with_the_memory_balance_check_off(monkeypatch):
+    # SG-10 (issue 43 #3): SGLang 0.5.23's distributed/bootstrap.py: _check_tp_memory_balance
+    # raises for tp_size > 1 when a GPU's free memory is < 90% of another's, unless
+    # SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK is false (environ.py: EnvBool); the trainer's ranks
+    # on the same GPUs make free memory unequal.
+    from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
+    from megatron_rl_fp8.rollout.sglang.process import (
+        MEMORY_SAVER_FLAG,
+        TP_BALANCE_CHECK,
+        server_env,
+    )
+
+    monkeypatch.delenv(TP_BALANCE_CHECK, raising=False)
+    colocated = SGLangConfig(tp_size=2, extra_args=[MEMORY_SAVER_FLAG])
+    assert server_env(colocated, "cuda")[TP_BALANCE_CHECK] == "false"
+    assert TP_BALANCE_CHECK not in server_env(SGLangConfig(tp_size=2), "cuda")  # own GPUs: kept
+    forced = SGLangConfig(tp_size=2, extra_args=[MEMORY_SAVER_FLAG], env={TP_BALANCE_CHECK: "1"})
+    assert server_env(forced, "cuda")[TP_BALANCE_CHECK] == "1"  # the user's choice wins

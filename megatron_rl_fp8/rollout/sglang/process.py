@@ -257,6 +257,10 @@ def router_command(
 
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 MEMORY_SAVER_FLAG = "--enable-memory-saver"
+# SGLang 0.5.23 refuses to start a TP > 1 engine when one of its GPUs has < 90% of the free
+# memory another has (distributed/bootstrap.py: _check_tp_memory_balance) unless this is false;
+# colocated trainer ranks make that likely. Peers (slime, verl) switch it off for colocated runs.
+TP_BALANCE_CHECK = "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"
 
 
 def without_expandable_segments(conf: str) -> str:
@@ -274,7 +278,9 @@ def server_env(cfg: SGLangConfig, device: str) -> dict[str, str]:
     ``expandable_segments`` allocator option: torch_memory_saver (0.0.10,
     ``entrypoint.py: _sanity_checks``) raises at the engine's start when
     ``PYTORCH_CUDA_ALLOC_CONF`` holds ``expandable_segments:True``, which the trainer's
-    environment may well set (it reduces the trainer's fragmentation)."""
+    environment may well set (it reduces the trainer's fragmentation). It also starts with
+    SGLang's TP memory-balance check off (``TP_BALANCE_CHECK``) unless ``cfg.env`` sets it: the
+    trainer's ranks on the same GPUs hold unequal memory."""
     env = dict(os.environ)
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -288,6 +294,8 @@ def server_env(cfg: SGLangConfig, device: str) -> dict[str, str]:
         "TORCHELASTIC_USE_AGENT_STORE",
     ):
         env.pop(key, None)
+    if MEMORY_SAVER_FLAG in cfg.extra_args:
+        env[TP_BALANCE_CHECK] = "false"
     env.update(cfg.env)
     if MEMORY_SAVER_FLAG in cfg.extra_args:
         for var in ALLOC_CONF_VARS:
