@@ -151,8 +151,10 @@ def test_a_relaunched_engine_is_asked_only_for_what_it_released(fleet):
     fleet.memory_calls.clear()
     fleet.release_memory()
     first, fresh = fleet.engines
+    generation = fresh.generation
     fleet.relaunch(fresh, "test: a new process while the fleet is released")
     assert fresh.released == set() and first.released == {"weights", "kv_cache"}
+    assert fresh.generation == generation + 1  # SG-11: its sync forms a new weight group
     fleet.resume_memory(("weights",))
     sd = _sync(fleet, 18, 8)  # waits for the relaunched engine
     fleet.resume_memory(("kv_cache",))

@@ -251,6 +251,45 @@ def test_weight_group_fails_fast_when_the_engine_is_gone(tmp_path):
     assert time.monotonic() - t0 < 10
 
 
+def test_a_relaunched_engine_at_the_same_url_gets_a_new_weight_group():
+    # SG-11 (issue 43 #4): an engine relaunched (or rejoined) at the same URL is a new process
+    # with no weight-update group; reusing the old group's name would broadcast to dead ranks.
+    # The group is keyed on each engine's process generation as well as its URL.
+    import dataclasses
+
+    from megatron_rl_fp8.parallel import free_port
+    from megatron_rl_fp8.rollout.sglang import SGLangSyncPlan, WeightSender
+    from megatron_rl_fp8.rollout.sglang.transports import new_sender_group
+    from megatron_rl_fp8.sync.buckets import Bucket
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens: any call to the engine fails
+    plan = SGLangSyncPlan(
+        version=0,
+        engines=[(url, 1)],
+        device="cpu",
+        timeout=30,
+        export_options={},
+        failed=[],
+        generations=[1],
+    )
+    sender = WeightSender()
+    name = f"mrf8_test_{free_port()}"
+    sender._group = (
+        new_sender_group("127.0.0.1", free_port(), 1, name, "gloo", timeout_s=30),
+        name,
+    )
+    sender._key = plan.group_key
+    assert sender._ensure_group(plan) is sender._group  # same engines, same processes: reused
+    relaunched = dataclasses.replace(plan, generations=[2])
+    assert relaunched.group_key != plan.group_key
+    error = WeightSender.push(sender, relaunched, [Bucket(0, [("w", torch.zeros(2))])])
+    assert "could not start" in error and "init_weights_update_group" in error  # asked anew
+    assert sender._group is None
+    assert plan.on_node("n") is plan  # no nodes: the whole plan
+    per_node = dataclasses.replace(plan, engine_nodes=["n"], generations=[7])
+    assert per_node.on_node("n").generations == [7] and per_node.on_node("m").generations == []
+
+
 def test_tensor_transport_refuses_engines_on_another_host():
     from megatron_rl_fp8.rollout.sglang import SGLangSyncPlan, WeightSender
     from megatron_rl_fp8.rollout.sglang.sender import on_this_host

@@ -184,6 +184,7 @@ class SGLangFleet(ServerPool):
             transport=self.cfg.transport,
             rename_scales=self.fp8_checkpoint and self.fp8.weight_quant == "per_tensor",
             engine_nodes=[e.node for e in members] if all(e.node for e in members) else [],
+            generations=[e.generation for e in members],
         )
 
     def end_sync(self, plan: SGLangSyncPlan, errors: list[str | None]) -> None:

@@ -204,6 +204,7 @@ class ServerPool:
         eng.rejoin_wait = False
         if back:
             eng.url, eng.version, eng.released = eng.attached_url, -1, set()
+            eng.generation += 1
             self.stats["restarts"] += 1
             print(
                 f"[sglang] engine {eng.url} answers again; it rejoins with this sync",

@@ -61,6 +61,10 @@ class SGLangSyncPlan(SyncPlan):
     rename_scales: bool = False  # per-tensor FP8 checkpoints: SGLang names the scale weight_scale
     from_stages: bool = True
     engine_nodes: list[str] = dataclasses.field(default_factory=list)  # each engine's, or []
+    # Each engine's process generation (``SGLangServer.generation``: one more at every launch or
+    # rejoin), or []: an engine relaunched at the same URL is a new process without the
+    # ``distributed`` transport's group, so the group is keyed on it too.
+    generations: list[int] = dataclasses.field(default_factory=list)
 
     def new_sender(self) -> WeightSender:
         return WeightSender()
@@ -74,14 +78,22 @@ class SGLangSyncPlan(SyncPlan):
     def on_node(self, node: str) -> SGLangSyncPlan:
         if not self.engine_nodes:
             return self
-        engines = [e for e, n in zip(self.engines, self.engine_nodes) if n == node]
+        mine = [i for i, n in enumerate(self.engine_nodes) if n == node]
+        engines = [self.engines[i] for i in mine]
         urls = {url for url, _ in engines}
         return dataclasses.replace(
             self,
             engines=engines,
             engine_nodes=[node] * len(engines),
             failed=[url for url in self.failed if url in urls],
+            generations=[self.generations[i] for i in mine] if self.generations else [],
         )
+
+    @property
+    def group_key(self) -> tuple:
+        """What a ``distributed`` transport's group was formed with: it serves the next sync
+        only if this is unchanged (the same engines, at the same URLs, in the same processes)."""
+        return tuple(self.engines), tuple(self.generations)
 
 
 class WeightSender:
@@ -90,7 +102,7 @@ class WeightSender:
 
     def __init__(self):
         self._group = None  # distributed: (process group, name)
-        self._key: tuple = ()  # the plan's engines the group was formed with
+        self._key: tuple = ()  # the plan's group_key the group was formed with
         # The last push's transfer and engine-load seconds (``sync/timing.py``).
         self.times = SyncTimes()
 
@@ -166,7 +178,7 @@ class WeightSender:
         return send
 
     def _ensure_group(self, plan: SGLangSyncPlan):
-        key = tuple(plan.engines)
+        key = plan.group_key
         if self._group is not None and key == self._key:
             return self._group
         self.close()
@@ -186,7 +198,7 @@ class WeightSender:
         self._key = ()
         if group is None:
             return
-        for url, _ in key:
+        for url, _ in key[0]:
             try:
                 Http(url).ok("/destroy_weights_update_group", {"group_name": group[1]}, timeout=10)
             except RolloutEngineError:

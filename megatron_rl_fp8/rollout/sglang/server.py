@@ -59,6 +59,9 @@ class SGLangServer:
     # SGLang's scheduler raises on resuming a tag its process never released (a relaunched or
     # rejoined engine starts with none): WeightUpdater.resume_memory_occupation, offload_tags.
     released: set[str] = dataclasses.field(default_factory=set)
+    # One more at every launch (and every rejoin of an attached engine): a new process, which
+    # holds no weight-update group of an earlier one even at the same URL (sender.py).
+    generation: int = 0
 
     @property
     def http(self) -> Http:
@@ -110,6 +113,7 @@ class SGLangServer:
         self.proc, self.url = proc, f"http://{cfg.host}:{port}"
         self.version, self.in_router = -1, False
         self.released = set()  # a new process holds all of its memory
+        self.generation += 1
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Until it answers ``/health``; raises ``ServerGone`` when it exits, cannot bind its
