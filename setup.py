@@ -37,8 +37,10 @@ setup(
     ],
     extras_require={
         # torchao: fp8.backend=torchao (its float8 training matmul), on GPUs without TE too.
-        "gpu": ["transformer-engine[pytorch]", "torchao>=0.18"],
-        "sglang": ["sglang"],
+        # Pinned to what docs/gpu_contracts.md read: torchao 0.18.0, SGLang 0.5.23. TE was read
+        # at main @ d0067d0 (2.20.0.dev0, no release yet); Megatron's blockwise FP8 needs >= 2.3.
+        "gpu": ["transformer-engine[pytorch]>=2.3,<2.21", "torchao==0.18.0"],
+        "sglang": ["sglang==0.5.23"],
         # accelerate: transformers needs it to read FP8 checkpoints (a conversion test does).
         # tensorboard, wandb: the logger tests write real event files and offline W&B runs.
         # torchao: the torchao backend's CPU tests (its float8 matmul runs on CPU _scaled_mm).
