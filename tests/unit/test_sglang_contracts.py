@@ -420,3 +420,37 @@ def test_colocated_tp_engines_start_with_the_memory_balance_check_off(monkeypatc
     assert TP_BALANCE_CHECK not in server_env(SGLangConfig(tp_size=2), "cuda")  # own GPUs: kept
     forced = SGLangConfig(tp_size=2, extra_args=[MEMORY_SAVER_FLAG], env={TP_BALANCE_CHECK: "1"})
     assert server_env(forced, "cuda")[TP_BALANCE_CHECK] == "1"  # the user's choice wins
+
+
+def test_weight_blocks_sglang_refuses_are_refused_at_config():
+    # SG-6 (issue 43 #8): SGLang 0.5.23's Fp8LinearMethod.validate_block_quant_shapes raises at
+    # start-up unless merged and column-parallel output partitions are multiples of block_n and
+    # row-parallel input partitions (TP > 1) multiples of block_k.
+    from megatron_rl_fp8.config import ConfigError
+    from megatron_rl_fp8.models.config import ModelConfig
+    from megatron_rl_fp8.rollout.sglang.config import block_quant_shape_problem
+
+    tiny = load_config(None, []).model  # 4 heads of 32, 2 KV groups: k_proj is 64 wide
+    assert "k_proj / v_proj output per tensor-parallel rank is 64" in block_quant_shape_problem(
+        tiny, 1, (128, 128)
+    )
+    assert block_quant_shape_problem(tiny, 1, (64, 64)) is None
+    qwen8b = ModelConfig(
+        hidden_size=4096,
+        ffn_hidden_size=12288,
+        num_layers=2,
+        num_attention_heads=32,
+        num_query_groups=8,
+        head_dim=128,
+        vocab_size=151936,
+    )
+    for tp in (1, 2, 8, 16):  # at 16 each rank holds one replicated KV head: 128 wide
+        assert block_quant_shape_problem(qwen8b, tp, (128, 128)) is None
+    assert "o_proj input per tensor-parallel rank is 256" in block_quant_shape_problem(
+        qwen8b, 16, (128, 512)
+    )
+    bad = ["rollout.engine=sglang", "rollout.fp8.weight_quant=blockwise"]
+    with pytest.raises(ConfigError, match=r"rollout.fp8.weight_block=\[128, 128\] with "):
+        load_config(None, bad).validate(1, this_machine=False)
+    load_config(None, [*bad, "rollout.fp8.weight_block=[64,64]"]).validate(1, this_machine=False)
+    load_config(None, [*bad, "rollout.sglang.device=cpu"]).validate(1, this_machine=False)

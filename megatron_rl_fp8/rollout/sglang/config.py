@@ -188,3 +188,39 @@ def _is_http_url(url: str) -> bool:
 
     parsed = urlparse(url)
     return parsed.scheme in ("http", "https") and bool(parsed.hostname) and parsed.port is not None
+
+
+def block_quant_shape_problem(model, tp: int, block: tuple[int, int]) -> str | None:
+    """Why SGLang would refuse, before loading anything, to serve ``model`` (a ``ModelConfig``)
+    with block-quantized FP8 weights of tile ``block`` = (block_n, block_k) on ``tp`` GPUs, or
+    None. SGLang 0.5.23, ``layers/quantization/fp8.py: Fp8LinearMethod.validate_block_quant_shapes``:
+    every output partition of a merged linear (q/k/v, gate/up: checked even at TP 1) and of a
+    column-parallel linear split over TP must be a multiple of block_n; the input partition of a
+    row-parallel linear split over TP (o_proj, down_proj) a multiple of block_k. KV heads are
+    replicated, one per rank, when TP exceeds their count (``QKVParallelLinear``)."""
+    block_n, block_k = block
+    d = model.kv_channels
+    kv_per_rank = max(1, model.num_query_groups // tp)
+    outputs = {
+        "q_proj": model.num_attention_heads * d // tp,
+        "k_proj / v_proj": kv_per_rank * d,
+        "gate_proj / up_proj": model.ffn_hidden_size // tp,
+    }
+    for name, width in outputs.items():
+        if width % block_n:
+            return (
+                f"the {name} output per tensor-parallel rank is {width}, not a multiple of the "
+                f"weight block's rows ({block_n})"
+            )
+    if tp > 1:
+        inputs = {
+            "o_proj": model.num_attention_heads * d // tp,
+            "down_proj": model.ffn_hidden_size // tp,
+        }
+        for name, width in inputs.items():
+            if width % block_k:
+                return (
+                    f"the {name} input per tensor-parallel rank is {width}, not a multiple of "
+                    f"the weight block's columns ({block_k})"
+                )
+    return None
