@@ -242,6 +242,15 @@ facts["square_load"] = {
     "weight_as_apply_reads_it": bool(torch.equal(w, codes.float().t())),
     "scale_error": scale_error,
 }
+from sglang.srt.utils import patch_torch
+from torch.multiprocessing import reductions
+
+patch_torch.monkey_patch_torch_reductions()
+facts["uuid_patch"] = {
+    "device_arg": patch_torch._REDUCE_TENSOR_ARG_DEVICE_INDEX,
+    "rebuild_patched": reductions.rebuild_cuda_tensor is patch_torch._rebuild_cuda_tensor_modified,
+    "ordinal_passes": patch_torch._device_from_maybe_uuid(0),
+}
 print(json.dumps(facts))
 """
 
@@ -454,3 +463,41 @@ def test_weight_blocks_sglang_refuses_are_refused_at_config():
         load_config(None, bad).validate(1, this_machine=False)
     load_config(None, [*bad, "rollout.fp8.weight_block=[64,64]"]).validate(1, this_machine=False)
     load_config(None, [*bad, "rollout.sglang.device=cpu"]).validate(1, this_machine=False)
+
+
+def test_cuda_ipc_handles_name_the_gpu_by_uuid():
+    # IPC-2 (issue 43 #8): a CUDA IPC handle carries the sender's device ordinal, read in the
+    # receiver's numbering; under per-task GPU binding that is another GPU. The sender puts the
+    # device UUID at torch's storage_device argument, which SGLang's patched rebuild resolves.
+    import inspect
+
+    from torch.multiprocessing import reductions
+
+    from megatron_rl_fp8.rollout.sglang import transports
+
+    params = list(inspect.signature(reductions.rebuild_cuda_tensor).parameters)
+    assert params[transports.CUDA_DEVICE_ARG] == "storage_device"
+    args = tuple(range(15))
+    rebuild, out = transports.with_device_uuid(
+        reductions.rebuild_cuda_tensor, args, lambda d: f"GPU-uuid-{d}"
+    )
+    assert out[transports.CUDA_DEVICE_ARG] == "GPU-uuid-6" and out[:6] == args[:6]
+    assert out[7:] == args[7:] and rebuild is reductions.rebuild_cuda_tensor
+    cpu = reductions.reduce_tensor(torch.ones(2))  # shared memory: no device to rename
+    assert transports.with_device_uuid(*cpu, lambda d: "x") == cpu
+
+
+@pytest.mark.sglang
+def test_sglang_resolves_a_device_uuid_where_torch_has_the_ordinal(sglang_facts):
+    """SGLang 0.5.23, ``utils/patch_torch.py``: ``monkey_patch_torch_reductions`` (run by
+    ``tp_worker.py: deserialize_own_rank`` and ``update_weights_from_tensor`` before unpickling)
+    replaces ``reductions.rebuild_cuda_tensor``, so a pickle naming torch's function reaches the
+    patched one; it maps argument ``_REDUCE_TENSOR_ARG_DEVICE_INDEX`` from a UUID (or an int,
+    kept) to the server's ordinal."""
+    from megatron_rl_fp8.rollout.sglang.transports import CUDA_DEVICE_ARG
+
+    assert sglang_facts["uuid_patch"] == {
+        "device_arg": CUDA_DEVICE_ARG,
+        "rebuild_patched": True,
+        "ordinal_passes": 0,
+    }

@@ -55,7 +55,10 @@ def serialize_per_rank(named: list[tuple[str, torch.Tensor]], tp_size: int) -> l
     memory: ``_shared_incref``), and every rank's rebuild releases one when that rank drops the
     tensor. One payload read by every rank releases ``tp_size`` references for one handed out:
     the producer's memory is freed (CUDA) or its shared-memory file unlinked (CPU) while other
-    ranks still read it. ``tests/unit/test_sglang_contracts.py`` checks both sides on CPU."""
+    ranks still read it. ``tests/unit/test_sglang_contracts.py`` checks both sides on CPU.
+
+    A CUDA tensor's handle names its GPU by device UUID, not ordinal (:func:`reduce_by_uuid`), as
+    SGLang's own senders do: the server may number the GPUs differently (per-task GPU binding)."""
     import base64
     import io
     from multiprocessing.reduction import ForkingPickler
@@ -64,10 +67,43 @@ def serialize_per_rank(named: list[tuple[str, torch.Tensor]], tp_size: int) -> l
 
     def one() -> str:
         buf = io.BytesIO()
-        ForkingPickler(buf).dump(named)
+        pickler = ForkingPickler(buf)
+        for cls in (torch.Tensor, torch.nn.Parameter):
+            pickler.dispatch_table[cls] = reduce_by_uuid
+        pickler.dump(named)
         return base64.b64encode(buf.getvalue()).decode()
 
     return [one() for _ in range(tp_size)]
+
+
+# Position of ``storage_device`` in the arguments of torch's ``rebuild_cuda_tensor``
+# (torch/multiprocessing/reductions.py), which SGLang's patch rewrites at the same index
+# (utils/patch_torch.py: _REDUCE_TENSOR_ARG_DEVICE_INDEX).
+CUDA_DEVICE_ARG = 6
+
+
+def with_device_uuid(rebuild, args: tuple, uuid_of) -> tuple:
+    """``(rebuild, args)`` of a tensor reduction with a CUDA tensor's device ordinal replaced by
+    ``uuid_of(ordinal)``; any other reduction (shared memory on CPU) unchanged."""
+    from torch.multiprocessing import reductions
+
+    if rebuild is not reductions.rebuild_cuda_tensor:
+        return rebuild, args
+    device = args[CUDA_DEVICE_ARG]
+    return rebuild, (*args[:CUDA_DEVICE_ARG], uuid_of(device), *args[CUDA_DEVICE_ARG + 1 :])
+
+
+def reduce_by_uuid(tensor: torch.Tensor):
+    """torch's tensor reduction, naming a CUDA tensor's GPU by its UUID. SGLang 0.5.23's
+    receiver patches ``rebuild_cuda_tensor`` before it deserializes
+    (``managers/tp_worker.py: deserialize_own_rank``, ``utils/patch_torch.py:
+    monkey_patch_torch_reductions``) so that a UUID there is looked up among its own GPUs
+    (``_device_from_maybe_uuid``); a bare ordinal is read in the server's numbering, which under
+    per-task GPU binding (``srun --gpus-per-task``, ``--gpu-bind``) is another GPU."""
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(tensor)
+    return with_device_uuid(rebuild, args, lambda d: str(torch.cuda.get_device_properties(d).uuid))
 
 
 def push_distributed(
