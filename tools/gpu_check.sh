@@ -31,6 +31,8 @@
 #   8. calib_share  tools/bench_calibration.py --no-collective --models tiny: the whole calibration
 #                   cost (BF16 shadow forwards included) as a share of the full-FP8 step at
 #                   intervals 1 / 5 / 20, and where a plain step's time goes (the trainer's timers)
+#   9. rollout_parse tools/bench_rollout_parse.py: a launch-bound update alone and beside a thread
+#                   parsing SGLang answers (the pipelined rollout's), the slowdown ratio
 # then a summary table (also DIR/summary.md). Exit status 1 if any step failed.
 #
 # Interpreter: $PYTHON if set, else .venv/bin/python if it exists, else python3. The repository
@@ -336,6 +338,11 @@ print(f"tiny full FP8: shadow {1e3 * r['shadow_s']:.0f} ms on a {r['plain_s']:.2
 PY
 )
 record calib_share "${detail:-$(last_line "$STEP_LOG")}"
+
+# -- 9. the pipelined rollout's answer parsing beside the update (issue 43 #6) -----------------------
+step rollout_parse 60 "$PYTHON" tools/bench_rollout_parse.py --device cuda --reps 3
+detail=$(grep -F '| with a thread' "$STEP_LOG" | awk -F'|' '{gsub(/ /, "", $4); print "update slowed x" $4 " by a thread parsing 8192-token answers"}')
+record rollout_parse "${detail:-$(last_line "$STEP_LOG")}"
 
 # -- summary -----------------------------------------------------------------------------------
 {

@@ -303,3 +303,29 @@ def test_bench_actor_fp8_entries_and_ratios_against_bf16():
         ("bf16", "1.00x"),
         ("torch:rowwise", "1.20x"),
     ]
+
+
+def test_bench_rollout_parse_cpu_smoke(capsys, monkeypatch):
+    import runpy
+    import sys
+
+    script = str(ROOT / "tools" / "bench_rollout_parse.py")
+    argv = [
+        script,
+        "--tokens",
+        "64",
+        "--answers",
+        "2",
+        "--steps",
+        "2",
+        "--layers",
+        "2",
+        "--reps",
+        "1",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(script, run_name="__main__")
+    out = capsys.readouterr().out
+    assert "| alone |" in out and "| with a thread parsing answers |" in out
+    bench = runpy.run_path(script)  # the canned answer is one parse_completion accepts
+    bench["parse_all"](bench["canned_answer"](5), 1)
