@@ -249,7 +249,9 @@ def serve_node(cfg: RunConfig, layout: Layout, k: int, *, log_dir: Path | None =
     suffix = f"-restart{layout.env.restart_count}" if layout.env.restart_count else ""
     logs = {p.name: work / f"{p.name}{suffix}.log" for p in launches}
     env = server_env(
-        node_sglang(sg, role, colocated=layout.placement == "colocated", device=device), device
+        node_sglang(sg, role, colocated=layout.placement == "colocated", device=device),
+        device,
+        fp8_checkpoint=fp8_checkpoint,
     )
     procs: dict[str, subprocess.Popen] = {}
     old = {s: signal.signal(s, _on_stop) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -501,3 +501,27 @@ def test_sglang_resolves_a_device_uuid_where_torch_has_the_ordinal(sglang_facts)
         "rebuild_patched": True,
         "ordinal_passes": 0,
     }
+
+
+def test_fp8_engines_on_blackwell_start_without_deepgemm(monkeypatch):
+    # SG-12 (issue 43 #7): on sm100+, SGLang 0.5.23's DeepGEMM path requantizes block-FP8 weights
+    # to UE8M0 and repacks the scales once, at load (fp8_utils.py:
+    # requant_block_scale_ue8m0_for_deepgemm; early return on format_ue8m0), so synced
+    # checkpoint-format scales no longer fit. Hopper's DeepGEMM reads the live scales.
+    from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
+    from megatron_rl_fp8.rollout.sglang.process import DEEPGEMM, fp8_engine_env, server_env
+
+    assert fp8_engine_env([(9, 0), (9, 0)]) == {}
+    assert fp8_engine_env([(10, 0)]) == {DEEPGEMM: "0"}
+    assert fp8_engine_env([(9, 0), (12, 0)]) == {DEEPGEMM: "0"}
+    assert fp8_engine_env([]) == {}
+    monkeypatch.delenv(DEEPGEMM, raising=False)
+    # This machine has no GPU: nothing to switch, whatever the checkpoint.
+    assert DEEPGEMM not in server_env(SGLangConfig(), "cuda", fp8_checkpoint=True)
+    from megatron_rl_fp8.rollout.sglang import process
+
+    monkeypatch.setattr(process, "_visible_capabilities", lambda: [(10, 0)])
+    assert server_env(SGLangConfig(), "cuda", fp8_checkpoint=True)[DEEPGEMM] == "0"
+    assert DEEPGEMM not in server_env(SGLangConfig(), "cuda")  # BF16 engines keep DeepGEMM
+    mine = SGLangConfig(env={DEEPGEMM: "1"})
+    assert server_env(mine, "cuda", fp8_checkpoint=True)[DEEPGEMM] == "1"  # the user's choice

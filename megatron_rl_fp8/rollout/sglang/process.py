@@ -261,6 +261,25 @@ MEMORY_SAVER_FLAG = "--enable-memory-saver"
 # memory another has (distributed/bootstrap.py: _check_tp_memory_balance) unless this is false;
 # colocated trainer ranks make that likely. Peers (slime, verl) switch it off for colocated runs.
 TP_BALANCE_CHECK = "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"
+# SGLang 0.5.23 on Blackwell (sm100+) with DeepGEMM (its default there) requantizes block-FP8
+# weights to UE8M0 scales at load and packs the scales into another layout, once
+# (layers/quantization/fp8_utils.py: requant_block_scale_ue8m0_for_deepgemm returns early when
+# format_ue8m0 is set): a synced checkpoint-format scale no longer fits (docs/gpu_contracts.md
+# SG-12). With DeepGEMM off, the dense layers take FlashInfer's groupwise GEMM and MoE Triton,
+# both of which read the live weights and scales.
+DEEPGEMM = "SGLANG_ENABLE_JIT_DEEPGEMM"
+
+
+def fp8_engine_env(capabilities: list[tuple[int, int]]) -> dict[str, str]:
+    """The environment an engine loading FP8 checkpoints needs on GPUs of these compute
+    capabilities: DeepGEMM off where any is Blackwell or newer (major >= 10)."""
+    return {DEEPGEMM: "0"} if any(major >= 10 for major, _ in capabilities) else {}
+
+
+def _visible_capabilities() -> list[tuple[int, int]]:
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
 
 
 def without_expandable_segments(conf: str) -> str:
@@ -270,7 +289,7 @@ def without_expandable_segments(conf: str) -> str:
     return ",".join(o for o in kept if o.strip())
 
 
-def server_env(cfg: SGLangConfig, device: str) -> dict[str, str]:
+def server_env(cfg: SGLangConfig, device: str, *, fp8_checkpoint: bool = False) -> dict[str, str]:
     """The server's environment: ours, minus the trainer's torch.distributed variables (the
     server builds its own process groups), plus the CPU engine switch and ``cfg.env``.
 
@@ -280,7 +299,8 @@ def server_env(cfg: SGLangConfig, device: str) -> dict[str, str]:
     ``PYTORCH_CUDA_ALLOC_CONF`` holds ``expandable_segments:True``, which the trainer's
     environment may well set (it reduces the trainer's fragmentation). It also starts with
     SGLang's TP memory-balance check off (``TP_BALANCE_CHECK``) unless ``cfg.env`` sets it: the
-    trainer's ranks on the same GPUs hold unequal memory."""
+    trainer's ranks on the same GPUs hold unequal memory. An engine loading FP8 checkpoints
+    gets :func:`fp8_engine_env` for the GPUs this process sees (the node's), under ``cfg.env``."""
     env = dict(os.environ)
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -296,6 +316,8 @@ def server_env(cfg: SGLangConfig, device: str) -> dict[str, str]:
         env.pop(key, None)
     if MEMORY_SAVER_FLAG in cfg.extra_args:
         env[TP_BALANCE_CHECK] = "false"
+    if fp8_checkpoint and device == "cuda":
+        env.update(fp8_engine_env(_visible_capabilities()))
     env.update(cfg.env)
     if MEMORY_SAVER_FLAG in cfg.extra_args:
         for var in ALLOC_CONF_VARS:
@@ -348,7 +370,8 @@ def launch_guarded_server(
         weight_version=version,
         **command,
     )
-    proc = launch_logged(cmd, python=python, env=server_env(cfg, device), log_path=log_path)
+    env = server_env(cfg, device, fp8_checkpoint=fp8_checkpoint)
+    proc = launch_logged(cmd, python=python, env=env, log_path=log_path)
     (work_dir / pid_file).write_text(f"{proc.pid}\n")
     return proc, port
 
