@@ -388,21 +388,22 @@ def test_ipc_buffers_are_allocated_outside_expandable_segments(monkeypatch):
     # (CUDACachingAllocator.cpp: ExpandableSegment::fromShared), which containers and Yama
     # ptrace_scope >= 1 deny; the buffers the tensor transport hands out must be cudaMalloc'd.
     from megatron_rl_fp8.rollout.sglang import transports
+    from megatron_rl_fp8.sync import ipc
 
-    assert not transports.expandable_segments_on({ALLOC: "max_split_size_mb:64"})
-    assert not transports.expandable_segments_on({ALLOC: "expandable_segments:False"})
-    assert transports.expandable_segments_on({"PYTORCH_ALLOC_CONF": " expandable_segments:True"})
+    assert not ipc.expandable_segments_on({ALLOC: "max_split_size_mb:64"})
+    assert not ipc.expandable_segments_on({ALLOC: "expandable_segments:False"})
+    assert ipc.expandable_segments_on({"PYTORCH_ALLOC_CONF": " expandable_segments:True"})
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
     monkeypatch.setenv(ALLOC, "expandable_segments:True")
-    with transports.ipc_allocations(torch.device("cuda")):
+    with ipc.ipc_allocations(torch.device("cuda")):
         assert calls == ["expandable_segments:False"]
     assert calls == ["expandable_segments:False", "expandable_segments:True"]
     calls.clear()
-    with transports.ipc_allocations(torch.device("cpu")):  # shared memory: nothing to switch
+    with ipc.ipc_allocations(torch.device("cpu")):  # shared memory: nothing to switch
         pass
     monkeypatch.setenv(ALLOC, "max_split_size_mb:64")
-    with transports.ipc_allocations(torch.device("cuda")):
+    with ipc.ipc_allocations(torch.device("cuda")):
         pass
     assert calls == []
     named = [("a", torch.ones(3)), ("b", torch.zeros(2, 2))]

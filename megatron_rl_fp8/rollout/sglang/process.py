@@ -18,6 +18,7 @@ import torch
 
 from megatron_rl_fp8.rollout.errors import RolloutEngineError, ServerGone
 from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
+from megatron_rl_fp8.sync.ipc import ALLOC_CONF_VARS
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -255,7 +256,6 @@ def router_command(
     ]
 
 
-ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 MEMORY_SAVER_FLAG = "--enable-memory-saver"
 # SGLang 0.5.23 refuses to start a TP > 1 engine when one of its GPUs has < 90% of the free
 # memory another has (distributed/bootstrap.py: _check_tp_memory_balance) unless this is false;

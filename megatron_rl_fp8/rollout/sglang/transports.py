@@ -5,9 +5,7 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -18,8 +16,9 @@ import torch
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.rollout.errors import RolloutEngineError, ServerGone
 from megatron_rl_fp8.rollout.sglang.http import Http
-from megatron_rl_fp8.rollout.sglang.process import ALLOC_CONF_VARS, pick_port
+from megatron_rl_fp8.rollout.sglang.process import pick_port
 from megatron_rl_fp8.sync.buckets import Bucket
+from megatron_rl_fp8.sync.ipc import ipc_allocations
 
 
 def push_tensor(http: Http, bucket: Bucket, *, tp_size: int, timeout: float) -> float:
@@ -261,37 +260,6 @@ def new_sender_group(
         **options,
     )
     return pg
-
-
-def expandable_segments_on(env: dict[str, str] | None = None) -> bool:
-    """Whether the allocator options in ``env`` (default: this process's) turn
-    ``expandable_segments`` on."""
-    env = os.environ if env is None else env
-    for var in ALLOC_CONF_VARS:
-        for option in env.get(var, "").split(","):
-            key, _, value = option.partition(":")
-            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
-                return True
-    return False
-
-
-@contextlib.contextmanager
-def ipc_allocations(device: torch.device):
-    """CUDA tensors allocated inside come from ordinary ``cudaMalloc`` segments even when this
-    process runs with ``expandable_segments:True``. torch shares an expandable segment over CUDA
-    IPC as POSIX file descriptors that the receiving process takes with ``pidfd_getfd``
-    (``c10/cuda/CUDACachingAllocator.cpp: ExpandableSegment::fromShared``), which needs ptrace
-    rights over the sender: denied in most containers and under Yama ``ptrace_scope`` >= 1, where
-    an SGLang scheduler may not trace the trainer it descends from. torch's own error suggests
-    this switch (``torch.cuda.memory._set_allocator_settings``) for such allocations."""
-    if device.type != "cuda" or not expandable_segments_on():
-        yield
-        return
-    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
-    try:
-        yield
-    finally:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def flatten_per_dtype(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
