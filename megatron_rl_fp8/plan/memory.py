@@ -26,6 +26,12 @@ FP8 weight     the FP8 copies of the FP8 linears' weights (:func:`fp8_weight_cop
                forward's and the transposed one for the backward, 1 byte per element each.
 SGLang         ``rollout.sglang.mem_fraction_static`` x GPU memory, on a GPU a colocated
                engine shares with a trainer rank (``rollout.placement=colocated``).
+IPC contexts   ``rollout.sglang.transport=tensor`` (colocated): every engine TP process on the
+               sending rank's node, but the one on its GPU, opens that GPU's memory by CUDA IPC
+               and with it a CUDA context there (torch's ``rebuild_cuda_tensor`` opens the handle
+               under the owner's device guard), kept while the engine lives:
+               ``CUDA_CONTEXT_GB`` each, counted on the sending rank's GPU (rank 0's, or each
+               node's relay rank's in a per-node sync; an estimate, not measured here).
 allowance      ``RUNTIME_ALLOWANCE_GB`` (CUDA context, libraries, allocator fragmentation).
 =============  ===============================================================================
 
@@ -78,8 +84,13 @@ GB = 1e9  # GB here are 10^9 bytes, as tools/bench_actor.py reports torch.cuda.m
 
 Recompute = Literal["none", "selective", "full"]
 PHASES = ("update", "logprobs")
+# Rows that torch.cuda.max_memory_allocated in the trainer does not see.
+OTHER_PROCESSES = ("allowance", "SGLang", "IPC contexts")
 
 RUNTIME_ALLOWANCE_GB = 4.0
+# One CUDA primary context of another process (an SGLang TP rank) on a trainer GPU: a few
+# hundred MB under CUDA 12's lazy module loading, driver- and GPU-dependent; not measured here.
+CUDA_CONTEXT_GB = 0.5
 """Per-GPU memory outside the tensors the planner counts, on a GPU run: the CUDA context (~0.5 GB
 with lazy module loading), cuBLAS / cuDNN / Transformer Engine workspaces and NCCL's buffers for
 the TP, PP, DP and embedding groups (~1.5 GB together at 8 GPUs per node), and what PyTorch's
@@ -205,8 +216,8 @@ class Estimate:
 
     def allocated(self, phase: str) -> float:
         """What ``torch.cuda.max_memory_allocated`` would see: the total less the runtime
-        allowance and the SGLang server (another process)."""
-        return sum(c[phase] for c in self.components if c.name not in ("allowance", "SGLang"))
+        allowance and what other processes hold (the SGLang servers, their CUDA contexts)."""
+        return sum(c[phase] for c in self.components if c.name not in OTHER_PROCESSES)
 
     @property
     def peak(self) -> float:
@@ -260,6 +271,29 @@ def _sglang_share(cfg: RunConfig, world: World) -> tuple[float, str | None]:
         f"rollout.placement=colocated: the engines use {gpus} (num_engines x tp_size) next to a "
         "trainer rank; the table is for one of those, counting the engine's share although it "
         "is released while the trainer trains"
+    )
+
+
+def _ipc_contexts(cfg: RunConfig, world: World) -> tuple[float, str | None]:
+    """(bytes of the engines' CUDA contexts on the GPU that hands them their weights, a note)."""
+    r = cfg.rollout
+    if (
+        r.engine != "sglang"
+        or world.device == "cpu"
+        or r.sglang.device == "cpu"
+        or r.placement != "colocated"
+        or r.sglang.transport != "tensor"
+    ):
+        return 0.0, None
+    n = engine_count(r.sglang, r.placement, nodes=world.nodes, gpus_per_node=world.gpus_per_node)
+    on_node = -(-n // world.nodes)  # engines go round-robin over the nodes: node 0 has the most
+    others = max(on_node * r.sglang.tp_size - 1, 0)
+    if not others:
+        return 0.0, None
+    return others * CUDA_CONTEXT_GB * GB, (
+        f"rollout.sglang.transport=tensor: {others} engine TP processes open a CUDA context "
+        f"(~{CUDA_CONTEXT_GB:g} GB each) on the GPU that hands them the weights (counted here; "
+        "transport=distributed sends over NCCL instead)"
     )
 
 
@@ -363,6 +397,7 @@ def estimate(
         optimizer /= lay.dp * lay.cp
     n_micro = _micro_batches(cfg, lay.dp)
     sglang, sglang_note = _sglang_share(cfg, world)
+    contexts, contexts_note = _ipc_contexts(cfg, world)
     allowance = 0.0 if cpu else RUNTIME_ALLOWANCE_GB * GB
     fp8_copies = fp8_weight_copy_bytes(cfg.fp8, spec=spec, device=world.device)
     fp8_codes = saves_fp8_inputs(cfg.fp8, spec=spec, device=world.device)
@@ -410,9 +445,11 @@ def estimate(
             Component("KL reference", ref, ref),
             Component("FP8 weight copies", fp8_update, fp8_logprobs),
             Component("SGLang", sglang, sglang),
+            Component("IPC contexts", contexts, contexts),
             Component("allowance", allowance, allowance),
         )
         est = Estimate(lay, world, stage, rows, tokens, in_flight)
         if best is None or est.peak > best.peak:
             best = est
-    return dataclasses.replace(best, notes=(sglang_note,) if sglang_note else ())
+    notes = tuple(n for n in (sglang_note, contexts_note) if n)
+    return dataclasses.replace(best, notes=notes)

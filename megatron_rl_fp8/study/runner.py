@@ -225,11 +225,17 @@ def load_study(path: str | Path, out: str | Path | None = None) -> Study:
 
 
 def _check_frozen(study: Study, where: str) -> None:
-    """A run that exists must still be the run the study file describes."""
+    """A run that exists must still be the run the study file describes. Where it lives is not
+    part of that: a study directory that was moved, copied off a cluster or reached through a
+    link holds the same runs (a resumed run writes where it now is)."""
     for run in study.runs:
         frozen = run.path / RUN_CONFIG
         if frozen.is_file():
-            changed = changed_settings(frozen, to_dict(run.config))
+            changed = [
+                c
+                for c in changed_settings(frozen, to_dict(run.config))
+                if not c.startswith("train.output_dir:")
+            ]
             if changed:
                 raise ConfigError(
                     f"{where}: {run.label} was started with other settings ({'; '.join(changed)}"

@@ -45,10 +45,14 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 @dataclasses.dataclass
 class Bucket:
-    """One message to the rollout engine: named full tensors, in stream order."""
+    """One message to the rollout engine: named full tensors, in stream order. ``handover``: the
+    tensors are views into buffers made to be handed to other processes (``sync/ipc.py``) that
+    nothing else holds or changes (the per-node relay's received buckets); the ``tensor``
+    transport hands them over as they are instead of copying them first."""
 
     index: int
     tensors: list[tuple[str, torch.Tensor]]
+    handover: bool = False
 
     @property
     def nbytes(self) -> int:

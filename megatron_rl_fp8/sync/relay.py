@@ -11,7 +11,8 @@ layout and one of the bytes per bucket, then a ``None`` layout that ends the str
 not typed tensors, because gloo has no float8 types and FP8 codes are most of a sync's bytes.
 
 On GPU the group is NCCL and the buffers live on ``device`` (the rank's GPU); a member's
-received bucket is fresh memory that it may hand to its engines (CUDA IPC) and drop.
+received bucket is fresh memory, allocated to be shared by CUDA IPC (``Bucket.handover``): the
+``tensor`` transport hands that buffer itself to every engine, and the member drops it after.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_fp8.sync.buckets import Bucket
+from megatron_rl_fp8.sync.ipc import ipc_allocations
 from megatron_rl_fp8.sync.timing import SyncTimes
 
 _ALIGN = 16  # bytes: every dtype's element size divides it, so each view is aligned
@@ -50,7 +52,7 @@ def _unpack(index: int, entries, buf: torch.Tensor) -> Bucket:
     for name, dtype, shape, offset in entries:
         n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         tensors.append((name, buf[offset : offset + n].view(dtype).view(shape)))
-    return Bucket(index, tensors)
+    return Bucket(index, tensors, handover=True)
 
 
 def relay(
@@ -74,7 +76,8 @@ def relay(
         if box[0] is None:
             return
         index, entries, size = box[0]
-        buf = torch.empty(size, dtype=torch.uint8, device=device)
+        with ipc_allocations(device):  # the engines get this buffer itself (CUDA IPC)
+            buf = torch.empty(size, dtype=torch.uint8, device=device)
         dist.broadcast(buf, src=src, group=group)
         yield _unpack(index, entries, buf)
 

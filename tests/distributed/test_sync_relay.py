@@ -50,13 +50,21 @@ def _body(rank, world_size):
         )
         for b in got
     ]
-    return rows, times.relay
+    # What the tensor transport may hand the engines as it is: one buffer per received bucket.
+    shared = [
+        (b.handover, len({t.untyped_storage().data_ptr() for _, t in b.tensors})) for b in got
+    ]
+    return rows, times.relay, shared
 
 
 def test_a_stage_sender_relays_its_buckets_byte_for_byte():
     results = run_distributed(_body, world_size=3)
-    (received, t_recv), none, (sent, t_sent) = results
+    (received, t_recv, shared_recv), none, (sent, t_sent, shared_sent) = results
     assert none is None
+    # NC-5 (issue 43 #5): a received bucket is one buffer made for handing over (the engines
+    # get it without another copy); the sender's own stay the trainer's (copied before sharing).
+    assert shared_recv == [(True, 1), (True, 1)]
+    assert [handover for handover, _ in shared_sent] == [False, False]
     assert received == sent and len(sent) == 2
     expected = [
         (

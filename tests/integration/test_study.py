@@ -126,6 +126,31 @@ def test_the_reports_numbers_are_the_runs_metrics(finished):
     assert diff["test"] == "paired"
 
 
+def test_a_moved_study_directory_is_the_same_study(finished, tmp_path, capsys):
+    """Copied off the cluster (or reached through a link), a study's runs are still its runs:
+    the report reads them, nothing reruns; a changed setting is still refused."""
+    import shutil
+
+    from megatron_rl_fp8.cli import main
+
+    tmp, study, _ = finished
+    moved = tmp_path / "copied"
+    shutil.copytree(tmp / "out", moved, symlinks=True)
+    assert main(["study", str(study), "--out", str(moved), "--report-only"]) == 0
+    assert (moved / "report" / "report.md").is_file()
+    link = tmp_path / "link"
+    link.symlink_to(moved)
+    assert main(["study", str(study), "--out", str(link), "--report-only"]) == 0
+    changed = yaml.safe_load(study.read_text())
+    changed["arms"]["bf16"] = {"optim.lr": 1.0e-3}
+    other = tmp_path / "study.yaml"
+    other.write_text(yaml.safe_dump(changed))
+    capsys.readouterr()
+    assert main(["study", str(other), "--out", str(moved), "--report-only"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "was started with other settings (optim.lr:" in err and "output_dir" not in err, err
+
+
 def test_a_killed_study_resumes_to_the_uninterrupted_result(finished, tmp_path):
     """The fixture's study less one arm (its bf16 runs are the same runs: same settings, same
     threads per run), killed in its second run and started again."""

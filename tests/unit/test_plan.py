@@ -421,3 +421,26 @@ def test_fp8_weight_copies_are_what_the_torchao_backend_caches():
                 assert sum(c._data.numel() * c._data.element_size() for _, c in held) == (
                     want * w.numel()
                 ), (recipe, grad)
+
+
+def test_tensor_transport_engines_open_contexts_on_the_sending_gpu():
+    # NC-5 (issue 43 #5): with the tensor transport every colocated engine TP process on the
+    # sending rank's node, but the one on its own GPU, opens a CUDA context on that GPU.
+    from megatron_rl_fp8.plan.memory import CUDA_CONTEXT_GB
+
+    def contexts(transport, nodes=1, **sg):
+        rollout = {"engine": "sglang", "placement": "colocated"}
+        sglang = {"transport": transport, "num_engines": 0, "mem_fraction_static": 0.3, **sg}
+        cfg = make_cfg(rollout={**rollout, "sglang": sglang})
+        e = estimate(cfg, World(gpus_per_node=8, nodes=nodes))
+        return row(e, "IPC contexts") / (CUDA_CONTEXT_GB * GB), e
+
+    n, e = contexts("tensor")  # 8 engines of TP 1 on the node: 7 others
+    assert n == 7 and row(e, "IPC contexts", "logprobs") == row(e, "IPC contexts")
+    assert any("CUDA context" in note for note in e.notes)
+    assert e.allocated("update") == e.total("update") - sum(
+        row(e, r) for r in ("allowance", "SGLang", "IPC contexts")
+    )  # other processes' memory: not the trainer's max_memory_allocated
+    assert contexts("tensor", tp_size=2)[0] == 7  # 4 engines x 2 ranks, one on the GPU itself
+    assert contexts("tensor", nodes=2)[0] == 7  # per-node sync: each node's own engines
+    assert contexts("distributed")[0] == 0  # NCCL: no handle into the trainer's GPU

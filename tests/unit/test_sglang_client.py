@@ -310,6 +310,54 @@ def test_tensor_transport_refuses_engines_on_another_host():
     assert "not on this host" in error and "transport=distributed" in error
 
 
+def test_tensor_transport_hands_every_engine_one_buffer(monkeypatch):
+    # NC-5 (issue 43 #5): every engine of a sync (and every TP rank) opens the same buffers of a
+    # bucket, made once, never the trainer's own memory; a relay's received bucket, made for
+    # handing over, goes as it is (before: one copy per engine of every bucket).
+    from megatron_rl_fp8.rollout.sglang import SGLangSyncPlan, WeightSender, sender
+    from megatron_rl_fp8.sync.buckets import Bucket
+
+    seen = []
+
+    def push_tensor(http, named, *, tp_size, timeout):
+        seen.append((http.base_url, tp_size, [t.untyped_storage().data_ptr() for _, t in named]))
+        return 0.0
+
+    monkeypatch.setattr(sender, "push_tensor", push_tensor)
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    monkeypatch.setattr(
+        torch.multiprocessing, "set_sharing_strategy", lambda s: None
+    )  # the CPU path's switch is process-wide; this test hands nothing to another process
+    plan = SGLangSyncPlan(
+        version=0,
+        engines=[("http://127.0.0.1:1", 1), ("http://127.0.0.1:2", 2)],
+        device="cpu",
+        timeout=5,
+        export_options={},
+        failed=[],
+        transport="tensor",
+    )
+    w, b = torch.randn(4, 4), torch.randn(4).to(torch.bfloat16)
+    assert WeightSender().push(plan, [Bucket(0, [("w", w), ("b", b)])]) is None
+    assert sorted((url, tp) for url, tp, _ in seen) == [
+        ("http://127.0.0.1:1", 1),
+        ("http://127.0.0.1:2", 2),
+    ]
+    (ptrs,) = {tuple(p) for _, _, p in seen}  # one set of buffers for both engines
+    assert len(set(ptrs)) == 2  # one per dtype
+    assert not {w.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()} & set(ptrs)
+    seen.clear()
+    buf = torch.zeros(64, dtype=torch.uint8)
+    relayed = Bucket(
+        1,
+        [("w", buf[:16].view(torch.float32)), ("b", buf[16:24].view(torch.bfloat16))],
+        handover=True,
+    )
+    assert WeightSender().push(plan, [relayed]) is None
+    assert [p for _, _, p in seen] == [[buf.untyped_storage().data_ptr()] * 2] * 2
+    assert torch.multiprocessing.get_sharing_strategy() == strategy
+
+
 def test_per_tensor_fp8_scales_take_sglang_names():
     from megatron_rl_fp8.rollout.sglang.sender import per_tensor_scale_names
 

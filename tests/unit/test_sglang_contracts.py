@@ -27,7 +27,7 @@ from megatron_rl_fp8 import cli
 from megatron_rl_fp8.config import load_config
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.rollout.config import RolloutConfig
-from megatron_rl_fp8.rollout.sglang.transports import push_tensor
+from megatron_rl_fp8.rollout.sglang.transports import handover_tensors, push_tensor
 from megatron_rl_fp8.sync.buckets import Bucket
 from tests.sglang.conftest import sglang_python
 
@@ -148,7 +148,7 @@ def test_sglang_update_weights_from_tensor_one_payload_per_tp_rank(mode, file_sy
     ]
     engine = _EngineRanks(_python(mode), mode, tp_size=2)
 
-    push_tensor(engine, Bucket(0, tensors), tp_size=2, timeout=300)
+    push_tensor(engine, handover_tensors(Bucket(0, tensors)), tp_size=2, timeout=300)
 
     payloads = engine.body["serialized_named_tensors"]
     assert isinstance(payloads, list) and len(payloads) == 2

@@ -38,6 +38,7 @@ from megatron_rl_fp8.rollout.sglang.http import Http
 from megatron_rl_fp8.rollout.sglang.transports import (
     destroy_sender_group,
     join_sender_group,
+    handover_tensors,
     push_distributed,
     push_tensor,
 )
@@ -126,7 +127,9 @@ class WeightSender:
             if error or plan.failed:
                 continue
             if plan.rename_scales:
-                bucket = Bucket(bucket.index, list(per_tensor_scale_names(bucket.tensors)))
+                bucket = dataclasses.replace(
+                    bucket, tensors=list(per_tensor_scale_names(bucket.tensors))
+                )
             try:
                 if fault is not None:
                     fault("push")
@@ -155,13 +158,15 @@ class WeightSender:
 
             def send(bucket: Bucket) -> None:
                 t0 = time.perf_counter()
+                named = handover_tensors(bucket)  # once: every engine opens the same buffers
+                built = time.perf_counter() - t0
                 handed = _each(
                     engines,
-                    lambda h, tp: push_tensor(h, bucket, tp_size=tp, timeout=plan.timeout),
+                    lambda h, tp: push_tensor(h, named, tp_size=tp, timeout=plan.timeout),
                     tps,
                 )
-                # The engines' calls run at once: the slowest one's buffer building is transfer.
-                transfer = max(handed, default=0.0)
+                # The engines' calls run at once: the slowest one's handles are transfer too.
+                transfer = built + max(handed, default=0.0)
                 self.times.transfer += transfer
                 self.times.load += time.perf_counter() - t0 - transfer
 

@@ -21,23 +21,31 @@ from megatron_rl_fp8.sync.buckets import Bucket
 from megatron_rl_fp8.sync.ipc import ipc_allocations
 
 
-def push_tensor(http: Http, bucket: Bucket, *, tp_size: int, timeout: float) -> float:
-    """``tensor`` transport: one buffer per dtype (shared memory on CPU, CUDA IPC on GPU), its
-    handles over HTTP, serialized once for each of the engine's ``tp_size`` ranks
-    (:func:`serialize_per_rank`). Returns the seconds spent building the buffers and handles (the
-    rest is the engine's update call)."""
+def handover_tensors(bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+    """What the ``tensor`` transport hands every engine (and every TP rank) of ``bucket``: one
+    set of buffers for all of them. A ``handover`` bucket's own tensors (the relay's received
+    buffer); else one fresh copy per (device, dtype) (:func:`flatten_per_dtype`): one shared-memory
+    file, not one per tensor, and never the trainer's own storages (sharing would move them into
+    shared memory, or hand an engine live training memory)."""
+    return list(bucket.tensors) if bucket.handover else flatten_per_dtype(bucket.tensors)
+
+
+def push_tensor(
+    http: Http, named: list[tuple[str, torch.Tensor]], *, tp_size: int, timeout: float
+) -> float:
+    """``tensor`` transport: the handles of ``named`` (:func:`handover_tensors`; shared memory
+    on CPU, CUDA IPC on GPU) over HTTP, serialized once for each of the engine's ``tp_size``
+    ranks (:func:`serialize_per_rank`). The caller keeps ``named`` alive until the call returns
+    (the server has copied the values by then). Returns the seconds spent serializing (the rest
+    is the engine's update call)."""
     t0 = time.perf_counter()
-    # One flat buffer per dtype per bucket (one shared-memory file, not one per tensor), and never
-    # the trainer's own storages (sharing would move them into shared memory).
-    flat = flatten_per_dtype(bucket.tensors)
-    payloads = serialize_per_rank(flat, tp_size)
+    payloads = serialize_per_rank(named, tp_size)
     handed = time.perf_counter() - t0
     http.ok(
         "/update_weights_from_tensor",
         {"serialized_named_tensors": payloads, "flush_cache": False},
         timeout=timeout,
     )
-    del flat  # the server has copied the values when the call returns
     return handed
 
 
