@@ -37,8 +37,8 @@ from megatron_rl_fp8.rollout.errors import RolloutEngineError, first_line
 from megatron_rl_fp8.rollout.sglang.http import Http
 from megatron_rl_fp8.rollout.sglang.transports import (
     destroy_sender_group,
-    join_sender_group,
     handover_tensors,
+    join_sender_group,
     push_distributed,
     push_tensor,
 )
