@@ -138,22 +138,28 @@ def _report(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megatron-rl-fp8", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="megatron-rl-fp8", description=__doc__, allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="Run RL training from a YAML config.")
+    train = sub.add_parser("train", allow_abbrev=False, help="Run RL training from a YAML config.")
     train.add_argument(
         "config", nargs="?", default=None, help="YAML config (default: examples/tiny_cpu.yaml)."
     )
     train.add_argument("overrides", nargs="*", help="section.key=value overrides.")
     show = sub.add_parser(
-        "config", help="Print every setting of a run: resolved value, default and help."
+        "config",
+        allow_abbrev=False,
+        help="Print every setting of a run: resolved value, default and help.",
     )
     show.add_argument(
         "config", nargs="?", default=None, help="YAML config (default: examples/tiny_cpu.yaml)."
     )
     show.add_argument("overrides", nargs="*", help="section.key=value overrides.")
     report = sub.add_parser(
-        "report", help="Figures and a Markdown summary overlaying several runs' metrics."
+        "report",
+        allow_abbrev=False,
+        help="Figures and a Markdown summary overlaying several runs' metrics.",
     )
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="Run output directories.")
     report.add_argument("--out", required=True, help="Directory for report.md and the PNGs.")
@@ -165,20 +171,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser(
         "convert",
+        allow_abbrev=False,
         help="Checkpoint conversion: hf-to-mcore | mcore-to-hf | export-fp8 "
         "(`megatron-rl-fp8 convert -h`).",
     )
     sub.add_parser(
         "plan",
+        allow_abbrev=False,
         help="Per-GPU memory of a run, whether its layout fits, and the layouts that would "
         "(`megatron-rl-fp8 plan -h`).",
     )
     sub.add_parser(
         "study",
+        allow_abbrev=False,
         help="Precision arms x seeds side by side, with intervals (`megatron-rl-fp8 study -h`).",
     )
     sub.add_parser(
         "launch",
+        allow_abbrev=False,
         help="Slurm: check a multi-node layout and print every node role's command "
         "(`megatron-rl-fp8 launch -h`).",
     )

@@ -8,6 +8,7 @@ process group, server or weight exists.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import yaml
@@ -35,6 +36,8 @@ from megatron_rl_fp8.trainer.config import (
     SFTConfig,
     TrainConfig,
 )
+from megatron_rl_fp8.utils.yaml_unique import safe_load as safe_load_unique
+from megatron_rl_fp8.utils.yaml_unique import yaml_problem
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 SFT_STEPS_FROM_SCRATCH = 300
@@ -301,13 +304,24 @@ class RunConfig:
         return yaml.safe_dump(to_dict(self), sort_keys=False)
 
 
+def _json_or_yaml(raw: str) -> object:
+    """An override's value. JSON is YAML, and a list the launcher writes (every engine's URL of
+    a large job) parses in a fraction of PyYAML's time as JSON."""
+    if raw.startswith(("[", "{")):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            pass
+    return yaml.safe_load(raw)
+
+
 def parse_override(text: str) -> tuple[str, object]:
     if "=" not in text:
         raise ConfigError(
             f"override {text!r} must look like section.key=value (e.g. train.steps=5)"
         )
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw)
+    value = _json_or_yaml(raw)
     if isinstance(value, str):
         # YAML 1.1 reads "1e-3" (no dot) as a string; users mean the number.
         try:
@@ -324,19 +338,6 @@ def _deep_merge(base: dict, over: dict) -> dict:
             _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
         )
     return out
-
-
-def _yaml_problem(e: yaml.YAMLError, text: str) -> str:
-    """A YAML error in one line: where (line, column) and what, without PyYAML's source excerpt."""
-    if isinstance(e, yaml.MarkedYAMLError):
-        mark = e.problem_mark or e.context_mark
-        what = "; ".join(part for part in (e.context, e.problem) if part)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        return where + (what or type(e).__name__)
-    if isinstance(e, yaml.reader.ReaderError):  # a control character
-        line = text.count("\n", 0, e.position) + 1
-        return f"line {line}: character #x{e.character:04x}: {e.reason}"
-    return " ".join(str(e).split())
 
 
 def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
@@ -362,9 +363,9 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
             "YAML file"
         ) from None
     try:
-        data = yaml.safe_load(text)
+        data = safe_load_unique(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{name} is not valid YAML: {_yaml_problem(e, text)}") from None
+        raise ConfigError(f"{name} is not valid YAML: {yaml_problem(e, text)}") from None
     if data is None:
         # An empty file (or one of comments) would silently run on the built-in defaults: most
         # likely a wrong or truncated file. `{}` says "all defaults" on purpose.

@@ -7,7 +7,7 @@ import sys
 
 
 def build_parser(prog: str = "megatron-rl-fp8 convert") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
@@ -15,7 +15,9 @@ def build_parser(prog: str = "megatron-rl-fp8 convert") -> argparse.ArgumentPars
         sp.add_argument("--overwrite", action="store_true", help="Replace a non-empty --out.")
         sp.add_argument("--no-progress", action="store_true", help="No progress bar.")
 
-    a = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron dist checkpoint.")
+    a = sub.add_parser(
+        "hf-to-mcore", allow_abbrev=False, help="HF safetensors -> Megatron dist checkpoint."
+    )
     a.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors).")
     a.add_argument(
         "--tp",
@@ -29,7 +31,9 @@ def build_parser(prog: str = "megatron-rl-fp8 convert") -> argparse.ArgumentPars
     )
     common(a)
 
-    b = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors.")
+    b = sub.add_parser(
+        "mcore-to-hf", allow_abbrev=False, help="Megatron dist checkpoint -> HF safetensors."
+    )
     b.add_argument(
         "--ckpt", required=True, help="Checkpoint dir (iter_XXXXXXX) or root with 'latest'."
     )
@@ -49,7 +53,9 @@ def build_parser(prog: str = "megatron-rl-fp8 convert") -> argparse.ArgumentPars
     )
     common(b)
 
-    c = sub.add_parser("export-fp8", help="Block-FP8 (128x128 E4M3) HF checkpoint for serving.")
+    c = sub.add_parser(
+        "export-fp8", allow_abbrev=False, help="Block-FP8 (128x128 E4M3) HF checkpoint for serving."
+    )
     src = c.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf", help="HF model directory to quantize.")
     src.add_argument("--ckpt", help="Megatron dist checkpoint to quantize (needs --hf-config).")

@@ -24,7 +24,7 @@ from megatron_rl_fp8.config_utils import ConfigError
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, allow_abbrev=False)
     p.add_argument("config", help="YAML config of the run.")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides.")
     p.add_argument(

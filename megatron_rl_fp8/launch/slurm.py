@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.utils.engine_placement import MAX_GPUS_PER_NODE, MAX_NODES
 
 # One bracket group: "[1-3,7]"; what is between groups is literal text.
 _GROUP = re.compile(r"\[([^\[\]]*)\]")
@@ -33,7 +35,9 @@ def expand_nodelist(text: str) -> list[str]:
     Zero padding follows the range's lower bound (``[08-10]`` -> 08 09 10, ``[9-10]`` -> 9 10), as
     in Slurm; several groups in one name expand as a product, the first group outermost
     (``r[1-2]-n[1-2]`` -> r1-n1 r1-n2 r2-n1 r2-n2)."""
-    names = [name for item in _split_top(text) for name in _expand_name(item)]
+    names = []
+    for item in _split_top(text):
+        names += _expand_name(item, MAX_NODES - len(names))
     if not names:
         raise ConfigError(f"node list {text!r} names no node; pass --nodelist such as 'n[1-4]'")
     return names
@@ -55,11 +59,16 @@ def _split_top(text: str) -> list[str]:
     return [item.strip() for item in items if item.strip()]
 
 
-def _expand_name(item: str) -> list[str]:
+def _expand_name(item: str, room: int) -> list[str]:
+    """``item``'s names; ConfigError where they would pass ``room`` (what MAX_NODES leaves)."""
     literals = _GROUP.split(item)[::2]  # text around the groups
     if any("[" in s or "]" in s for s in literals):
         raise ConfigError(f"node list item {item!r}: a ']' without its '['")
     choices = [_expand_ranges(body, item) for body in _GROUP.findall(item)]
+    if math.prod(map(len, choices)) > room:
+        raise ConfigError(
+            f"node list item {item!r}: a job of more than {MAX_NODES} nodes; check the ranges"
+        )
     out = []
     for combo in itertools.product(*choices):
         parts = [literals[0]]
@@ -79,6 +88,10 @@ def _expand_ranges(body: str, item: str) -> list[str]:
         lo, hi = m.group(1), m.group(2) or m.group(1)
         if int(hi) < int(lo):
             raise ConfigError(f"node list item {item!r}: range {part!r} runs backwards")
+        if int(hi) - int(lo) >= MAX_NODES:
+            raise ConfigError(
+                f"node list item {item!r}: range {part!r} names more than {MAX_NODES} nodes"
+            )
         values += [str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1)]
     return values
 
@@ -152,6 +165,8 @@ def read_env(
     variable. Without a node list, ``nodes`` alone simulates ``node[1-N]``."""
     in_job = "SLURM_JOB_ID" in env
     text = nodelist or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if nodes is not None and not 1 <= nodes <= MAX_NODES:
+        raise ConfigError(f"--nodes {nodes}: give a count from 1 to {MAX_NODES}")
     if text is None and nodes is not None:
         text = f"node[1-{nodes}]"
     if text is None:
@@ -161,11 +176,17 @@ def read_env(
         )
     names = expand_nodelist(text)
     _check_names(names, text, nodes if nodes is not None else _opt_int(env, "SLURM_JOB_NUM_NODES"))
-    if gpus_per_node is not None and gpus_per_node < 1:
+    if gpus_per_node is not None and not 1 <= gpus_per_node <= MAX_GPUS_PER_NODE:
         raise ConfigError(
-            f"--gpus-per-node {gpus_per_node}: must be >= 1 (on a CPU cluster: ranks per node)"
+            f"--gpus-per-node {gpus_per_node}: give a count from 1 to {MAX_GPUS_PER_NODE} (on "
+            "a CPU cluster: ranks per node)"
         )
     gpus = gpus_per_node if gpus_per_node is not None else gpus_from_env(env)
+    if gpus is not None and gpus > MAX_GPUS_PER_NODE:
+        raise ConfigError(
+            f"the job has {gpus} GPUs per node (SLURM_GPUS_*), more than {MAX_GPUS_PER_NODE}; "
+            "pass --gpus-per-node G"
+        )
     if gpus is None or gpus < 1:
         raise ConfigError(
             "GPUs per node unknown: the job sets none of SLURM_GPUS_ON_NODE, SLURM_GPUS_PER_NODE, "
@@ -183,7 +204,8 @@ def read_env(
 
 
 def _check_names(names: list[str], text: str, expected: int | None) -> None:
-    dup = next((n for n in names if names.count(n) > 1), None)
+    seen: set[str] = set()
+    dup = next((n for n in names if n in seen or seen.add(n)), None)
     if dup is not None:
         raise ConfigError(f"node list {text!r} names {dup!r} twice; list each node once")
     if expected is not None and expected != len(names):

@@ -30,7 +30,7 @@ SHAPE_FIELDS = (
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, allow_abbrev=False)
     p.add_argument("config", help="YAML config of the run.")
     p.add_argument(
         "overrides",
@@ -277,10 +277,18 @@ def launcher_note(cfg, world: World) -> str | None:
 
 
 def run(args) -> int:
+    from megatron_rl_fp8.config_utils import ConfigError
     from megatron_rl_fp8.plan.hardware import get_gpu
     from megatron_rl_fp8.plan.layouts import alternatives
     from megatron_rl_fp8.plan.presets import preset_overrides
 
+    if not (0 < args.fill <= 1):  # nan fails it too
+        raise ConfigError(
+            f"--fill {args.fill}: give the mean response length as a fraction of "
+            "rollout.max_new_tokens, in (0, 1]"
+        )
+    if args.top < 0:
+        raise ConfigError(f"--top {args.top}: give how many layouts to list, 0 or more")
     gpu = get_gpu(args.gpu or "H100")
     memory_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else gpu.memory_gb
     world = World(gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_memory_gb=memory_gb)

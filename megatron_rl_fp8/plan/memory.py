@@ -74,7 +74,7 @@ from megatron_rl_fp8.plan.model_bytes import (
     stage_fp8_layers,
     stage_params,
 )
-from megatron_rl_fp8.utils.engine_placement import engine_count
+from megatron_rl_fp8.utils.engine_placement import MAX_GPUS_PER_NODE, MAX_NODES, engine_count
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.config import RunConfig
@@ -111,11 +111,17 @@ class World:
     device: Device = "gpu"
 
     def __post_init__(self):
-        for name in ("gpus_per_node", "nodes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
-        if not self.gpu_memory_gb > 0:
-            raise ConfigError(f"--gpu-memory-gb must be > 0, got {self.gpu_memory_gb}")
+        for name, most in (("gpus_per_node", MAX_GPUS_PER_NODE), ("nodes", MAX_NODES)):
+            value = getattr(self, name)
+            if not 1 <= value <= most:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} {value}: give a count from 1 to {most}"
+                )
+        if not (self.gpu_memory_gb > 0 and math.isfinite(self.gpu_memory_gb)):
+            raise ConfigError(
+                f"--gpu-memory-gb {self.gpu_memory_gb}: give a GPU's memory in GB, a finite "
+                "number > 0 (80 for H100)"
+            )
 
     @property
     def size(self) -> int:

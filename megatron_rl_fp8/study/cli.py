@@ -13,6 +13,7 @@ from megatron_rl_fp8.config_utils import ConfigError
 def build_parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
+        allow_abbrev=False,
         description="Run a study (precision arms x seeds, each an ordinary run) and write its "
         "report: per-arm means with 95% intervals over seeds, differences from the reference "
         "arm, curves with seed bands. Re-running resumes unfinished runs and skips finished ones.",
@@ -75,7 +76,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> int:
     args = build_parser(prog).parse_args(argv)
     from megatron_rl_fp8.study.report import write_study_report
-    from megatron_rl_fp8.study.runner import load_study, run_study, usable_cores
+    from megatron_rl_fp8.study.runner import REPORT_DIR, load_study, run_study, usable_cores
+    from megatron_rl_fp8.trainer.run_dir import check_writable
 
     try:
         if args.dose_response:
@@ -106,6 +108,7 @@ def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> 
         if args.jobs is not None and args.jobs < 1:
             raise ConfigError(f"--jobs {args.jobs}: give at least 1")
         study = load_study(args.study[0], args.out)
+        check_writable(study.out, "--out" if args.out else "the study directory")
         if args.sbatch and not args.slurm:
             raise ConfigError("--sbatch applies to --slurm only; add --slurm or drop --sbatch")
         if args.slurm:
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> 
                 f"{study.out} yet; run the study first"
             )
         title = study.name + (f": {study.description}" if study.description else "")
-        report = write_study_report(arms, study.reference, study.out / "report", title)
+        report = write_study_report(arms, study.reference, study.out / REPORT_DIR, title)
         print(f"report: {report}")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

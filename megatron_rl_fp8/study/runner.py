@@ -46,6 +46,7 @@ from megatron_rl_fp8.config_utils import ConfigError, to_dict
 from megatron_rl_fp8.metrics.logger import EVENTS_FILE
 from megatron_rl_fp8.trainer.run_dir import changed_settings
 from megatron_rl_fp8.utils.fs import atomic_write_text
+from megatron_rl_fp8.utils.yaml_unique import safe_load, yaml_problem
 
 KEYS = ("name", "description", "base", "overrides", "seeds", "reference", "arms")
 RUN_CONFIG = "study_config.yaml"
@@ -53,6 +54,7 @@ RUN_STATUS = "study_status.json"
 RUN_LOG = "study.log"
 GUARD_STOP_EXIT = 3
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+REPORT_DIR = "report"  # <study dir>/report: the report, beside the arms' directories
 
 
 @dataclass
@@ -167,9 +169,13 @@ def load_study(path: str | Path, out: str | Path | None = None) -> Study:
             f"{where} does not exist" + (" (it is a directory)" if path.is_dir() else "")
         )
     try:
-        data = yaml.safe_load(path.read_bytes().decode())
-    except (OSError, ValueError, yaml.YAMLError) as e:
+        text = path.read_bytes().decode()
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8
         raise ConfigError(f"{where} is not a readable YAML file ({type(e).__name__})") from None
+    try:
+        data = safe_load(text)  # a second arm of one name would silently replace the first
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {yaml_problem(e, text)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must hold a mapping ({', '.join(KEYS)})")
     unknown = sorted(set(map(str, data)) - set(KEYS))
@@ -199,12 +205,21 @@ def load_study(path: str | Path, out: str | Path | None = None) -> Study:
                 f"{where}: arm name {name!r} must be letters, digits, '_', '-' or '.' (it names "
                 "the arm's directory)"
             )
+        if name == REPORT_DIR:
+            raise ConfigError(
+                f"{where}: arm name {name!r} is the study's report folder; rename the arm"
+            )
     arm_settings = {a: _settings(v, f"{where}: arm {a!r}") for a, v in arms.items()}
     reference = data.get("reference", next(iter(arms)))
-    if reference not in arms:
+    if not isinstance(reference, str) or reference not in arms:
         raise ConfigError(f"{where}: reference {reference!r} is not an arm ({', '.join(arms)})")
     common = _settings(data.get("overrides"), f"{where}: 'overrides'")
     name = str(data.get("name") or path.stem)
+    if not _NAME.fullmatch(name):
+        raise ConfigError(
+            f"{where}: name {name!r} must be letters, digits, '_', '-' or '.' (it names the "
+            "study's directory under runs/studies)"
+        )
     out = Path(out) if out is not None else Path("runs") / "studies" / name
     runs = []
     for seed in seeds:

@@ -190,6 +190,9 @@ def test_a_killed_study_resumes_to_the_uninterrupted_result(finished, tmp_path):
         ({"arms": {"bf16": {"optim.lr": -1.0}}}, "arm 'bf16': optim"),
         ({"arms": {"bf16": {"train.nope": 1}}}, "arm 'bf16': unknown key(s) 'nope' in train"),
         ({"reference": "fp8"}, "reference 'fp8' is not an arm"),
+        ({"reference": ["bf16"]}, "reference ['bf16'] is not an arm"),
+        ({"arms": {"bf16": {}, "report": {}}}, "arm name 'report' is the study's report folder"),
+        ({"name": "../escape"}, "name '../escape' must be letters, digits"),
     ],
 )
 def test_bad_study_files_are_one_line_before_any_run(tmp_path, capsys, changes, message):
@@ -200,3 +203,25 @@ def test_bad_study_files_are_one_line_before_any_run(tmp_path, capsys, changes, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("config error: ") and message in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_duplicate_arm_or_an_unusable_out_is_one_line(tmp_path, capsys):
+    """Issue 44 #12, #1: YAML keeps the last of two equal keys, so a second arm of one name
+    silently replaced the first; ``--out`` naming a file, or a folder that cannot be made, was a
+    traceback from the first mkdir."""
+    from megatron_rl_fp8.cli import main
+
+    study = _study_file(tmp_path, tmp_path / "cache")
+    text = study.read_text()
+    doubled = tmp_path / "doubled.yaml"
+    doubled.write_text(text.replace("arms:\n", "arms:\n  bf16: {optim.lr: 0.1}\n", 1))
+    assert main(["study", str(doubled), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "found duplicate key 'bf16' (first on line" in err[0], err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for out in (a_file, a_file / "below"):
+        assert main(["study", str(study), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is not a writable directory" in err[0] and "--out=" in err[0]
+    assert a_file.read_text() == "x"

@@ -92,8 +92,13 @@ def test_parquet_file_that_is_not_parquet_is_a_data_error(content, tmp_path, cap
         (b"42\n", "must hold a mapping of sections (model:, train:, ...), got int"),
         (b"", "is empty (or only comments); give at least one section, or write {}"),
         (b"# train:\n#   steps: 3\n", "is empty (or only comments)"),
+        (
+            b"train:\n  steps: 3\nmodel: {}\ntrain:\n  steps: 5\n",
+            "is not valid YAML: line 4, column 1: while constructing a mapping; found duplicate "
+            "key 'train' (first on line 1)",
+        ),
     ],
-    ids=["binary", "bad-yaml", "list", "scalar", "empty", "comments"],
+    ids=["binary", "bad-yaml", "list", "scalar", "empty", "comments", "duplicate-key"],
 )
 def test_unusable_config_file_is_one_line_naming_it(content, message, tmp_path, capsys):
     path = tmp_path / "run.yaml"

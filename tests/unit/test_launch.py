@@ -98,7 +98,7 @@ def test_gpus_per_node_fallbacks():
 
 
 def test_zero_gpus_per_node_names_the_flag():
-    with pytest.raises(ConfigError, match="--gpus-per-node 0: must be >= 1"):
+    with pytest.raises(ConfigError, match="--gpus-per-node 0: give a count from 1 to 64"):
         read_env({"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_GPUS_ON_NODE": "8"}, gpus_per_node=0)
 
 
@@ -498,6 +498,11 @@ def test_plan_says_it_does_not_fit(capsys, paths):
         ((*TINY_SGLANG, "rollout.placement=colocated", "rollout.sglang.transport=tensor", "rollout.sglang.num_engines=0", "rollout.sglang.tp_size=3", "--nodes", "2", "--gpus-per-node", "8"), "does not divide"),
         (("--nodelist", "n[1-2", "--gpus-per-node", "1"), "never closed"),
         (("--gpus-per-node", "1"), "no node list"),
+        # Issue 44 #2: sizes past any cluster are refused at once (they used to run for minutes).
+        (("--nodes", "100000", "--gpus-per-node", "1"), "--nodes 100000: give a count from 1 to 4096"),
+        (("--nodes", "2", "--gpus-per-node", "99999999999999999999999"), "give a count from 1 to 64"),
+        (("--nodelist", "n[1-100000000]", "--gpus-per-node", "1"), "names more than 4096 nodes"),
+        (("--nodelist", "r[1-100]-n[1-100]", "--gpus-per-node", "1"), "more than 4096 nodes"),
     ],
 )  # fmt: skip
 def test_bad_splits(capsys, argv, needle):
@@ -700,3 +705,17 @@ def test_sbatch_forwards_usr1_and_requeues(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 7, err
     assert "the trainer step failed (exit 7" in err and "requeue" not in err
+
+
+def test_the_largest_job_plans_in_seconds(capsys):
+    # Issue 44 #2: placement and the trainer's overrides (every engine URL) are linear; the
+    # duplicate-node check was quadratic. 4096 nodes x 8 GPUs, colocated engines on every GPU.
+    import time
+
+    t0 = time.perf_counter()
+    line = refused(
+        capsys, TINY, *TINY_SGLANG, "rollout.placement=colocated", "rollout.sglang.transport=tensor",
+        "rollout.sglang.num_engines=0", "--nodes", "4096", "--gpus-per-node", "8",
+    )  # fmt: skip
+    assert "32768 ranks" in line  # got past placement to the batch-split check
+    assert time.perf_counter() - t0 < 60

@@ -258,13 +258,32 @@ def test_cli_prints_the_table_for_the_gpu_examples(args, capsys):
         ["parallel.tensor_model_parallel_size=3"],
         ["train.no_such_key=1"],
         ["--nodes", "3"],
+        # Issue 44 #9: refused before the table, not after it (or not at all).
+        ["--gpu-memory-gb", "inf"],
+        ["--time", "--fill", "0"],
+        ["--time", "--fill", "-1"],
+        ["--time", "--fill", "2"],
+        ["--time", "--fill", "nan"],
+        ["--top", "-1"],
+        ["--nodes", "100000"],
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(args, capsys):
     path = str(EXAMPLES_DIR / "qwen3_8b_grpo_math_fp8.yaml")
     assert cli.main(["plan", path, *args]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("config error: ")
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("config error: ") and captured.out == ""
+
+
+def test_flags_are_never_abbreviated(capsys):
+    # Issue 44 #9: argparse's prefix matching took --gpus 8 for --gpus-per-node 8.
+    path = str(EXAMPLES_DIR / "qwen3_8b_grpo_math_fp8.yaml")
+    for argv in (["plan", path, "--gpus", "8"], ["study", path, "--job", "2"], ["train", "--conf"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2, argv
+        assert "unrecognized arguments" in capsys.readouterr().err, argv
 
 
 def test_cli_needs_the_shape_when_the_checkpoint_is_not_here(tmp_path, capsys):
