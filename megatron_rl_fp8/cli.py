@@ -115,6 +115,10 @@ def _show_config(args) -> int:
     from megatron_rl_fp8.config_utils import describe_fields
 
     cfg = load_config(args.config, args.overrides)
+    # What `train` refuses, `config` refuses: the rules that span settings, on the smallest world
+    # the layout runs on (plan and launch check a given cluster; this machine's packages are not
+    # asked for, as configs are often read away from the GPUs).
+    cfg.validate(cfg.parallel.model_parallel_size, this_machine=False)
     section = None
     for doc in describe_fields(cfg):
         top = doc.path.split(".")[0]

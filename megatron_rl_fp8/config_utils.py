@@ -52,6 +52,9 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1  # what an integer setting may be (torch's int64)
+
+
 def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Check ``value`` against the annotation ``tp``; return it converted (int->float, list->tuple)."""
     origin = get_origin(tp)
@@ -104,6 +107,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        # Every integer setting ends in torch (seeds, sizes, counts), which takes a signed 64-bit
+        # value and raises "Overflow when unpacking long long" mid-run past it.
+        if not INT_MIN <= value <= INT_MAX:
+            raise ConfigError(
+                f"{path}: {value} is past a 64-bit integer's range ({INT_MIN} to {INT_MAX})"
+            )
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -127,6 +136,16 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     return value
 
 
+SEED_MAX = 2**32 - 1
+
+
+def _check_seed(value: int, path: str) -> None:
+    """A seed setting (``seed``, ``*_seed``) is 0 .. 2**32 - 1: its consumers add offsets to it
+    (Megatron's per-rank seeds, a step per sampling round) inside torch's int64."""
+    if not 0 <= value <= SEED_MAX:
+        raise ConfigError(f"{path}: {value} is not a seed; give an integer from 0 to {SEED_MAX}")
+
+
 def from_dict(cls, data: dict, path: str = ""):
     """Build dataclass ``cls`` from ``data``; unknown keys and wrong types raise ``ConfigError``."""
     if data is None:
@@ -142,7 +161,10 @@ def from_dict(cls, data: dict, path: str = ""):
         )
     kwargs = {}
     for name, value in data.items():
-        kwargs[name] = _coerce(value, hints[name], f"{path}.{name}" if path else name)
+        where = f"{path}.{name}" if path else name
+        kwargs[name] = _coerce(value, hints[name], where)
+        if (name == "seed" or name.endswith("_seed")) and isinstance(kwargs[name], int):
+            _check_seed(kwargs[name], where)
     try:
         return cls(**kwargs)
     except ConfigError:

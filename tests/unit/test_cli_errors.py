@@ -10,6 +10,8 @@ import pytest
 from megatron_rl_fp8 import cli
 from megatron_rl_fp8.trainer import loop
 
+TINY = str(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml")
+
 
 class _Broken:
     def __init__(self, cfg):
@@ -147,3 +149,31 @@ def test_non_finite_yaml_values_name_the_field(tmp_path, capsys):
         )
         line = _one_line(["train", str(path)], capsys)
         assert line == f"config error: sft.lr: expected a finite number, got {shown}"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.seed=100000000000000000000000", "train.seed: 100000000000000000000000 is past a 64-bit"),
+        ("train.seed=-1", "train.seed: -1 is not a seed; give an integer from 0 to 4294967295"),
+        ("rollout.seed=4294967296", "rollout.seed: 4294967296 is not a seed"),
+        ("train.micro_batch_size=10000000000000000000000", "train.micro_batch_size: 10000000000000000000000 is past"),
+    ],
+)  # fmt: skip
+def test_integers_are_bounded_by_what_takes_them(override, message, tmp_path, capsys):
+    # Issue 44 #3: a seed past int64 passed every check and crashed mid-run in torch.
+    for argv in (
+        ["config", TINY, override],
+        ["train", TINY, override, f"train.output_dir={tmp_path}"],
+    ):
+        assert message in _one_line(argv, capsys)
+
+
+def test_config_refuses_what_train_refuses(capsys):
+    # Issue 44 #10: the rules that span several settings ran in train and plan, not in config.
+    line = _one_line(
+        ["config", TINY, "train.pipeline=one_step_off", "rollout.engine=sglang",
+         "rollout.placement=colocated"],
+        capsys,
+    )  # fmt: skip
+    assert "colocated engines cannot" in line
