@@ -44,6 +44,12 @@ _LINEAR_SUFFIXES = (
 def kept_layers(num_layers: int, keep_first: int, keep_last: int) -> list[int]:
     if keep_first < 0 or keep_last < 0:
         raise ConvertError("--keep-first-layers / --keep-last-layers must be >= 0")
+    if keep_first + keep_last >= num_layers:
+        raise ConvertError(
+            f"--keep-first-layers {keep_first} + --keep-last-layers {keep_last} keep all "
+            f"{num_layers} layers in BF16: nothing would be FP8 under quant_method fp8; keep "
+            "fewer layers"
+        )
     return sorted(
         set(range(min(keep_first, num_layers)))
         | set(range(max(num_layers - keep_last, 0), num_layers))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 import torch
@@ -30,18 +32,28 @@ def parse_size(text: str | int) -> int:
         "B": 1,
     }
     s = text.strip().upper()
+    size = None
     for u in sorted(units, key=len, reverse=True):
         if s.endswith(u):
             try:
-                return int(float(s[: -len(u)]) * units[u])
+                number = float(s[: -len(u)])
+                size = int(number * units[u]) if math.isfinite(number) else None
             except ValueError:
-                break
-    try:
-        return int(s)
-    except ValueError:
+                pass
+            break
+    else:
+        try:
+            size = int(s)
+        except ValueError:
+            pass
+    if size is None:
+        raise ConvertError(f"--max-shard-size {text!r}: use e.g. 5GB, 500MB or a byte count")
+    if size < 1:
         raise ConvertError(
-            f"--max-shard-size {text!r}: use e.g. 5GB, 500MB or a byte count"
-        ) from None
+            f"--max-shard-size {text!r}: give a positive size (e.g. 5GB or 500MB); at 0 every "
+            "tensor would get a shard of its own"
+        )
+    return size
 
 
 def write_hf(

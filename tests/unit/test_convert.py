@@ -533,6 +533,30 @@ def test_cli_reports_errors_with_exit_code_2(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--keep-first-layers", "100"], "keep all 2 layers in BF16: nothing would be FP8"),
+        (["--keep-first-layers", "1", "--keep-last-layers", "1"], "keep all 2 layers"),
+        (["--max-shard-size", "0"], "--max-shard-size '0': give a positive size"),
+        (["--max-shard-size=-5GB"], "give a positive size"),
+        (["--max-shard-size", "infGB"], "use e.g. 5GB, 500MB or a byte count"),
+    ],
+)
+def test_export_refuses_settings_that_make_no_fp8_checkpoint(tmp_path, capsys, args, message):
+    # Issue 44 #11: a checkpoint saying quant_method fp8 with no FP8 tensor in it, exit 0; or a
+    # shard per tensor.
+    from megatron_rl_fp8.cli import main
+
+    hf = make_hf_model(tmp_path / "hf", "qwen3")
+    capsys.readouterr()  # transformers' own progress bars
+    argv = ["convert", "export-fp8", "--hf", str(hf), "--out", str(tmp_path / "fp8"), *args]
+    assert main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "fp8").exists()
+
+
 # -- --out overlapping an input ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def convert_inputs(tmp_path_factory):
