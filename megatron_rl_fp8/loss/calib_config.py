@@ -108,6 +108,12 @@ class CalibConfig:
                 f"CalibConfig.mode={self.mode!r} is not supported; use 'calibrate' (default) or "
                 "'oracle'."
             )
+        if self.mode == "oracle" and not self.enabled:
+            # Off, the BF16 shadow never runs: the "oracle" would silently be nominal FP8.
+            raise ValueError(
+                "CalibConfig.mode='oracle' needs enabled=true (loss.calib.enabled: the BF16 "
+                "shadow that decides every clip); with enabled=false the bounds are nominal."
+            )
         check_solver_args(
             strategy=self.strategy,
             bins=self.bins,

@@ -234,6 +234,8 @@ def test_calib_config_validation_and_solver_kwargs():
         ({"lower_limits": (0.9, 1.2)}, "lower_limits"),
         ({"upper_limits": (0.9, 1.2)}, "upper_limits"),
         ({"log_ratio_range": (-0.5, 2.0)}, "log_ratio_range"),
+        # Off, no shadow runs: an "oracle" arm was silently nominal FP8 in a study.
+        ({"mode": "oracle", "enabled": False}, "mode='oracle' needs enabled=true"),
     ]:
         with pytest.raises(ValueError, match=f"CalibConfig.{name}"):
             CalibConfig(**kwargs)
