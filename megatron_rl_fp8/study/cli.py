@@ -76,7 +76,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> int:
     args = build_parser(prog).parse_args(argv)
     from megatron_rl_fp8.study.report import write_study_report
-    from megatron_rl_fp8.study.runner import REPORT_DIR, load_study, run_study, usable_cores
+    from megatron_rl_fp8.study.runner import (
+        REPORT_DIR,
+        hold_study_dir,
+        load_study,
+        run_study,
+        usable_cores,
+    )
     from megatron_rl_fp8.trainer.run_dir import check_writable
 
     try:
@@ -109,6 +115,8 @@ def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> 
             raise ConfigError(f"--jobs {args.jobs}: give at least 1")
         study = load_study(args.study[0], args.out)
         check_writable(study.out, "--out" if args.out else "the study directory")
+        if not args.report_only:  # a report may be written beside a running study
+            hold_study_dir(study)
         if args.sbatch and not args.slurm:
             raise ConfigError("--sbatch applies to --slurm only; add --slurm or drop --sbatch")
         if args.slurm:

@@ -45,7 +45,7 @@ from megatron_rl_fp8.config import RunConfig, load_config
 from megatron_rl_fp8.config_utils import ConfigError, to_dict
 from megatron_rl_fp8.metrics.logger import EVENTS_FILE
 from megatron_rl_fp8.trainer.run_dir import changed_settings
-from megatron_rl_fp8.utils.fs import atomic_write_text
+from megatron_rl_fp8.utils.fs import FileLock, atomic_write_text
 from megatron_rl_fp8.utils.yaml_unique import safe_load, yaml_problem
 
 KEYS = ("name", "description", "base", "overrides", "seeds", "reference", "arms")
@@ -309,6 +309,23 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+STUDY_LOCK = ".study.lock"
+_held: list[FileLock] = []  # this process's study locks, held until it exits
+
+
+def hold_study_dir(study: Study) -> None:
+    """One study process per directory: a second one (running or submitting) would start runs
+    the first is running, which their run locks refuse, and overwrite their statuses. Held until
+    this process exits; ConfigError naming the holder when another process has it."""
+    lock = FileLock(study.out / STUDY_LOCK, "--out")
+    if not lock.try_acquire():
+        raise ConfigError(
+            f"study directory {str(study.out)!r} is in use by another study process "
+            f"({lock.describe_owner()}); wait for it to end, or give --out another directory"
+        )
+    _held.append(lock)
 
 
 def run_study(study: Study, jobs: int, *, echo=print) -> dict[str, int]:

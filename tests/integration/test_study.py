@@ -225,3 +225,20 @@ def test_a_duplicate_arm_or_an_unusable_out_is_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "is not a writable directory" in err[0] and "--out=" in err[0]
     assert a_file.read_text() == "x"
+
+
+def test_a_second_study_process_on_one_directory_is_refused(tmp_path, capsys):
+    """Issue 44 #4: two study processes on one --out started runs the run locks refused and
+    overwrote the live runs' statuses; now the second is refused in one line, before any run."""
+    from megatron_rl_fp8.cli import main
+    from megatron_rl_fp8.study.runner import STUDY_LOCK
+    from megatron_rl_fp8.utils.fs import FileLock
+
+    study = _study_file(tmp_path, tmp_path / "cache")
+    out = tmp_path / "out"
+    first = FileLock(out / STUDY_LOCK, "--out")  # the running study's hold (another fd)
+    assert first.try_acquire()
+    assert main(["study", str(study), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is in use by another study process (pid" in err[0], err
+    assert sorted(p.name for p in out.iterdir()) == [STUDY_LOCK]  # no run was started
