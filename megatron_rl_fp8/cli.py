@@ -142,6 +142,22 @@ def _report(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every command; Ctrl-C ends any of them with one line and exit 130 (what a shell reports
+    for SIGINT), not a traceback: what was saved is resumed by running the command again."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        command = " ".join(["megatron-rl-fp8", *argv[:1]])
+        print(
+            f"\ninterrupted: {command} stopped by Ctrl-C; run the same command again to resume "
+            "from what was saved",
+            file=sys.stderr,
+        )
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="megatron-rl-fp8", description=__doc__, allow_abbrev=False
     )
@@ -196,7 +212,6 @@ def main(argv: list[str] | None = None) -> int:
         help="Slurm: check a multi-node layout and print every node role's command "
         "(`megatron-rl-fp8 launch -h`).",
     )
-    argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["convert"]:  # its own parser owns every argument after the word
         from megatron_rl_fp8.convert.cli import main as convert_main
 

@@ -369,9 +369,11 @@ def run_study(study: Study, jobs: int, *, echo=print) -> dict[str, int]:
             progress()
             bar.refresh()
     finally:
-        for _, proc, *_ in running.values():  # interrupted: the runs resume next time
+        for run, proc, _, used in running.values():  # interrupted: the runs resume next time
             proc.kill()
             proc.wait()
+            status = {"state": "interrupted", "threads": used}
+            atomic_write_text(run.path / RUN_STATUS, json.dumps(status) + "\n")
         bar.close()
     counts: dict[str, int] = {}
     for run in study.runs:

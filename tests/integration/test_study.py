@@ -242,3 +242,28 @@ def test_a_second_study_process_on_one_directory_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is in use by another study process (pid" in err[0], err
     assert sorted(p.name for p in out.iterdir()) == [STUDY_LOCK]  # no run was started
+
+
+def test_ctrl_c_is_one_line_and_leaves_true_statuses(tmp_path):
+    """Issue 44 #7: Ctrl-C in a study printed a KeyboardInterrupt traceback and left its runs
+    marked running. Now: one line, exit 130, the interrupted runs say so (and resume)."""
+    study = _study_file(tmp_path, tmp_path / "cache")
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        _cmd(study, out, "--jobs", "1"), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not list(out.glob("*/seed*/study_status.json")):
+            time.sleep(0.2)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("interrupted: megatron-rl-fp8 study stopped")
+    states = [json.loads(p.read_text())["state"] for p in out.glob("*/seed*/study_status.json")]
+    assert states and "running" not in states, states

@@ -177,3 +177,14 @@ def test_config_refuses_what_train_refuses(capsys):
         capsys,
     )  # fmt: skip
     assert "colocated engines cannot" in line
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
+    # Issue 44 #7: a KeyboardInterrupt traceback; now one line naming the command, exit 130.
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_train", interrupted)
+    assert cli.main(["train", TINY]) == 130
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("interrupted: megatron-rl-fp8 train stopped by Ctrl-C")
