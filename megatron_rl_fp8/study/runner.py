@@ -41,6 +41,7 @@ from pathlib import Path
 import yaml
 
 from megatron_rl_fp8 import checkpoint
+from megatron_rl_fp8.checkpoint.layout import complete_names
 from megatron_rl_fp8.config import RunConfig, load_config
 from megatron_rl_fp8.config_utils import ConfigError, to_dict
 from megatron_rl_fp8.metrics.logger import EVENTS_FILE
@@ -72,10 +73,11 @@ class StudyRun:
         """``done`` (reached train.steps), ``stopped`` (by the guard), ``failed``, ``partial``
         (checkpoints, not finished) or ``new``."""
         status = read_status(self.path)
-        if (
-            checkpoint.latest_name(self.path / "checkpoints")
-            == f"iter_{self.config.train.steps:07d}"
-        ):
+        root = self.path / "checkpoints"
+        # The newest finished checkpoint when ``latest`` is garbled (the run's next start repairs
+        # it): a finished run is not relaunched for a damaged marker.
+        newest = checkpoint.latest_name(root) or next(iter(complete_names(root)), None)
+        if newest == f"iter_{self.config.train.steps:07d}":
             return "done"
         if status.get("state") == "stopped" or self._guard_stopped():
             return "stopped"
@@ -245,7 +247,19 @@ def _check_frozen(study: Study, where: str) -> None:
     link holds the same runs (a resumed run writes where it now is)."""
     for run in study.runs:
         frozen = run.path / RUN_CONFIG
+        if frozen.exists() and not frozen.is_file():
+            raise ConfigError(
+                f"{where}: {run.label}: {frozen} is not a file; remove it (the study writes the "
+                "run's settings there) and run again"
+            )
         if frozen.is_file():
+            try:
+                frozen.read_bytes()
+            except OSError as e:
+                raise ConfigError(
+                    f"{where}: {run.label}: {frozen} cannot be read ({e.strerror or e}); fix its "
+                    f"permissions, or delete {run.path} to run it afresh"
+                ) from None
             changed = [
                 c
                 for c in changed_settings(frozen, to_dict(run.config))

@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from megatron_rl_fp8 import checkpoint
+from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.collectives import broadcast_object
 from megatron_rl_fp8.trainer.config import TrainConfig
+from megatron_rl_fp8.utils.fs import atomic_write_text
 
 
 class Stateful(Protocol):
@@ -124,6 +126,11 @@ class Checkpointer:
         if found is None:
             return None
         path, loaded, state = found
+        if self.is_driver and checkpoint.latest_name(self.root) != path.name:
+            # ``latest`` garbled, or naming a damaged checkpoint: it names the one resumed from,
+            # so tools and a study's bookkeeping (which read ``latest``) agree with the run.
+            atomic_write_text(self.root / "latest", path.name + "\n")
+            print_rank0(f"checkpoint: latest now names {path.name}, the checkpoint resumed from")
         self.actor.load_sharded(loaded)
         rank_state = dict(loaded.get(checkpoint.RANK_STATE) or {})
         for name, component in self.rank_components.items():

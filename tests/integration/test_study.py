@@ -267,3 +267,27 @@ def test_ctrl_c_is_one_line_and_leaves_true_statuses(tmp_path):
     assert err.strip().splitlines()[-1].startswith("interrupted: megatron-rl-fp8 study stopped")
     states = [json.loads(p.read_text())["state"] for p in out.glob("*/seed*/study_status.json")]
     assert states and "running" not in states, states
+
+
+def test_damaged_runs_are_said_not_relaunched(finished, tmp_path, capsys):
+    """Issue 44 #6: a garbled ``checkpoints/latest`` in a finished run relaunched it on every
+    invocation; a ``study_config.yaml`` that is a directory was a traceback (and a ``.tmp``)."""
+    import shutil
+
+    from megatron_rl_fp8.cli import main
+
+    tmp, study, _ = finished
+    copy = tmp_path / "copy"
+    shutil.copytree(tmp / "out", copy, symlinks=True)
+    (copy / "bf16" / "seed1" / "checkpoints" / "latest").write_bytes(b"\xff\x00garbled")
+    capsys.readouterr()
+    assert main(["study", str(study), "--out", str(copy)]) == 0
+    out = capsys.readouterr().out
+    assert "study: 4 of 4 runs already finished; skipping them" in out, out
+    frozen = copy / "fp8_rollout" / "seed2" / "study_config.yaml"
+    frozen.unlink()
+    frozen.mkdir()
+    assert main(["study", str(study), "--out", str(copy)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "fp8_rollout seed 2:" in line and "study_config.yaml is not a file; remove it" in line
+    assert not list(copy.rglob("*.tmp"))
