@@ -266,3 +266,14 @@ def test_a_checkpoint_damaged_in_place_is_not_resumed_or_rolled_back_into(
     assert "resumed from" in proc.stdout and "iter_0000002 at step 2" in proc.stdout
     assert "guard:" not in proc.stdout  # no rollback loop through the damaged checkpoint
     assert (out / "checkpoints" / "latest").read_text().strip() == "iter_0000005"
+
+
+def test_a_garbled_latest_is_repointed_at_the_checkpoint_resumed_from(tmp_path, cache, healthy_run):
+    # Issue 44 #6: a finished run whose `latest` is garbled resumed from its newest intact
+    # checkpoint and left `latest` garbled, so whatever reads it (a study) saw an unfinished run.
+    out = _copy(healthy_run, tmp_path)
+    (out / "checkpoints" / "latest").write_bytes(b"\xff\xfe not a name")
+    proc = _train(out, cache, "train.steps=3", "train.save_interval=1", "train.keep_checkpoints=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checkpoint: latest now names iter_0000003" in proc.stdout
+    assert (out / "checkpoints" / "latest").read_text().strip() == "iter_0000003"
