@@ -14,6 +14,7 @@ numbers as a table) into ``DIR`` (default ``runs/studies/dose_response``).
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from megatron_rl_fp8.metrics.runs import config_value
@@ -111,7 +112,11 @@ def render(points: list[dict], title: str) -> bytes:
             if label not in labels:
                 handles.append(h)
                 labels.append(label)
-    fig.suptitle(f"{title}: mean and 95% interval over seeds (paired differences)", fontsize=11)
+    # Two lines: the settings' names alone can outrun the figure's width.
+    fig.suptitle(
+        f"{textwrap.shorten(title, 110)}\nmean and 95% interval over seeds (paired differences)",
+        fontsize=10,
+    )
     if handles:
         fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 4))
     return palette_png(fig)
