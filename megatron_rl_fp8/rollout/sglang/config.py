@@ -201,26 +201,22 @@ def block_quant_shape_problem(model, tp: int, block: tuple[int, int]) -> str | N
     block_n, block_k = block
     d = model.kv_channels
     kv_per_rank = max(1, model.num_query_groups // tp)
-    outputs = {
-        "q_proj": model.num_attention_heads * d // tp,
-        "k_proj / v_proj": kv_per_rank * d,
-        "gate_proj / up_proj": model.ffn_hidden_size // tp,
-    }
-    for name, width in outputs.items():
-        if width % block_n:
+    attention, mlp = model.num_attention_heads * d // tp, model.ffn_hidden_size // tp
+    # (linear, which side, width per rank, the block's size on that side, its name)
+    checks = [
+        ("q_proj", "output", attention, block_n, "rows"),
+        ("k_proj / v_proj", "output", kv_per_rank * d, block_n, "rows"),
+        ("gate_proj / up_proj", "output", mlp, block_n, "rows"),
+    ]
+    if tp > 1:  # a row-parallel linear's input is split only over TP > 1
+        checks += [
+            ("o_proj", "input", attention, block_k, "columns"),
+            ("down_proj", "input", mlp, block_k, "columns"),
+        ]
+    for name, side, width, size, dim in checks:
+        if width % size:
             return (
-                f"the {name} output per tensor-parallel rank is {width}, not a multiple of the "
-                f"weight block's rows ({block_n})"
+                f"the {name} {side} per tensor-parallel rank is {width}, not a multiple of the "
+                f"weight block's {dim} ({size})"
             )
-    if tp > 1:
-        inputs = {
-            "o_proj": model.num_attention_heads * d // tp,
-            "down_proj": model.ffn_hidden_size // tp,
-        }
-        for name, width in inputs.items():
-            if width % block_k:
-                return (
-                    f"the {name} input per tensor-parallel rank is {width}, not a multiple of "
-                    f"the weight block's columns ({block_k})"
-                )
     return None
