@@ -114,8 +114,9 @@ def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> 
         if args.jobs is not None and args.jobs < 1:
             raise ConfigError(f"--jobs {args.jobs}: give at least 1")
         study = load_study(args.study[0], args.out)
-        check_writable(study.out, "--out" if args.out else "the study directory")
-        if not args.report_only:  # a report may be written beside a running study
+        if not args.slurm:  # --slurm checks its own preconditions first, writing nothing
+            check_writable(study.out, "--out" if args.out else "the study directory")
+        if not (args.report_only or args.slurm):  # a report may be written beside a study
             hold_study_dir(study)
         if args.sbatch and not args.slurm:
             raise ConfigError("--sbatch applies to --slurm only; add --slurm or drop --sbatch")
