@@ -311,7 +311,7 @@ def _json_or_yaml(raw: str) -> object:
         try:
             return json.loads(raw)
         except ValueError:
-            pass
+            pass  # not JSON (e.g. [a, b] unquoted): YAML reads it below
     return yaml.safe_load(raw)
 
 

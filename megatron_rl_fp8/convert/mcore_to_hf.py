@@ -38,13 +38,13 @@ def parse_size(text: str | int) -> int:
                 number = float(s[: -len(u)])
                 size = int(number * units[u]) if math.isfinite(number) else None
             except ValueError:
-                pass
+                pass  # not a number before the unit: size stays None, refused below
             break
     else:
         try:
             size = int(s)
         except ValueError:
-            pass
+            pass  # neither a unit nor a byte count: refused below
     if size is None:
         raise ConvertError(f"--max-shard-size {text!r}: use e.g. 5GB, 500MB or a byte count")
     if size < 1:
