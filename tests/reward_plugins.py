@@ -11,7 +11,11 @@ from megatron_rl_fp8.reward import arithmetic_exact
 
 
 def misbehaving_verifier(response: str, answer: str) -> float:
-    """``arithmetic_exact``, except: "hang" never returns, "boom" raises, "die" kills the worker."""
+    """``arithmetic_exact``, except: "hang" never returns, "boom" raises, "die" kills the worker,
+    "slow 4" takes a second to score as "4"."""
+    if response.startswith("slow "):
+        time.sleep(1.0)
+        response = response[len("slow ") :]
     if response == "hang":
         while True:
             time.sleep(60)

@@ -24,6 +24,9 @@ in a small pool of processes it can kill:
   exits normally); :meth:`Rewarder.close` kills them, and so does a finalizer if a Rewarder is
   dropped unclosed. A worker also exits by itself when its parent process dies, even by SIGKILL:
   it sees its pipe close while idle, and a watchdog thread sees its parent pid change while busy.
+- **Signals for the trainer are not for the workers.** SIGINT (Ctrl-C) and SIGUSR1 (preemption,
+  which torchrun forwards to the rank's whole process group) are ignored by workers, so the step
+  a preempted trainer finishes before its checkpoint is scored like any other.
 
 ``reward.num_workers = 0`` scores in the calling process with the same rewards and error
 counting but no timeout; that is for tests and tiny CPU runs with the arithmetic task.
@@ -59,6 +62,8 @@ _START_TIMEOUT_S = 300.0
 # A watchdog thread in each worker checks this often whether its parent is still alive.
 _PARENT_POLL_S = 1.0
 _MAX_ERROR_CHARS = 500
+# Signals meant for the trainer that also reach its workers: a worker ignores them.
+_PARENT_SIGNALS = (signal.SIGINT, signal.SIGUSR1)
 
 Task = tuple[int, tuple]
 """``(number of samples, args of ScoreJob.__call__)``: the unit a worker scores and times."""
@@ -86,8 +91,13 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 def _worker_main(conn: Connection, job_bytes: bytes, parent_pid: int) -> None:
     """One worker: receive ``(task_id, args)``, reply ``("ok"|"error", task_id, payload)``."""
-    # Ctrl-C in a terminal signals the whole process group; the parent decides what happens.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C in a terminal, and SIGUSR1 from torchrun (it signals the rank's process group) or
+    # from slurmstepd (every process of the step), reach the workers too; the parent decides what
+    # happens, and a preempted step still needs its rewards. The parent blocked both around the
+    # spawn, so none arrived before this point.
+    for sig in _PARENT_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _PARENT_SIGNALS)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
         job: ScoreJob = pickle.loads(job_bytes)
@@ -180,7 +190,12 @@ class _WorkerPool:
             name="reward-worker",
             daemon=True,
         )
-        process.start()
+        # The child inherits the signal mask through exec: blocked until it ignores them.
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _PARENT_SIGNALS)
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         child_conn.close()  # the parent keeps one end, so it sees EOF when the worker dies
         return _Worker(process, parent_conn, started_at=time.monotonic())
 

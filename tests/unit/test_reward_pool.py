@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -115,6 +116,27 @@ def test_hang_and_error_score_zero_are_counted_and_the_pool_recovers(misbehaving
     assert _worker_children() == []
     with pytest.raises(RuntimeError, match="after close"):
         rewarder.score(["4"], ["4"])
+
+
+def test_signals_meant_for_the_trainer_do_not_kill_its_workers(misbehaving_task):
+    """torchrun forwards SIGUSR1 (preemption) to the rank's process group and slurmstepd to every
+    process of the step, so the workers get it too, idle or mid-sample; so does Ctrl-C's SIGINT.
+    They ignore both: the step being finished before the checkpoint still gets its rewards."""
+    with Rewarder(misbehaving_task, RewardConfig(num_workers=2, timeout_s=30)) as rewarder:
+        pids = rewarder.worker_pids()
+        for pid in pids:  # idle
+            os.kill(pid, signal.SIGUSR1)
+            os.kill(pid, signal.SIGINT)
+        timer = threading.Timer(
+            0.3, lambda: [os.kill(pid, signal.SIGUSR1) for pid in pids]  # busy
+        )
+        timer.start()
+        rewards, stats = rewarder.score(["slow 4", "slow 5"], ["4", "4"])
+        timer.join()
+        assert rewards.tolist() == [1.0, 0.0]
+        assert stats["reward/errors"] == 0 and stats["reward/timeouts"] == 0
+        assert rewarder.worker_pids() == pids  # none died, none replaced
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()  # the parent's mask restored
 
 
 def test_in_process_errors_are_counted_not_raised(misbehaving_task):
