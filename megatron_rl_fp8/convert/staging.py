@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from megatron_rl_fp8.convert.errors import ConvertError
@@ -70,6 +71,24 @@ def check_output(
         raise ConvertError(f"--out {out} exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConvertError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
+    if not out.exists():
+        _check_creatable(out)
+
+
+def _check_creatable(out: Path) -> None:
+    """``out`` can be made: its nearest existing ancestor is a directory this user can create a
+    directory in (tried with one that is removed again, so nothing is left behind)."""
+    above = next(a for a in Path(out).absolute().parents if a.exists())
+    if not above.is_dir():
+        raise ConvertError(
+            f"--out {out} cannot be created: {above} is a file; choose another --out"
+        )
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".convert-probe-", dir=above))
+    except OSError as e:
+        raise ConvertError(
+            f"--out {out} cannot be created in {above} ({e.strerror or e}); choose another --out"
+        ) from None
 
 
 def _barrier(world: int) -> None:

@@ -156,6 +156,14 @@ def _settings(value, where: str) -> dict:
     )
 
 
+STUDY_OWNED = {
+    "train.seed": "from 'seeds'",
+    "train.output_dir": "<out>/<arm>/seed<N>",
+}
+"""Settings each run gets from the study itself; a study file that sets one is refused (it would
+be silently replaced)."""
+
+
 def _as_overrides(settings: dict) -> list[str]:
     # JSON is YAML: every value reads back as written (strings stay strings, 1e-3 a number).
     return [f"{k}={json.dumps(v)}" for k, v in settings.items()]
@@ -216,6 +224,15 @@ def load_study(path: str | Path, out: str | Path | None = None) -> Study:
     if not isinstance(reference, str) or reference not in arms:
         raise ConfigError(f"{where}: reference {reference!r} is not an arm ({', '.join(arms)})")
     common = _settings(data.get("overrides"), f"{where}: 'overrides'")
+    for part, settings in [
+        ("'overrides'", common),
+        *((f"arm {a!r}", v) for a, v in arm_settings.items()),
+    ]:
+        for key in STUDY_OWNED.keys() & settings.keys():
+            raise ConfigError(
+                f"{where}: {part} sets {key}, which the study sets for each run ({STUDY_OWNED[key]}); "
+                "remove it"
+            )
     name = str(data.get("name") or path.stem)
     if not _NAME.fullmatch(name):
         raise ConfigError(

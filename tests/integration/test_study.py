@@ -193,6 +193,9 @@ def test_a_killed_study_resumes_to_the_uninterrupted_result(finished, tmp_path):
         ({"reference": ["bf16"]}, "reference ['bf16'] is not an arm"),
         ({"arms": {"bf16": {}, "report": {}}}, "arm name 'report' is the study's report folder"),
         ({"name": "../escape"}, "name '../escape' must be letters, digits"),
+        # The study sets these per run; set in a study file they were silently replaced.
+        ({"arms": {"bf16": {"train.seed": 7}}}, "arm 'bf16' sets train.seed, which the study"),
+        ({"overrides": {"train.output_dir": "x"}}, "'overrides' sets train.output_dir, which"),
     ],
 )
 def test_bad_study_files_are_one_line_before_any_run(tmp_path, capsys, changes, message):

@@ -1,10 +1,10 @@
 """Issue 44's property over the CLI: every integer, float and path-like setting of the tiny job,
 set to values generated to be wrong (negative, zero, past int64, non-finite, not a number, a
-path under a file), through `config`, `train`, `plan` and `launch --dry-run`, ends within seconds
-in exit 0 (the value is legal) or exit 2 with exactly one stderr line naming what to fix: never a
-traceback, never a hang. `train` gets the cases `config` refuses (a value `config` accepts starts
-a real run); `study` and `convert` have their own bad-input tests (tests/integration/test_study.py,
-tests/unit/test_convert.py)."""
+path under a file), through `config`, `train`, `plan`, `launch --dry-run` and `study`, and every
+integer and path flag of `convert`, ends within seconds in exit 0 (the value is legal) or exit 2
+with exactly one stderr line naming what to fix (argparse's own refusals: its usage, then one
+error line): never a traceback, never a hang. `train` and `study` get the cases `config` refuses
+(a value `config` accepts starts a real run) and must refuse every one of them before any run."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megatron_rl_fp8 import cli
 from megatron_rl_fp8.config import load_config
@@ -62,7 +63,11 @@ def _one_line_or_ok(argv, capsys, kinds=("config error: ",)) -> int:
     assert seconds < SECONDS, (argv, seconds)
     assert rc in (0, 2), (argv, rc, lines)
     if rc == 2:
-        assert len(lines) == 1 and lines[0].startswith(kinds), (argv, lines)
+        if lines and lines[0].startswith("usage: "):  # argparse: its usage, then the one error
+            lines = [ln for ln in lines if not ln.startswith(" ")][1:]
+            assert len(lines) == 1 and ": error: argument " in lines[0], (argv, lines)
+        else:
+            assert len(lines) == 1 and lines[0].startswith(kinds), (argv, lines)
     return rc
 
 
@@ -114,3 +119,61 @@ def test_plan_and_launch_refuse_bad_values_in_one_line(capsys):
 def test_launch_sizes_past_any_cluster_are_refused(flag, capsys):
     argv = ["launch", TINY, "--dry-run", "--nodes", "1", "--gpus-per-node", "1", flag, str(2**64)]
     assert _one_line_or_ok(argv, capsys, kinds=("launch error: ",)) == 2
+
+
+def test_study_refuses_in_one_line_what_config_refuses_before_any_run(tmp_path, capsys):
+    # One refused value per setting, as an arm's override (the same YAML text as on the command
+    # line, so the same value): the study checks every arm before it starts a run.
+    refused = {}
+    for path, bad in CASES:
+        if path not in refused and path != "train.output_dir":
+            if _one_line_or_ok(["config", TINY, f"{path}={bad}"], capsys) == 2:
+                refused[path] = bad
+    assert len(refused) > 50
+    out = tmp_path / "study"
+    for path, bad in refused.items():
+        study = tmp_path / "study.yaml"
+        study.write_text(
+            yaml.safe_dump({"name": "bad", "base": TINY, "seeds": [1], "reference": "ok"})
+            + f"arms:\n  ok: {{}}\n  bad:\n    {path}: {bad}\n"
+        )
+        argv = ["study", str(study), "--out", str(out)]
+        rc = _one_line_or_ok(argv, capsys, kinds=("study error: ", "config error: "))
+        assert rc == 2, (path, bad)
+        assert not (out / "bad").exists() and not (out / "ok").exists(), (path, bad)
+
+
+CONVERT_INTS = ["-1", "0", str(2**64), "1.5", "x", ""]
+CONVERT_PATHS = [f"{TINY}/below", "/proc/no/such/dir", ""]
+
+
+def test_convert_refuses_bad_flag_values_in_one_line(tiny_hf_model, tmp_path, capsys):
+    from megatron_rl_fp8.convert import hf_to_mcore
+
+    hf = str(tiny_hf_model["dir"])
+    ckpt = tmp_path / "ckpt"
+    hf_to_mcore(hf, ckpt, progress=False)
+    commands = {
+        "hf-to-mcore": {"--hf": hf, "--tp": "1", "--pp": "1"},
+        "mcore-to-hf": {"--ckpt": str(ckpt), "--hf-config": hf, "--max-shard-size": "5GB"},
+        "export-fp8": {
+            "--hf": hf,
+            "--keep-first-layers": "0",
+            "--keep-last-layers": "0",
+            "--max-shard-size": "5GB",
+        },
+    }
+    n = 0
+    for command, flags in commands.items():
+        for flag in [*flags, "--out"]:
+            paths = flag in ("--hf", "--ckpt", "--hf-config", "--out")
+            for bad in CONVERT_PATHS if paths else CONVERT_INTS:
+                n += 1
+                out = tmp_path / f"out{n}"
+                values = {**flags, "--out": str(out), flag: bad}
+                argv = ["convert", command, "--no-progress"]
+                argv += [f"{k}={v}" for k, v in values.items()]
+                kinds = ("convert error: ", "config error: ")
+                if _one_line_or_ok(argv, capsys, kinds=kinds) == 2:
+                    assert not out.exists() or flag == "--out", argv
+    assert n > 40

@@ -128,7 +128,8 @@ def test_signals_meant_for_the_trainer_do_not_kill_its_workers(misbehaving_task)
             os.kill(pid, signal.SIGUSR1)
             os.kill(pid, signal.SIGINT)
         timer = threading.Timer(
-            0.3, lambda: [os.kill(pid, signal.SIGUSR1) for pid in pids]  # busy
+            0.3,
+            lambda: [os.kill(pid, signal.SIGUSR1) for pid in pids],  # busy
         )
         timer.start()
         rewards, stats = rewarder.score(["slow 4", "slow 5"], ["4", "4"])
