@@ -33,6 +33,10 @@
 #                   intervals 1 / 5 / 20, and where a plain step's time goes (the trainer's timers)
 #   9. rollout_parse tools/bench_rollout_parse.py: a launch-bound update alone and beside a thread
 #                   parsing SGLang answers (the pipelined rollout's), the slowdown ratio
+#  10. sglang_gpu   tests/gpu/test_sglang_gpu.py: one colocated SGLang engine (memory saver, the
+#                   trainer on expandable segments): logprobs after syncs with changed weights and
+#                   back, then relaunched while released, resumed only for what it released,
+#                   synced again (needs SGLang with CUDA in MRF8_SGLANG_PYTHON; else skipped)
 # then a summary table (also DIR/summary.md). Exit status 1 if any step failed.
 #
 # Interpreter: $PYTHON if set, else .venv/bin/python if it exists, else python3. The repository
@@ -272,7 +276,7 @@ fi
 # and 7 run the same jobs (checking the same things, outputs kept), so not twice; the contracts
 # ran in step 2.
 pytest_step gpu_tests 240 '^_scaled_mm(' tests/gpu --ignore=tests/gpu/test_trainer_gpu.py \
-    --ignore=tests/gpu/test_gpu_contracts_gpu.py
+    --ignore=tests/gpu/test_gpu_contracts_gpu.py --ignore=tests/gpu/test_sglang_gpu.py
 
 # -- 5. GEMM table --------------------------------------------------------------------------
 step bench_gemm 120 "$PYTHON" tools/bench_gemm.py --tokens 1024,8192 \
@@ -343,6 +347,10 @@ record calib_share "${detail:-$(last_line "$STEP_LOG")}"
 step rollout_parse 60 "$PYTHON" tools/bench_rollout_parse.py --device cuda --reps 3
 detail=$(grep -F '| with a thread' "$STEP_LOG" | awk -F'|' '{gsub(/ /, "", $4); print "update slowed x" $4 " by a thread parsing 8192-token answers"}')
 record rollout_parse "${detail:-$(last_line "$STEP_LOG")}"
+
+# -- 10. a colocated SGLang engine on this GPU (issue 43 #1, #2, #4, #7) -----------------------------
+# Needs SGLang's CUDA build: MRF8_SGLANG_PYTHON (or .venv-sglang); skipped in seconds without it.
+pytest_step sglang_gpu 240 '^SKIPPED' -m "gpu and sglang" tests/gpu/test_sglang_gpu.py
 
 # -- summary -----------------------------------------------------------------------------------
 {
