@@ -252,9 +252,12 @@ def test_ctrl_c_is_one_line_and_leaves_true_statuses(tmp_path):
     marked running. Now: one line, exit 130, the interrupted runs say so (and resume)."""
     study = _study_file(tmp_path, tmp_path / "cache")
     out = tmp_path / "out"
+    # As from a terminal: a test suite started in the background (`make test &`) has SIGINT
+    # ignored, which its children would inherit, and the study would never see the Ctrl-C.
     proc = subprocess.Popen(
         _cmd(study, out, "--jobs", "1"), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         deadline = time.time() + 120
