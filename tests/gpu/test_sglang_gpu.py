@@ -33,6 +33,7 @@ from megatron_rl_fp8.rollout.sglang import SGLangFleet
 from megatron_rl_fp8.rollout.sglang.config import SGLangConfig, block_quant_shape_problem
 from megatron_rl_fp8.sync.buckets import rollout_buckets
 from tests.sglang.conftest import sglang_python
+from tests.sglang.test_engine import EOS, PROMPTS, seeded_weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
 
@@ -49,8 +50,6 @@ MC = ModelConfig(
     vocab_size=256,
     max_position_embeddings=64,
 )
-PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 10], [1, 20, 21, 22, 23, 24, 25], [1, 30]]
-EOS = [2, 3]
 # Same engine, same weights, same prompts: SGLang's greedy decode is deterministic on one GPU up
 # to kernel choice by batch shape, which is the same here; the weights of two seeds differ by far
 # more (logprobs of order 1).
@@ -101,15 +100,8 @@ def engine(tmp_path_factory):
 
 
 def _weights(hf, seed: int) -> dict[str, torch.Tensor]:
-    import transformers
-
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for k, v in sd.items():  # peaked, seed-dependent outputs
-        v.mul_(1.0 if "norm" in k else 4.0)
     # The trainer's weights live on its GPU: the tensor transport hands CUDA tensors over IPC.
-    return {k: v.cuda() for k, v in sd.items()}
+    return {k: v.cuda() for k, v in seeded_weights(seed, hf).items()}
 
 
 def _sync(fleet, hf, seed: int, version: int) -> None:

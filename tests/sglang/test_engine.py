@@ -61,11 +61,12 @@ def hf_cfg():
     return hf_config(MC, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def seeded_weights(seed: int) -> dict[str, torch.Tensor]:
+def seeded_weights(seed: int, hf=None) -> dict[str, torch.Tensor]:
+    """Random HF weights of `hf` (default: this file's model) for `seed`, on the CPU."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_cfg(), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf or hf_cfg(), dtype=torch.float32)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for k, v in sd.items():  # larger weights than the init: peaked, seed-dependent outputs
         v.mul_(1.0 if "norm" in k else 4.0)
