@@ -344,7 +344,9 @@ PY
 record calib_share "${detail:-$(last_line "$STEP_LOG")}"
 
 # -- 9. the pipelined rollout's answer parsing beside the update (issue 43 #6) -----------------------
-step rollout_parse 60 "$PYTHON" tools/bench_rollout_parse.py --device cuda --reps 3
+# 5 steps, not the default 50: on the 2-core CPU the parse thread slowed each step ~377x (4.6 s),
+# docs/benchmarks.md; at that rate 50 steps x 3 reps would not fit the step's 60 s.
+step rollout_parse 60 "$PYTHON" tools/bench_rollout_parse.py --device cuda --steps 5 --reps 2
 detail=$(grep -F '| with a thread' "$STEP_LOG" | awk -F'|' '{gsub(/ /, "", $4); print "update slowed x" $4 " by a thread parsing 8192-token answers"}')
 record rollout_parse "${detail:-$(last_line "$STEP_LOG")}"
 
