@@ -173,6 +173,25 @@ def full_precision(model, config=None):
             config.fp8 = saved_fp8
 
 
+@contextlib.contextmanager
+def frozen_fp8_scaling(model) -> Iterator[None]:
+    """Forward passes inside the block leave the delayed-scaling amax histories of ``model``'s
+    FP8 linears as they found them: the calibration's FP8 pass then sees the scales the update's
+    forward will use, and does not shift them (each pass would otherwise record its amaxes and
+    move the next pass's scales). No effect without history (current scaling, blockwise) or on
+    TE, whose modules keep their own (docs/gpu_contracts.md, TE-7)."""
+    saved = [
+        (s, None if s.history is None else s.history.clone(), s.num_updates)
+        for _, _, gemm in emulated_linears(model)
+        for s in gemm.emulator.scaling_states().values()
+    ]
+    try:
+        yield
+    finally:
+        for s, history, num_updates in saved:
+            s.history, s.num_updates = history, num_updates
+
+
 def weight_quantization_errors(model, fp8: FP8Config) -> dict[str, float]:
     """Relative quantization error (||q(W) - W|| / ||W||) of each FP8 linear's weight shard under
     the trainer's recipe, keyed ``L<layer>.<linear>`` (``lm_head`` for the output layer)."""

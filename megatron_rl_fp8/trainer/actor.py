@@ -30,6 +30,7 @@ from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.fp8 import (
     fp8_scaling_state,
     fp8_weight_cache,
+    frozen_fp8_scaling,
     full_precision,
     install_fp8_linears,
     load_fp8_scaling_state,
@@ -196,6 +197,10 @@ class Actor:
     def full_precision(self):
         """Context: forward passes inside run without FP8 (the BF16 shadow), same weights."""
         return full_precision(self.module, self.config)
+
+    def frozen_fp8_scaling(self):
+        """Context: FP8 forward passes inside leave the delayed-scaling histories unchanged."""
+        return frozen_fp8_scaling(self.module)
 
     def set_lr(self, lr: float) -> None:
         """Pin a constant lr (the SFT warm start): the schedule is detached until

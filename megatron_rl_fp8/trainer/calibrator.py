@@ -108,7 +108,10 @@ class ClipCalibrator:
         calib = loss_cfg.calib
         t0 = time.perf_counter()
         kwargs = {"temperature": temperature, "max_tokens": max_tokens, "entropy": False}
-        cur8 = actor.compute_logprobs(mini, micro_batch_size, **kwargs)
+        # The FP8 ratios calibrated on are the ones the update is about to clip: under delayed
+        # scaling the extra pass must neither see other scales nor move them.
+        with actor.frozen_fp8_scaling():
+            cur8 = actor.compute_logprobs(mini, micro_batch_size, **kwargs)
         with actor.full_precision():
             cur16 = actor.compute_logprobs(mini, micro_batch_size, **kwargs)
         result = None

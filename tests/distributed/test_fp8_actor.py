@@ -357,3 +357,44 @@ def test_torch_backend_tensorwise_keeps_one_byte_per_linear_input_as_planned():
     predicted = got["predicted rowwise"] - got["predicted tensorwise_current"]
     assert predicted == 64 * 3 * (2 * 128 + 128 + 256)
     assert measured == predicted
+
+
+def _same(a, b) -> bool:
+    return a is b is None or (a is not None and b is not None and torch.equal(a, b))
+
+
+def _frozen_scaling_body(rank, world):
+    import copy
+
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.models.fp8 import fp8_scaling_state
+
+    actor, _ = _actor(dict(recipe="tensorwise_delayed"))
+    lin = actor.module.decoder.layers[0].mlp.linear_fc1
+    gen = torch.Generator().manual_seed(0)
+    small, large = torch.randn(6, 2, 128, generator=gen), 4 * torch.randn(6, 2, 128, generator=gen)
+    with torch.no_grad():
+        lin(small)  # the history now holds the small input's amax
+        # Copies: the state holds the live histories, which the passes write in place.
+        before = copy.deepcopy(fp8_scaling_state(actor.module))
+        with actor.frozen_fp8_scaling():
+            y_calibration, _ = lin(large)
+        after = copy.deepcopy(fp8_scaling_state(actor.module))
+        y_update, _ = lin(large)  # the pass that follows sees the same scales
+        y_next, _ = lin(large)  # this one the large input's amax (recorded by y_update's pass)
+    same_state = all(
+        after[n][r]["num_updates"] == before[n][r]["num_updates"]
+        and _same(after[n][r]["history"], before[n][r]["history"])
+        for n in before
+        for r in before[n]
+    )
+    parallel.destroy()
+    return same_state, torch.equal(y_calibration, y_update), torch.equal(y_update, y_next)
+
+
+def test_frozen_fp8_scaling_leaves_the_delayed_histories_and_the_next_pass_alone():
+    same_state, calibration_is_update, update_is_next = run_distributed(
+        _frozen_scaling_body, world_size=1
+    )[0]
+    assert same_state and calibration_is_update
+    assert not update_is_next  # unfrozen, a pass moves the next one's scales

@@ -1,6 +1,7 @@
 """Calibrated clipping in the real tiny full-FP8 job, 2 steps each (one spawned rank, the three
 runs in it one after another): the sign-wise ``quantile`` rule, the invariant's fallback to the
-nominal bounds with its guard event, and the oracle mode.
+nominal bounds with its guard event, the oracle mode, and calibration under delayed scaling
+leaving the amax histories as the update will find them.
 
 What is asserted holds on any machine: the quantile rule matches the histogram's own shares (to
 float rounding), the forced violation compares BF16's share of A>0 tokens past 1.01 (about half
@@ -33,28 +34,58 @@ RUNS = {
     ],
     "oracle": ["loss.calib.mode=oracle"],
 }
+# Delayed scaling: every calibration's FP8 pass must leave the amax histories as it found them,
+# so a run that calibrates at every step records exactly as many amaxes as one that never does.
+DELAYED = ["fp8.recipe=tensorwise_delayed", "fp8.format=hybrid", "loss.calib.ema_decay=0"]
+RUNS |= {
+    "delayed_calibrated": [*DELAYED, "loss.calib.interval=1"],
+    "delayed_nominal": [*DELAYED, "loss.calib.enabled=false"],
+}
 
 
 def _runs(rank, world_size, runs: dict, tmp: str):
-    from tests.trainer_utils import trainer_body
-
     out = {}
     for name, overrides in runs.items():
         d = Path(tmp) / name
         overrides = [*COMMON, *overrides, f"train.output_dir={d}", f"train.cache_dir={tmp}/cache"]
-        out[name] = trainer_body(rank, world_size, overrides, FP8)
+        out[name] = _run_with_amax_counts(overrides)
     return out
+
+
+def _run_with_amax_counts(overrides):
+    """The run's metrics and, per FP8 linear and operand role, how many amaxes its delayed-scaling
+    history recorded."""
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.config import load_config
+    from megatron_rl_fp8.metrics.logger import read_metrics
+    from megatron_rl_fp8.models.fp8 import fp8_scaling_state
+    from megatron_rl_fp8.trainer.loop import Trainer
+
+    cfg = load_config(FP8, overrides)
+    trainer = Trainer(cfg)
+    try:
+        trainer.run()
+        counts = {
+            (name, role): s["num_updates"]
+            for name, roles in fp8_scaling_state(trainer.actor.module).items()
+            for role, s in roles.items()
+        }
+    finally:
+        trainer.close()
+        parallel.destroy()
+    return read_metrics(cfg.train.output_dir), counts
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("calib_runs")
     (got,) = run_distributed(_runs, world_size=1, args=(RUNS, str(tmp)))
-    return tmp, {name: {r["step"]: r for r in metrics} for name, metrics in got.items()}
+    metrics = {name: {r["step"]: r for r in m} for name, (m, _) in got.items()}
+    return tmp, metrics, {name: counts for name, (_, counts) in got.items()}
 
 
 def test_quantile_rule_clips_bf16s_share_on_both_signs(runs):
-    _, m = runs
+    _, m, _ = runs
     s1, s2 = m["quantile"][1], m["quantile"][2]
     assert s1["calib/fallback"] == 0.0 and "guard/rule/calib" not in s1
     for sign in ("neg_lower", "pos_upper"):
@@ -67,7 +98,7 @@ def test_quantile_rule_clips_bf16s_share_on_both_signs(runs):
 
 
 def test_a_calibration_that_breaks_the_invariant_falls_back_to_nominal_with_a_guard_event(runs):
-    tmp, m = runs
+    tmp, m, _ = runs
     s1, s2 = m["violation"][1], m["violation"][2]
     assert s1["calib/bf16_pos_upper_clipfrac"] > 0.01, s1["calib/bf16_pos_upper_clipfrac"]
     assert s1["calib/raw_upper"] >= 2.9
@@ -83,10 +114,22 @@ def test_a_calibration_that_breaks_the_invariant_falls_back_to_nominal_with_a_gu
 
 
 def test_oracle_decides_every_clip_with_the_bf16_shadow_at_the_nominal_bounds(runs):
-    _, m = runs
+    _, m, _ = runs
     for step in (1, 2):
         s = m["oracle"][step]
         assert s["perf/shadow_time_s"] > 0, step
         assert "calib/raw_lower" not in s, step  # nothing calibrated
         assert (s["calib/lower"], s["calib/upper"]) == pytest.approx((0.8, 1.28)), step
         assert math.isfinite(s["train/loss"]) and s["train/skipped_updates"] == 0.0, step
+
+
+def test_calibrating_under_delayed_scaling_leaves_the_amax_histories_alone(runs):
+    _, m, counts = runs
+    assert all("calib/raw_lower" in m["delayed_calibrated"][step] for step in (1, 2))
+    # Both runs record the same amaxes: the calibrations' extra FP8 passes recorded none (before
+    # the fix each added one per linear and mini-batch, and the update then clipped the FP8
+    # ratios of other scales than the ones calibrated on).
+    assert (
+        counts["delayed_calibrated"] and counts["delayed_calibrated"] == counts["delayed_nominal"]
+    )
+    assert not counts["quantile"]  # blockwise keeps no history
