@@ -5,12 +5,15 @@ SGLang ``/generate`` answers at a time (JSON with one ``[logprob, id, null]`` tr
 ``rollout/sglang/http.py: Http.call`` then ``parse_completion``) while the driver's main thread
 launches the update's kernels. Both need the GIL; ``json.loads`` holds it for the whole of one
 answer. This times a launch-bound update (a small MLP's forward, backward and Adam step, many
-small kernels: what a GPU update looks like to Python) alone and with a thread parsing canned
-answers of ``--tokens`` tokens back to back, in one run, alternating, best of ``--reps``:
+small kernels: what a GPU update looks like to Python) alone, with a thread parsing canned
+answers of ``--tokens`` tokens back to back, and with those answers parsed the way
+``rollout.sglang.parse_answers: process`` (the default) does it: in a spawned helper process
+that sends back each completion as two packed arrays, which a thread here turns into lists
+(``rollout/sglang/answers.py``). In one run, alternating, best of ``--reps``:
 
     python tools/bench_rollout_parse.py [--tokens 8192] [--answers 64] [--device cuda]
 
-The ratio "with parse / alone" above 1 is the update's slowdown; the parse thread's own rate is
+The ratio "with parse / alone" above 1 is the update's slowdown; the parsers' own rates are
 printed too. On a CPU both threads also compete for cores (``--threads`` pins torch's), so the
 CPU number bounds the GIL's effect from above; the GPU's (``make gpu-check``) is the one to read.
 """
@@ -18,7 +21,10 @@ CPU number bounds the GIL's effect from above; the GPU's (``make gpu-check``) is
 from __future__ import annotations
 
 import argparse
+import array
+import concurrent.futures
 import json
+import multiprocessing as mp
 import sys
 import threading
 import time
@@ -46,6 +52,35 @@ def canned_answer(tokens: int) -> str:
 def parse_all(body: str, answers: int) -> None:
     for _ in range(answers):
         parse_completion([1, 2, 3], json.loads(body), eos_token_id=2, expected_version="1")
+
+
+def packed_round(body: str, answers: int) -> list:
+    """In the helper process: parse ``answers`` answers, packed as the answer process packs them."""
+    out = []
+    for _ in range(answers):
+        c = parse_completion([], json.loads(body), eos_token_id=2, expected_version="1")
+        out.append((array.array("q", c.response_ids), array.array("d", c.response_logprobs)))
+    return out
+
+
+def unpack(packed: list) -> None:
+    """In the trainer's process: what ``AnswerProcess.result`` does with a round."""
+    for ids, logprobs in packed:
+        ids.tolist(), logprobs.tolist()
+
+
+def in_background(work) -> tuple[threading.Event, threading.Thread, list[int]]:
+    """Run ``work()`` in a thread until the event is set; the list counts its rounds."""
+    stop, rounds = threading.Event(), [0]
+
+    def loop():
+        while not stop.is_set():
+            work()
+            rounds[0] += 1
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    return stop, thread, rounds
 
 
 def update_step(model, opt, x) -> None:
@@ -89,24 +124,24 @@ def main() -> None:
     parse_all(body, 1)
     one_parse = time.perf_counter() - t0
     timed_updates(model, opt, x, 3)  # warm-up
-    alone, together, parsed = [], [], 0
+    helper = concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+    helper.submit(packed_round, body, 1).result()  # started and warm
+    alone, together, offloaded, parsed, shipped = [], [], [], 0, 0
     for _ in range(args.reps):
         alone.append(timed_updates(model, opt, x, args.steps))
-        stop = threading.Event()
-        rounds = [0]
-
-        def parse_loop(rounds=rounds, stop=stop):
-            while not stop.is_set():
-                parse_all(body, args.answers)
-                rounds[0] += 1
-
-        thread = threading.Thread(target=parse_loop, daemon=True)
-        thread.start()
+        stop, thread, rounds = in_background(lambda: parse_all(body, args.answers))
         together.append(timed_updates(model, opt, x, args.steps))
         stop.set()
         thread.join()
         parsed += rounds[0]
-    best_alone, best_together = min(alone), min(together)
+        work = lambda: unpack(helper.submit(packed_round, body, args.answers).result())  # noqa: E731
+        stop, thread, rounds = in_background(work)
+        offloaded.append(timed_updates(model, opt, x, args.steps))
+        stop.set()
+        thread.join()
+        shipped += rounds[0]
+    helper.shutdown()
+    best_alone, best_together, best_offloaded = min(alone), min(together), min(offloaded)
     mb, ms = len(body) / 1e6, one_parse * 1e3
     print(
         f"device {device}, {args.layers}-layer MLP, {args.steps} update steps; answers of "
@@ -118,7 +153,14 @@ def main() -> None:
     print(
         f"| with a thread parsing answers | {best_together:.3f} | {best_together / best_alone:.2f} |"
     )
-    print(f"parse thread: {parsed} rounds of {args.answers} answers while the updates ran")
+    print(
+        f"| with a helper process parsing them (parse_answers: process) | {best_offloaded:.3f} | "
+        f"{best_offloaded / best_alone:.2f} |"
+    )
+    print(
+        f"rounds of {args.answers} answers parsed while the updates ran: {parsed} by the thread, "
+        f"{shipped} by the helper process"
+    )
 
 
 if __name__ == "__main__":

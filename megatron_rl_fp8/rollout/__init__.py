@@ -1,14 +1,30 @@
 """Rollout engines: the contract (``base``), their config (``config``: ``rollout.*``) and errors
 (``errors``), the in-process CPU engine (``local``), the SGLang engines (``sglang``), and the
-factory the trainer calls so the engine kind is one config value."""
+factory the trainer calls so the engine kind is one config value.
+
+Importing the package imports no torch: the SGLang fleet's answer process
+(``sglang/answers.py``) imports ``sglang.http`` through it and starts in a fraction of a second.
+The configs load on first use."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from megatron_rl_fp8.rollout.base import Completion, RolloutEngine
-from megatron_rl_fp8.rollout.config import RolloutConfig
-from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
+
+if TYPE_CHECKING:
+    from megatron_rl_fp8.rollout.config import RolloutConfig
+    from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
+
+_LAZY = {"RolloutConfig": "config", "SGLangConfig": "sglang.config"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_engine(

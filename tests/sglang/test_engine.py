@@ -196,6 +196,35 @@ def test_generation_stops_on_every_end_id(one):
             assert all(c.response_ids == [target] * 5 and not c.finished for c in got), got
 
 
+def test_rollout_answers_are_decoded_outside_the_trainer_and_equal_the_threads(one, monkeypatch):
+    """The default rollout.sglang.parse_answers=process (issue 43 #6): the real engine's answers,
+    decoded in the helper process, are the ones its threads decode in the trainer's process."""
+    from megatron_rl_fp8.rollout.sglang import answers
+
+    eng, kw = one, dict(n=1, greedy=True, max_new_tokens=8, temperature=1.0)
+    helper = eng._answers
+    assert helper is not None
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an answer was decoded in the trainer's process")
+
+    monkeypatch.setattr(answers, "parse_completion", refuse)
+    got = eng.generate(PROMPTS, **kw)
+    monkeypatch.undo()
+    eng._answers = None  # parse_answers=thread
+    try:
+        ref = eng.generate(PROMPTS, **kw)
+    finally:
+        eng._answers = helper
+    for a, b in zip(got, ref, strict=True):
+        assert (a.prompt_ids, a.response_ids, a.finished) == (
+            b.prompt_ids,
+            b.response_ids,
+            b.finished,
+        )
+        assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-6)
+
+
 class _Recorder(KillServerAt):
     """KillServerAt that also records what the engine reported at each point it passed."""
 

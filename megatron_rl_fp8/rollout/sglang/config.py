@@ -90,6 +90,13 @@ class SGLangConfig:
         help="Where the engines' logs, pid files and config-only model directory go; empty = "
         "<train.output_dir>/sglang when the trainer passes it, else a temporary directory.",
     )
+    parse_answers: Literal["process", "thread"] = field(
+        "process",
+        help="Where the rollout's /generate answers are sent and decoded: process = a helper "
+        "process, so decoding their JSON does not hold the trainer's GIL while the pipelined "
+        "driver launches an update (docs/benchmarks.md); thread = threads of the trainer's "
+        "process.",
+    )
     startup_timeout_s: float = field(300.0, help="Seconds to wait for /health after a launch.")
     request_timeout_s: float = field(
         600.0,

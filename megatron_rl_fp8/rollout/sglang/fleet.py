@@ -54,7 +54,6 @@ rollout while anything is, is refused.
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import sys
 import time
@@ -67,11 +66,10 @@ from megatron_rl_fp8.rollout.base import Completion, eos_ids
 from megatron_rl_fp8.rollout.errors import (
     RolloutEngineError,
     RolloutLost,
-    ServerGone,
     SyncFailed,
-    first_line,
 )
-from megatron_rl_fp8.rollout.sglang.http import Http, parse_completion, row_requests
+from megatron_rl_fp8.rollout.sglang.answers import AnswerProcess, answer_round
+from megatron_rl_fp8.rollout.sglang.http import row_requests
 from megatron_rl_fp8.rollout.sglang.pool import ServerPool
 from megatron_rl_fp8.rollout.sglang.process import engine_export_options
 from megatron_rl_fp8.rollout.sglang.sender import Senders, SGLangSyncPlan, WeightSender
@@ -133,6 +131,9 @@ class SGLangFleet(ServerPool):
         # Seconds of the last generate call with fewer requests in flight than engines serving
         # (``short_of_engines``): the rollout's time waiting on its slowest engines.
         self.wait_s = 0.0
+        # Rollout answers are decoded in a helper process unless parse_answers is "thread".
+        process = cfg.sglang.parse_answers == "process"
+        self._answers = AnswerProcess() if process else None
         super().__init__(cfg, hf_config, output_dir=output_dir, senders=senders)
         self.stats.update(retried_requests=0, update_seconds=0.0)
 
@@ -356,35 +357,21 @@ class SGLangFleet(ServerPool):
         """One round of requests (one per row), all in flight at once; the answers that came
         back right, by row. Adds the round's time short of ``engines`` requests in flight to
         ``wait_s``."""
-        http = Http(self._target())
-        timeout = self.cfg.request_timeout_s
-        out: dict[int, Completion] = {}
-        spans: list[tuple[float, float]] = []  # (sent, answered) per request, driver's clock
-
-        def call(r: dict):
-            t0 = time.perf_counter()
-            try:
-                return http.call("/generate", r, timeout=timeout)
-            finally:
-                spans.append((t0, time.perf_counter()))  # list.append is atomic
-
-        with concurrent.futures.ThreadPoolExecutor(min(len(pending), 64)) as pool:
-            futures = {i: pool.submit(call, r) for i, r in pending.items()}
-            self.fault("generate")  # mid-rollout: the requests are in flight
-            failures = []
-            for i, fut in futures.items():
-                try:
-                    answer = fut.result()
-                    if not isinstance(answer, dict):
-                        raise ServerGone(f"/generate returned {type(answer).__name__}")
-                    out[i] = parse_completion(
-                        rows[i],
-                        answer,
-                        eos_token_id=self.eos_token_id,
-                        expected_version=str(self._version),
-                    )
-                except RolloutEngineError as e:
-                    failures.append(f"row {i}: {first_line(e)}")
+        url, version = self._target(), str(self._version)
+        kwargs = dict(
+            timeout=self.cfg.request_timeout_s,
+            eos_token_id=self.eos_token_id,
+            expected_version=version,
+        )
+        if self._answers is None:  # parse_answers: thread
+            rows_by_id = {i: rows[i] for i in pending}
+            hook = lambda: self.fault("generate")  # noqa: E731
+            out, failed, spans = answer_round(url, pending, rows_by_id, in_flight=hook, **kwargs)
+        else:
+            future = self._answers.submit(url, pending, **kwargs)
+            self.fault("generate")  # mid-rollout: the requests are (being) sent
+            out, failed, spans = self._answers.result(future, pending, rows)
+        failures = [f"row {i}: {message}" for i, message in failed.items()]
         self.wait_s += short_of_engines(spans, engines)
         if failures:
             print(
@@ -420,4 +407,6 @@ class SGLangFleet(ServerPool):
 
     def shutdown(self) -> None:
         self.sender.close()
+        if self._answers is not None:
+            self._answers.close()
         super().shutdown()
