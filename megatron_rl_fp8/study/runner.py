@@ -43,7 +43,7 @@ import yaml
 from megatron_rl_fp8 import checkpoint
 from megatron_rl_fp8.checkpoint.layout import complete_names
 from megatron_rl_fp8.config import RunConfig, load_config
-from megatron_rl_fp8.config_utils import ConfigError, to_dict
+from megatron_rl_fp8.config_utils import ConfigError, describe_fields, to_dict
 from megatron_rl_fp8.metrics.logger import EVENTS_FILE
 from megatron_rl_fp8.trainer.run_dir import changed_settings
 from megatron_rl_fp8.utils.fs import FileLock, atomic_write_text
@@ -277,9 +277,11 @@ def _check_frozen(study: Study, where: str) -> None:
                     f"{where}: {run.label}: {frozen} cannot be read ({e.strerror or e}); fix its "
                     f"permissions, or delete {run.path} to run it afresh"
                 ) from None
+            # A field newer than the run, at its default, came with the code, not the study file.
+            defaults = {d.path: d.default for d in describe_fields(run.config)}
             changed = [
                 c
-                for c in changed_settings(frozen, to_dict(run.config))
+                for c in changed_settings(frozen, to_dict(run.config), defaults=defaults)
                 if not c.startswith("train.output_dir:")
             ]
             if changed:

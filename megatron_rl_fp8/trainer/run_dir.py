@@ -74,9 +74,11 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def changed_settings(saved: Path, new: dict) -> list[str]:
+def changed_settings(saved: Path, new: dict, *, defaults: dict | None = None) -> list[str]:
     """``["a.b: old -> new", ...]`` between a run's saved ``config.yaml`` and the config resuming
-    it; one item saying so when the saved file is not a readable YAML mapping."""
+    it; one item saying so when the saved file is not a readable YAML mapping. ``defaults``
+    (dotted path -> default): a setting the saved file lacks (the run's code had no such field)
+    that is at its default now is not listed."""
     try:
         old = yaml.safe_load(saved.read_bytes().decode()) or {}
     except (OSError, ValueError, yaml.YAMLError) as e:  # ValueError: not UTF-8
@@ -84,10 +86,18 @@ def changed_settings(saved: Path, new: dict) -> list[str]:
     if not isinstance(old, dict):
         return [f"(the saved {saved.name} is not a mapping of settings; it is replaced)"]
     before, after = _flatten(old), _flatten(new)
+    defaults = defaults or {}
+
+    def newer_field_at_default(k: str) -> bool:
+        if k in before or k not in defaults:
+            return False
+        default = defaults[k]
+        return after.get(k) == (list(default) if isinstance(default, tuple) else default)
+
     return [
         f"{k}: {before.get(k, '(unset)')!r} -> {after.get(k, '(unset)')!r}"
         for k in sorted(set(before) | set(after))
-        if before.get(k) != after.get(k)
+        if before.get(k) != after.get(k) and not newer_field_at_default(k)
     ]
 
 

@@ -136,6 +136,12 @@ def test_a_moved_study_directory_is_the_same_study(finished, tmp_path, capsys):
     tmp, study, _ = finished
     moved = tmp_path / "copied"
     shutil.copytree(tmp / "out", moved, symlinks=True)
+    # One run as an older version of the package wrote it, without a setting added since (at
+    # its default now): still the study's run.
+    frozen = moved / "bf16" / "seed1" / "config.yaml"
+    older = yaml.safe_load(frozen.read_text())
+    del older["rollout"]["sglang"]["parse_answers"]
+    frozen.write_text(yaml.safe_dump(older))
     assert main(["study", str(study), "--out", str(moved), "--report-only"]) == 0
     assert (moved / "report" / "report.md").is_file()
     link = tmp_path / "link"
