@@ -207,18 +207,26 @@ def format_time(preds: list, gpu_name: str) -> str:
     return "\n".join(lines)
 
 
+def _shadow_schedule(cfg) -> str:
+    calib = cfg.loss.calib
+    if not calib.enabled:
+        return "off"
+    if calib.mode == "oracle":
+        return "every step (oracle: a BF16 forward per mini-batch)"
+    return f"every {calib.interval} steps"
+
+
 def run_time(cfg, world: World, gpu, fill: float, spec: str) -> str:
     from megatron_rl_fp8.plan.time import PRECISIONS, Fleet, predict
 
     preds = [predict(cfg, world, gpu, p, fill=fill, spec=spec) for p in PRECISIONS]
     recipe = cfg.fp8.recipe if cfg.fp8.recipe != "bf16" else "blockwise"
     d = preds[-1].detail
-    calib = cfg.loss.calib
     notes = [
         f"step-time model (plan/time.py, docs/scaling.md): {cfg.train.prompts_per_step} prompts "
         f"x {cfg.rollout.n_samples_per_prompt} samples, {cfg.task.max_prompt_len} + "
         f"{cfg.rollout.max_new_tokens} tokens, fill {fill:g}; fp8 training recipe {recipe}; "
-        f"shadow every {calib.interval if calib.enabled else '-'} steps",
+        f"shadow {_shadow_schedule(cfg)}",
         f"rollout: {_engines(cfg, Fleet.from_config(cfg, world))} x TP "
         f"{cfg.rollout.sglang.tp_size}, {cfg.rollout.placement}; decode "
         f"{d['rollout/decode_steps']:.0f} steps at {d['rollout/concurrent_per_engine']:.0f} "

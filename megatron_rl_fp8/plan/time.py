@@ -19,7 +19,8 @@ reward         rows x a per-row CPU cost / ``reward.num_workers``.
 old_logprobs   one forward of the batch (the KL reference's too when ``loss.kl_coef > 0``).
 shadow         calibration steps only (full FP8 with ``loss.calib.enabled``): a BF16 forward
                of the batch for pi_old, and per later mini-batch a BF16 + an FP8 forward of
-               pi_theta (``trainer/update.py``), divided by ``loss.calib.interval``.
+               pi_theta (``trainer/update.py``), divided by ``loss.calib.interval``; with
+               ``loss.calib.mode=oracle`` every step, and a BF16 forward only per mini-batch.
 update         forward + backward = 3 forwards (+1 forward under full recompute), the optimizer
                step per mini-batch, the TP collectives and the DP gradient reduction.
 sync           TP gather on NVLink, FP8 quantization (FP8 rollout), the broadcast to the
@@ -447,9 +448,12 @@ def predict(
 
     shadow = 0.0
     if fp8_train and cfg.loss.calib.enabled:
-        u = t.updates_per_step
-        per_calibration = forward_bf16 + (u - 1) / u * (forward_bf16 + forward_fp8)
-        shadow = per_calibration / cfg.loss.calib.interval
+        later = (t.updates_per_step - 1) / t.updates_per_step  # the mini-batches after the first
+        if cfg.loss.calib.mode == "oracle":  # every step: BF16 pi_old, BF16 pi_theta per later one
+            shadow = forward_bf16 * (1 + later)
+        else:
+            per_calibration = forward_bf16 + later * (forward_bf16 + forward_fp8)
+            shadow = per_calibration / cfg.loss.calib.interval
     phases["shadow"] = shadow
 
     forwards = 3 + (1 if lay.recompute == "full" else 0)

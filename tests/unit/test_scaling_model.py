@@ -141,6 +141,24 @@ def test_fp8_training_is_faster_at_large_token_counts():
     assert rollout.phases["shadow"] == 0 < fp8.phases["shadow"]
 
 
+def test_the_oracle_pays_a_bf16_forward_per_mini_batch_every_step():
+    """calibrate: (BF16 pi_old + per later mini-batch a BF16 and an FP8 pass) / interval;
+    oracle: BF16 pi_old + per later mini-batch a BF16 pass, every step (the example has 4
+    mini-batches per step, so 3/4 of the batch is a later one)."""
+    w, gpu = world(), GPUS["H200"]
+    calibrated = predict(config(1, 256), w, gpu, "fp8")
+    oracle = predict(config(1, 256, "loss.calib.mode=oracle"), w, gpu, "fp8")
+    u = config(1, 256).train.updates_per_step
+    later = (u - 1) / u
+    # The old-logprob pass is one FP8 forward of the batch (no KL reference here).
+    fp8_forward = oracle.phases["old_logprobs"]
+    bf16_forward = oracle.phases["shadow"] / (1 + later)
+    assert bf16_forward > fp8_forward
+    per_calibration = bf16_forward + later * (bf16_forward + fp8_forward)
+    assert calibrated.phases["shadow"] == pytest.approx(per_calibration / 20, rel=1e-12)
+    assert oracle.phases["update"] == calibrated.phases["update"]
+
+
 def test_memory_is_the_planners_estimate():
     cfg, w = config(2), world(2, "H100")
     pred = predict(cfg, w, GPUS["H100"], "fp8")
