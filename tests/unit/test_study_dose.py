@@ -44,6 +44,9 @@ def make_study(root: Path, name: str, scale: float) -> Path:
                         "step": step,
                         "train/entropy": 1.0,
                         "fp8/token_mult_prob_error": 1 + (mismatch - 1) * scale + 1e-4 * seed,
+                        # The lower tail widens with the mismatch: 0.9 for BF16, 0.9 - 0.02 * 3
+                        # for FP8 in the "high" study (the seed's term cancels in the pairing).
+                        "train/ratio_p01": 0.9 - (mismatch - 1) * scale + 1e-4 * seed,
                         "train/pg_clipfrac_neg_lower": neg * scale + 1e-4 * seed * step,
                     }
                 )
@@ -68,7 +71,8 @@ def test_points_and_files(tmp_path, monkeypatch, capsys):
     assert set(points) == {(s, a) for s in ("low", "high") for a in ARMS if a != "bf16"}
     p = points[("high", "nominal")]
     assert p["mode"] == "nominal" and p["seeds"] == 3
-    assert p["x"]["mean"] == pytest.approx(1.06 + 2e-4)
+    assert p["x"]["mean"] == pytest.approx(-0.06)  # paired: ratio p01 - BF16's
+    assert p["mismatch"]["mean"] == pytest.approx(1.06 + 2e-4)
     # Paired over seeds: the per-seed terms cancel, so the difference is exact.
     assert p["y"]["neg_lower_clip_share"]["mean"] == pytest.approx((0.02 - 0.010) * 3)
     assert points[("low", "oracle")]["y"]["neg_lower_clip_share"]["mean"] == pytest.approx(0.0)
