@@ -17,10 +17,9 @@ rollout        per engine (all engines in parallel, rows split evenly). Prefill:
                halves the linear weights' bytes and runs the GEMMs at the FP8 GEMM ratio.
 reward         rows x a per-row CPU cost / ``reward.num_workers``.
 old_logprobs   one forward of the batch (the KL reference's too when ``loss.kl_coef > 0``).
-shadow         calibration steps only (full FP8 with ``loss.calib.enabled``): a BF16 forward
-               of the batch for pi_old, and per later mini-batch a BF16 + an FP8 forward of
-               pi_theta (``trainer/update.py``), divided by ``loss.calib.interval``; with
-               ``loss.calib.mode=oracle`` every step, and a BF16 forward only per mini-batch.
+shadow         full FP8 with ``loss.calib.enabled``: a BF16 forward of the batch (pi_old), per
+               later mini-batch a BF16 + an FP8 forward of pi_theta, divided by the interval
+               (``loss.calib.mode=oracle``: BF16 only, every step).
 update         forward + backward = 3 forwards (+1 forward under full recompute), the optimizer
                step per mini-batch, the TP collectives and the DP gradient reduction.
 sync           TP gather on NVLink, FP8 quantization (FP8 rollout), the broadcast to the
@@ -170,8 +169,7 @@ def train_flops_per_token(m: ModelConfig, seq: float) -> tuple[float, float]:
 
 def optimizer_seconds(params: float, gpu: GPU, eff: Efficiency) -> float:
     """Seconds of one Adam step over ``params`` parameters on one GPU: memory-bound."""
-    # Adam with fp32 main weights: read grad, main, m, v (16 B), write main, m, v (12 B) and the
-    # bf16 weight (2 B).
+    # Adam, fp32 main weights: read grad, main, m, v (16 B); write main, m, v, bf16 weight (14 B).
     return params * 30 / (gpu.hbm_bytes_s * eff.optimizer_hbm)
 
 
@@ -449,11 +447,9 @@ def predict(
     shadow = 0.0
     if fp8_train and cfg.loss.calib.enabled:
         later = (t.updates_per_step - 1) / t.updates_per_step  # the mini-batches after the first
-        if cfg.loss.calib.mode == "oracle":  # every step: BF16 pi_old, BF16 pi_theta per later one
-            shadow = forward_bf16 * (1 + later)
-        else:
-            per_calibration = forward_bf16 + later * (forward_bf16 + forward_fp8)
-            shadow = per_calibration / cfg.loss.calib.interval
+        shadow = forward_bf16 * (1 + later)  # oracle: BF16 pi_old and pi_theta, every step
+        if cfg.loss.calib.mode != "oracle":  # and an FP8 pi_theta, every interval steps
+            shadow = (shadow + later * forward_fp8) / cfg.loss.calib.interval
     phases["shadow"] = shadow
 
     forwards = 3 + (1 if lay.recompute == "full" else 0)
