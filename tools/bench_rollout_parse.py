@@ -21,7 +21,6 @@ CPU number bounds the GIL's effect from above; the GPU's (``make gpu-check``) is
 from __future__ import annotations
 
 import argparse
-import array
 import concurrent.futures
 import json
 import multiprocessing as mp
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from megatron_rl_fp8.rollout.sglang.answers import pack, unpack  # noqa: E402
 from megatron_rl_fp8.rollout.sglang.http import parse_completion  # noqa: E402
 
 
@@ -56,17 +56,16 @@ def parse_all(body: str, answers: int) -> None:
 
 def packed_round(body: str, answers: int) -> list:
     """In the helper process: parse ``answers`` answers, packed as the answer process packs them."""
-    out = []
-    for _ in range(answers):
-        c = parse_completion([], json.loads(body), eos_token_id=2, expected_version="1")
-        out.append((array.array("q", c.response_ids), array.array("d", c.response_logprobs)))
-    return out
+    return [
+        pack(parse_completion([], json.loads(body), eos_token_id=2, expected_version="1"))
+        for _ in range(answers)
+    ]
 
 
-def unpack(packed: list) -> None:
+def unpack_all(packed: list) -> None:
     """In the trainer's process: what ``AnswerProcess.result`` does with a round."""
-    for ids, logprobs in packed:
-        ids.tolist(), logprobs.tolist()
+    for p in packed:
+        unpack([1, 2, 3], p)
 
 
 def in_background(work) -> tuple[threading.Event, threading.Thread, list[int]]:
@@ -134,7 +133,7 @@ def main() -> None:
         stop.set()
         thread.join()
         parsed += rounds[0]
-        work = lambda: unpack(helper.submit(packed_round, body, args.answers).result())  # noqa: E731
+        work = lambda: unpack_all(helper.submit(packed_round, body, args.answers).result())  # noqa: E731
         stop, thread, rounds = in_background(work)
         offloaded.append(timed_updates(model, opt, x, args.steps))
         stop.set()

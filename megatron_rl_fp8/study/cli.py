@@ -56,8 +56,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--dose-response",
         action="store_true",
         help="Run nothing: write dose_response.png/.md (into --out, default "
-        "runs/studies/dose_response): each FP8 arm's noise (its ratio p01 minus the reference's) against "
-        "its clip shares, accuracy and entropy rise minus the reference's, by clip mode.",
+        "runs/studies/dose_response): each FP8 arm's noise (its ratio p01 minus the reference's) "
+        "against its clip shares, accuracy and entropy rise minus the reference's, by clip mode.",
     )
     p.add_argument(
         "--evidence",

@@ -79,16 +79,29 @@ Packed = tuple[array.array, array.array, bool]
 from the answer process (arrays pickle as their bytes)."""
 
 
-def _packed_round(url: str, requests: dict[int, dict], **kwargs):
+def pack(c: Completion) -> Packed:
+    """``c`` without its prompt, as it crosses from the answer process."""
+    return array.array("q", c.response_ids), array.array("d", c.response_logprobs), c.finished
+
+
+def unpack(prompt: list[int], packed: Packed) -> Completion:
+    """The completion of ``prompt`` that :func:`pack` sent: two lists made from bytes."""
+    ids, logprobs, finished = packed
+    return Completion(
+        prompt_ids=list(prompt),
+        response_ids=ids.tolist(),
+        response_logprobs=logprobs.tolist(),
+        finished=finished,
+    )
+
+
+def _packed_round(
+    url: str, requests: dict[int, dict], **kwargs
+) -> tuple[dict[int, Packed], dict[int, str], Spans]:
     """:func:`answer_round` in the answer process, its completions packed (their prompts stay
     with the caller)."""
-    rows = {i: [] for i in requests}
-    out, failures, spans = answer_round(url, requests, rows, **kwargs)
-    packed = {
-        i: (array.array("q", c.response_ids), array.array("d", c.response_logprobs), c.finished)
-        for i, c in out.items()
-    }
-    return packed, failures, spans
+    out, failures, spans = answer_round(url, requests, {i: [] for i in requests}, **kwargs)
+    return {i: pack(c) for i, c in out.items()}, failures, spans
 
 
 class AnswerProcess:
@@ -131,16 +144,7 @@ class AnswerProcess:
             self.close()
             lost = f"the rollout's answer process died ({e or 'no message'})"
             return {}, {i: lost for i in requests}, []
-        out = {
-            i: Completion(
-                prompt_ids=list(rows[i]),
-                response_ids=ids.tolist(),
-                response_logprobs=logprobs.tolist(),
-                finished=finished,
-            )
-            for i, (ids, logprobs, finished) in packed.items()
-        }
-        return out, failures, spans
+        return {i: unpack(rows[i], p) for i, p in packed.items()}, failures, spans
 
     def close(self) -> None:
         if self._pool is not None:
