@@ -202,6 +202,7 @@ def test_rollout_answers_are_decoded_outside_the_trainer_and_equal_the_threads(o
     from megatron_rl_fp8.rollout.sglang import answers
 
     eng, kw = one, dict(n=1, greedy=True, max_new_tokens=8, temperature=1.0)
+    sync_weights(eng, seeded_weights(seed=1), eng.weight_version() + 1)  # runs alone too
     helper = eng._answers
     assert helper is not None
 
@@ -222,7 +223,9 @@ def test_rollout_answers_are_decoded_outside_the_trainer_and_equal_the_threads(o
             b.response_ids,
             b.finished,
         )
-        assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-6)
+        # Two generate calls of the engine: float32 ulps apart where SGLang batched differently
+        # (the decoding itself is exact: tests/unit/test_rollout_answers.py).
+        assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=LOGPROB_TOL)
 
 
 class _Recorder(KillServerAt):
