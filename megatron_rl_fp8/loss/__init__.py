@@ -6,7 +6,8 @@
 * :mod:`.kl`           per-token KL estimators (k1, k2, k3, low_var_kl) for the reference penalty;
 * :mod:`.histogram`    fixed-bin histograms and quantiles read from them;
 * :mod:`.calibration`  calibrated clipping for FP8 (the only place that may all-reduce, over a
-                       process group passed in by the caller); its knobs in :mod:`.calib_config`.
+                       process group passed in by the caller); its knobs in :mod:`.calib_config`;
+* :mod:`.thinning`     share-matched clipping: the nominal clip set thinned to BF16's share.
 
 Nothing here imports Megatron, and ``torch.distributed`` is imported only inside
 :func:`merged_calibration_histogram` when a group is given, so CPU unit tests reach every function.
@@ -32,9 +33,11 @@ from megatron_rl_fp8.loss.importance import ISCorrectionConfig, importance_weigh
 from megatron_rl_fp8.loss.kl import KLType, kl_penalty
 from megatron_rl_fp8.loss.masked import masked_mean, masked_sum
 from megatron_rl_fp8.loss.ppo import aggregate_loss, policy_loss
+from megatron_rl_fp8.loss.thinning import ClipThinner, keep_fraction, share_counts, token_ratio
 
 __all__ = [
     "CalibConfig",
+    "ClipThinner",
     "ISCorrectionConfig",
     "KLType",
     "aggregate_loss",
@@ -48,10 +51,13 @@ __all__ = [
     "hist_mass_below",
     "importance_weights",
     "invariant_violations",
+    "keep_fraction",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
     "merged_calibration_histogram",
     "overlong_reward_penalty",
     "policy_loss",
+    "share_counts",
+    "token_ratio",
 ]

@@ -14,7 +14,7 @@ from megatron_rl_fp8.config_utils import field
 
 Strategy = Literal["balance", "quantile", "shift", "lower_only"]
 STRATEGIES = ("balance", "quantile", "shift", "lower_only")
-Mode = Literal["calibrate", "oracle"]
+Mode = Literal["calibrate", "oracle", "share"]
 
 DEFAULT_BINS = 4096
 DEFAULT_LOG_RATIO_RANGE = (-2.0, 2.0)
@@ -41,7 +41,10 @@ class CalibConfig:
         help="'calibrate': bounds from a BF16 shadow pass every `interval` steps; 'oracle': "
         "every mini-batch runs the BF16 shadow forward and the clip decision of each token comes "
         "from its BF16 ratio at the nominal bounds (gradient still FP8): what calibration "
-        "approximates, at one shadow forward per mini-batch (a study arm, not a production mode).",
+        "approximates, at one shadow forward per mini-batch (a study arm, not a production mode); "
+        "'share': the bounds stay nominal and each sign clips only the share of the tokens past "
+        "them that BF16 clipped at the last calibrations (the most extreme ones; the counts "
+        "smoothed with ema_decay per mini-batch position; strategy is unused).",
     )
     strategy: Strategy = field(
         default="balance",
@@ -103,10 +106,10 @@ class CalibConfig:
                 f"CalibConfig.invariant_tolerance={self.invariant_tolerance!r} must lie in (0, 1): "
                 "it is a share of one sign's tokens (0.01 = one percentage point)."
             )
-        if self.mode not in ("calibrate", "oracle"):
+        if self.mode not in ("calibrate", "oracle", "share"):
             raise ValueError(
-                f"CalibConfig.mode={self.mode!r} is not supported; use 'calibrate' (default) or "
-                "'oracle'."
+                f"CalibConfig.mode={self.mode!r} is not supported; use 'calibrate' (default), "
+                "'share' or 'oracle'."
             )
         if self.mode == "oracle" and not self.enabled:
             # Off, the BF16 shadow never runs: the "oracle" would silently be nominal FP8.

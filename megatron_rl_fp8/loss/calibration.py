@@ -227,7 +227,7 @@ def _clamp(x: float, limits: tuple[float, float]) -> float:
     return min(max(x, limits[0]), limits[1])
 
 
-def _unpack(packed: torch.Tensor, bins: int) -> tuple[torch.Tensor, dict[str, float]]:
+def unpack_histogram(packed: torch.Tensor, bins: int) -> tuple[torch.Tensor, dict[str, float]]:
     """([4, bins] histograms on the CPU: neg counts, pos counts, neg |A|r, pos |A|r; scalars)."""
     if packed.numel() != 4 * bins + NUM_SCALARS:
         raise ValueError(
@@ -257,7 +257,7 @@ def clip_shares(
     A<0 tokens with r < lower, ``pos_upper`` the share of A>0 tokens with r > upper; NaN when the
     batch has no token of that sign.
     """
-    hist, s = _unpack(packed, bins)
+    hist, s = unpack_histogram(packed, bins)
     neg_cnt, pos_cnt = hist[0], hist[1]
     n_neg, n_pos = float(neg_cnt.sum()), float(pos_cnt.sum())
     return {
@@ -334,7 +334,7 @@ def bounds_from_histogram(
         lower_limits=lower_limits,
         upper_limits=upper_limits,
     )
-    hist, s = _unpack(packed, bins)
+    hist, s = unpack_histogram(packed, bins)
     neg_cnt, pos_cnt, neg_sum, pos_sum = hist
     n_neg, n_pos = float(neg_cnt.sum()), float(pos_cnt.sum())
     neg_total, pos_total = float(neg_sum.sum()), float(pos_sum.sum())

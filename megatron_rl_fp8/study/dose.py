@@ -11,8 +11,8 @@ robust to them. y is, in four panels, its paired
 difference from the study's reference arm (BF16) in the A<0 lower-clip share, the A>0 upper-clip
 share, the final accuracy and the largest entropy rise, with its interval. Points are coloured by
 how the arm clips, read from each run's resolved ``config.yaml``: ``nominal`` (calibration off),
-``calibrated (<strategy>)`` or ``oracle`` (the clip decided by the BF16 shadow); a BF16 arm that
-is not the reference is ``bf16``. Writes ``dose_response.png`` and ``dose_response.md`` (the same
+``calibrated (<strategy>)``, ``share`` (the nominal clip set thinned) or ``oracle`` (the clip
+decided by the BF16 shadow); a BF16 arm that is not the reference is ``bf16``. Writes ``dose_response.png`` and ``dose_response.md`` (the same
 numbers as a table) into ``DIR`` (default ``runs/studies/dose_response``).
 """
 
@@ -40,13 +40,14 @@ DEFAULT_OUT = Path("runs") / "studies" / "dose_response"
 
 
 def clip_mode(config: dict) -> str:
-    """How a run decides its clip: ``bf16``, ``nominal``, ``oracle`` or ``calibrated (rule)``."""
+    """How a run decides its clip: ``bf16``, ``nominal``, ``oracle``, ``share`` or
+    ``calibrated (rule)``."""
     if not config_value(config, "fp8.recipe"):
         return "bf16"
     if config_value(config, "loss.calib.enabled") is False:
         return "nominal"
-    if config_value(config, "loss.calib.mode") == "oracle":
-        return "oracle"
+    if config_value(config, "loss.calib.mode") in ("oracle", "share"):
+        return config_value(config, "loss.calib.mode")
     return f"calibrated ({config_value(config, 'loss.calib.strategy')})"
 
 

@@ -17,6 +17,11 @@ guard records a ``calib`` event (its action: ``guard.on_calib``).
 shadow forward of the current policy (:meth:`ClipCalibrator.oracle_log_ratio`), and each token's
 clip decision comes from its BF16 ratio at the nominal bounds while the FP8 ratio carries the
 gradient: what calibration approximates at one shadow pass per ``interval`` steps.
+
+``loss.calib.mode=share`` calibrates on the same schedule but keeps the nominal bounds: each
+calibration measures, per sign, the share of FP8's nominally clipped tokens that BF16 clips too
+(``loss/thinning.py``), smoothed per mini-batch position over calibrations (EMA of the counts),
+and every later update on that position clips only that share, the most extreme tokens.
 """
 
 from __future__ import annotations
@@ -26,11 +31,14 @@ import time
 import torch
 
 from megatron_rl_fp8.loss import (
+    ClipThinner,
     bounds_from_histogram,
     clip_shares,
     ema_bounds,
     invariant_violations,
+    keep_fraction,
     merged_calibration_histogram,
+    share_counts,
 )
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.trainer.collectives import broadcast_object
@@ -49,6 +57,8 @@ _REPORTED = (
     "fp8_balance_calibrated",
     "hist_bytes",
     "fp8_out_of_range_frac",
+    "keep_neg_lower",
+    "keep_pos_upper",
 )
 
 
@@ -59,6 +69,8 @@ class ClipCalibrator:
         self.lower = 1.0 - loss_cfg.eps_low
         self.upper = 1.0 + loss_cfg.eps_high
         self.count = 0  # calibrations folded into the EMA so far
+        # mode=share: mini-batch position -> smoothed _SHARE_COUNTS of its calibrations.
+        self.kept: dict[int, list[float]] = {}
         self.requested = False  # the stability guard asked for a calibration at the next step
 
     @property
@@ -75,6 +87,30 @@ class ClipCalibrator:
         """Whether every mini-batch's clip is decided by the BF16 shadow (``mode=oracle``)."""
         c = self.loss_cfg.calib
         return self.fp8_training and c.enabled and c.mode == "oracle"
+
+    @property
+    def sharing(self) -> bool:
+        """Whether the nominal clip set is thinned to BF16's share (``mode=share``)."""
+        c = self.loss_cfg.calib
+        return self.fp8_training and c.enabled and c.mode == "share"
+
+    def keep(self, position: int) -> tuple[float, float]:
+        """(A<0, A>0) keep fractions for mini-batch ``position``; 1 (nominal) before any
+        calibration of it."""
+        counts = self.kept.get(position)
+        if counts is None:
+            return 1.0, 1.0
+        return keep_fraction(counts[0], counts[1]), keep_fraction(counts[2], counts[3])
+
+    def thinner(self, position: int, *, seed: int, step: int, rank: int) -> ClipThinner:
+        """Mini-batch ``position``'s thinning at RL step ``step`` on data-parallel ``rank``; the
+        rounding offsets are seeded by all four, so a resumed run thins as the uninterrupted one."""
+        mixed = 0
+        for part in (seed, step, position, rank):
+            mixed = (mixed * 1_000_003 + part) % 2**61
+        gen = torch.Generator().manual_seed(mixed)
+        offsets = torch.rand(2, generator=gen, dtype=torch.float64).tolist()
+        return ClipThinner(self.keep(position), (offsets[0], offsets[1]))
 
     def due(self, step: int) -> bool:
         """Whether RL step ``step`` (1-based) calibrates. BF16 has nothing to calibrate against;
@@ -96,8 +132,10 @@ class ClipCalibrator:
         micro_batch_size: int,
         temperature: float,
         max_tokens: int | None = None,
+        position: int = 1,
     ) -> dict:
-        """BF16 shadow + FP8 forward of the current policy on ``mini``; new EMA bounds.
+        """BF16 shadow + FP8 forward of the current policy on ``mini`` (the step's mini-batch
+        ``position``); new EMA bounds, or under ``mode=share`` that position's new keep fractions.
 
         ``mini`` carries FP8 and BF16 old logprobs. Histograms are merged over the data-parallel
         group only (tensor-parallel ranks hold the same tokens); under pipeline parallelism the
@@ -127,20 +165,27 @@ class ClipCalibrator:
                 group=g.dp if g.dp_size > 1 else None,
                 **hist,
             ).cpu()
-            lower, upper, stats = bounds_from_histogram(
-                packed, loss_cfg.eps_low, loss_cfg.eps_high, **calib.solver_kwargs()
-            )
-            prev = None if self.count == 0 else self.bounds
-            bounds = ema_bounds(prev, (lower, upper), calib.ema_decay)
-            # The invariant judges the bounds the next updates clip with: the smoothed ones.
-            shares = clip_shares(packed, *bounds, **hist)
-            violated = invariant_violations(shares, calib.invariant_tolerance)
-            if violated:
-                bounds = self.nominal
-            stats |= shares | {"fallback": float(bool(violated))}
+            if self.sharing:
+                bounds, kept, stats, violated = self._share(packed, position)
+            else:
+                kept = None
+                lower, upper, stats = bounds_from_histogram(
+                    packed, loss_cfg.eps_low, loss_cfg.eps_high, **calib.solver_kwargs()
+                )
+                prev = None if self.count == 0 else self.bounds
+                bounds = ema_bounds(prev, (lower, upper), calib.ema_decay)
+                # The invariant judges the bounds the next updates clip with: the smoothed ones.
+                shares = clip_shares(packed, *bounds, **hist)
+                violated = invariant_violations(shares, calib.invariant_tolerance)
+                if violated:
+                    bounds = self.nominal
+                stats |= shares
+            stats |= {"fallback": float(bool(violated))}
             stats |= {f"invariant_violated/{sign}": 1.0 for sign in violated}
-            result = (*bounds, stats)
-        self.lower, self.upper, stats = broadcast_object(result, g.last_stage_rank)
+            result = (*bounds, stats, kept)
+        self.lower, self.upper, stats, kept = broadcast_object(result, g.last_stage_rank)
+        if kept is not None:
+            self.kept[position] = kept
         self.count += 1
         self.requested = False
         out = {f"calib/{k}": v for k, v in stats.items() if k in _REPORTED}
@@ -149,6 +194,35 @@ class ClipCalibrator:
         out["calib/raw_lower"], out["calib/raw_upper"] = stats["lower"], stats["upper"]
         out["perf/shadow_time_s"] = time.perf_counter() - t0
         return out
+
+    def _share(self, packed: torch.Tensor, position: int):
+        """(nominal bounds, the position's smoothed counts, stats, violated signs) of a share
+        calibration. The invariant judges the smoothed keep fractions on this batch; a sign whose
+        thinned share breaks it falls back to the whole nominal clip set until the next
+        calibration, which then starts that sign's smoothing afresh (its counts are zeroed: keep
+        1 now, and the next EMA keeps the new ratio as it is)."""
+        calib = self.loss_cfg.calib
+        hist = {"bins": calib.bins, "log_ratio_range": calib.log_ratio_range}
+        new = share_counts(packed, calib.bins)
+        prev = self.kept.get(position)
+        d = 0.0 if prev is None else calib.ema_decay
+        kept = new if prev is None else [d * p + (1 - d) * n for p, n in zip(prev, new)]
+        keep = (keep_fraction(*kept[:2]), keep_fraction(*kept[2:]))
+        shares = clip_shares(packed, *self.nominal, **hist)
+        shares["fp8_neg_lower_clipfrac_calibrated"] = (
+            keep[0] * shares["fp8_neg_lower_clipfrac_nominal"]
+        )
+        shares["fp8_pos_upper_clipfrac_calibrated"] = (
+            keep[1] * shares["fp8_pos_upper_clipfrac_nominal"]
+        )
+        violated = invariant_violations(shares, calib.invariant_tolerance)
+        for sign in violated:
+            at = slice(0, 2) if sign == "neg_lower" else slice(2, 4)
+            kept[at] = [0.0, 0.0]
+        keep = (keep_fraction(*kept[:2]), keep_fraction(*kept[2:]))
+        stats = shares | {"keep_neg_lower": keep[0], "keep_pos_upper": keep[1]}
+        stats |= dict(zip(("lower", "upper"), self.nominal))
+        return self.nominal, kept, stats, violated
 
     def oracle_log_ratio(
         self,
@@ -173,15 +247,18 @@ class ClipCalibrator:
             return torch.zeros_like(mini["old_logprobs"])
         return cur16["logprobs"] - mini["old_logprobs_bf16"]
 
-    # {"lower", "upper", "count"} is the format runs were first saved with; "requested" is newer.
+    # {"lower", "upper", "count"} is the format runs were first saved with; "requested" and
+    # "kept" (mode=share) are newer.
     def state_dict(self) -> dict:
         return {
             "lower": self.lower,
             "upper": self.upper,
             "count": self.count,
             "requested": self.requested,
+            "kept": {str(k): list(v) for k, v in self.kept.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.lower, self.upper, self.count = state["lower"], state["upper"], state["count"]
         self.requested = state.get("requested", False)
+        self.kept = {int(k): list(v) for k, v in state.get("kept", {}).items()}

@@ -10,7 +10,9 @@ On calibration steps (``ClipCalibrator.due``) the old logprobs are also computed
 shadow pass, and the calibrator resets the clip bounds before every mini-batch after the first
 (update 0 sees pi_theta == pi_old: all ratios 1, nothing to calibrate). Under
 ``loss.calib.mode=oracle`` every step computes the BF16 old logprobs, and every mini-batch after
-the first gets the BF16 shadow's log ratio (``clip_log_ratio``), which decides its clip.
+the first gets the BF16 shadow's log ratio (``clip_log_ratio``), which decides its clip. Under
+``mode=share`` the bounds stay nominal and every mini-batch after the first clips only the
+calibrated share of the tokens past them (a ``ClipThinner`` per mini-batch, ``loss/thinning.py``).
 
 With ``loss.kl_coef > 0`` the frozen reference (``reference.py``) adds ``ref_logprobs`` in the same
 phase, and each token's loss gains ``kl_coef * kl_penalty(logp, ref, loss.kl_type)``, aggregated
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_fp8.config import RunConfig
-from megatron_rl_fp8.loss import aggregate_loss, kl_penalty, masked_mean, policy_loss
+from megatron_rl_fp8.loss import aggregate_loss, kl_penalty, masked_mean, policy_loss, token_ratio
 from megatron_rl_fp8.metrics.accumulator import MetricAccumulator
 from megatron_rl_fp8.metrics.ratios import log_ratio_histogram
 from megatron_rl_fp8.parallel import Groups
@@ -164,17 +166,21 @@ class PolicyUpdate:
         kl = aggregate_loss(kl_tok, mask, self.cfg.loss.agg, **counts)
         return kl, masked_mean(kl_tok.detach(), mask)
 
-    def _token_loss(self, counts: dict, clip_low: float, clip_high: float):
+    def _token_loss(self, counts: dict, clip_low: float, clip_high: float, thinner=None):
         loss_cfg = self.cfg.loss
 
         def token_loss(mb, logprobs):
+            low, high = clip_low, clip_high
+            if thinner is not None:  # mode=share: this micro-batch's bounds thin the clip set
+                ratio = token_ratio(logprobs, mb["old_logprobs"], mb["loss_mask"])
+                low, high = thinner.bounds(ratio, mb["advantages"], mb["loss_mask"], low, high)
             loss, m = policy_loss(
                 logprobs,
                 mb["old_logprobs"],
                 mb["advantages"],
                 mb["loss_mask"],
-                clip_low=clip_low,
-                clip_high=clip_high,
+                clip_low=low,
+                clip_high=high,
                 clip_c=loss_cfg.clip_c,
                 agg=loss_cfg.agg,
                 is_correction=loss_cfg.is_correction,
@@ -210,7 +216,7 @@ class PolicyUpdate:
         oracle = self.calibrator.oracle and not self.bf16
         precision = self.actor.full_precision() if self.bf16 else contextlib.nullcontext()
         with precision:
-            metrics, logprob_time, shadow_time = self._update(local, acc, calibrating, oracle)
+            metrics, logprob_time, shadow_time = self._update(local, acc, step, calibrating, oracle)
         # The rollout sync, checkpoints and the norm read the weights next: gather them now
         # when the distributed optimizer left that to the next forward pass.
         self.actor.finish_param_gather()
@@ -227,7 +233,9 @@ class PolicyUpdate:
                 metrics["perf/shadow_time_s"] = shadow_time
         return metrics
 
-    def _update(self, local, acc, calibrating: bool, oracle: bool) -> tuple[dict, float, float]:
+    def _update(
+        self, local, acc, step: int, calibrating: bool, oracle: bool
+    ) -> tuple[dict, float, float]:
         """The step's work; returns (driver's metrics, old-logprob seconds, BF16 shadow
         seconds: the shadow old logprobs and the calibration or oracle passes)."""
         cfg, g = self.cfg, self.groups
@@ -259,6 +267,7 @@ class PolicyUpdate:
                     micro_batch_size=cfg.train.micro_batch_size,
                     temperature=cfg.rollout.temperature,
                     max_tokens=cfg.train.max_tokens_per_gpu,
+                    position=u,
                 )
                 shadow_time += calib_metrics.pop("perf/shadow_time_s")
             if oracle:
@@ -277,11 +286,16 @@ class PolicyUpdate:
                 )
                 _phase_done(mini["clip_log_ratio"])
                 shadow_time += time.perf_counter() - ts
+            thinner = None
+            if self.calibrator.sharing and not self.bf16 and u >= 1:
+                thinner = self.calibrator.thinner(
+                    u, seed=cfg.train.seed, step=step, rank=g.dp_rank * g.cp_size + g.cp_rank
+                )
             lr = self.actor.lr  # the lr this update uses (the schedule steps after it)
             outs, grad_norm, applied = self.actor.train_step(
                 mini,
                 cfg.train.micro_batch_size,
-                self._token_loss(counts, *(bounds or self.calibrator.bounds)),
+                self._token_loss(counts, *(bounds or self.calibrator.bounds), thinner),
                 temperature=cfg.rollout.temperature,
                 max_tokens=cfg.train.max_tokens_per_gpu,
             )

@@ -1,7 +1,8 @@
 """Calibrated clipping in the real tiny full-FP8 job, 2 steps each (one spawned rank, the three
 runs in it one after another): the sign-wise ``quantile`` rule, the invariant's fallback to the
-nominal bounds with its guard event, the oracle mode, and calibration under delayed scaling
-leaving the amax histories as the update will find them.
+nominal bounds with its guard event, the oracle mode, the share mode thinning the nominal clip set
+to BF16's share, and calibration under delayed scaling leaving the amax histories as the update
+will find them.
 
 What is asserted holds on any machine: the quantile rule matches the histogram's own shares (to
 float rounding), the forced violation compares BF16's share of A>0 tokens past 1.01 (about half
@@ -23,6 +24,15 @@ from tests.trainer_utils import SMALL
 ROOT = Path(__file__).resolve().parents[2]
 FP8 = ROOT / "examples/tiny_cpu_fp8.yaml"
 COMMON = [*SMALL, "train.steps=2", "rollout.fp8.quantizer=builtin"]  # modelopt's import spared
+# Narrow nominal bounds put enough tokens of the small batch past them for the shares to differ.
+NARROW = [
+    "loss.eps_low=0.05",
+    "loss.eps_high=0.05",
+    "fp8.recipe=nvfp4",
+    "train.prompts_per_step=64",
+    "rollout.n_samples_per_prompt=8",
+    "sft.steps=200",
+]
 RUNS = {
     "quantile": ["loss.calib.strategy=quantile"],
     # BF16 clips the A>0 tokens past 1.01 at the nominal bounds; the limits force the calibrated
@@ -33,6 +43,10 @@ RUNS = {
         "loss.calib.invariant_tolerance=0.001",
     ],
     "oracle": ["loss.calib.mode=oracle"],
+    # Step 1's first update trains pi_old itself (every ratio 1, nothing clipped), so the two runs
+    # reach the calibrated mini-batch with the same weights and differ only in its clip.
+    "share": ["loss.calib.mode=share", *NARROW],
+    "nominal": ["loss.calib.enabled=false", *NARROW],
 }
 # Delayed scaling: every calibration's FP8 pass must leave the amax histories as it found them,
 # so a run that calibrates at every step records exactly as many amaxes as one that never does.
@@ -133,3 +147,28 @@ def test_calibrating_under_delayed_scaling_leaves_the_amax_histories_alone(runs)
         counts["delayed_calibrated"] and counts["delayed_calibrated"] == counts["delayed_nominal"]
     )
     assert not counts["quantile"]  # blockwise keeps no history
+
+
+def test_share_mode_clips_bf16s_count_at_the_nominal_bounds(runs):
+    _, m, _ = runs
+    s1, s2 = m["share"][1], m["share"][2]
+    n1 = m["nominal"][1]
+    assert s1["calib/fallback"] == 0.0
+    for step in (1, 2):  # the bounds in use stay nominal; the clip set is thinned instead
+        assert (m["share"][step]["calib/lower"], m["share"][step]["calib/upper"]) == (0.95, 1.05)
+    for sign in ("neg_lower", "pos_upper"):
+        bf16, fp8 = s1[f"calib/bf16_{sign}_clipfrac"], s1[f"calib/fp8_{sign}_clipfrac_nominal"]
+        keep = s1[f"calib/keep_{sign}"]
+        assert keep == pytest.approx(min(1.0, bf16 / fp8) if fp8 > 0 else 1.0), sign
+        assert s1[f"calib/fp8_{sign}_clipfrac_calibrated"] == pytest.approx(min(bf16, fp8)), sign
+    # FP8 clips more A<0 tokens than BF16 here, so the update thinned: it clipped keep times what
+    # the nominal run clipped on the same mini-batch (to the one token the rounding may move).
+    print(
+        {k: v for k, v in s1.items() if "clipfrac" in k or "keep" in k},
+        n1["train/pg_clipfrac_neg_lower"],
+    )
+    assert 0 < s1["calib/keep_neg_lower"] < 1 and 0 < s1["calib/keep_pos_upper"] < 1
+    tokens = s1["train/pg_clipfrac_neg_lower"] / s1["calib/keep_neg_lower"]
+    assert tokens == pytest.approx(n1["train/pg_clipfrac_neg_lower"], rel=0.2)
+    assert s1["train/pg_clipfrac_neg_lower"] < n1["train/pg_clipfrac_neg_lower"]
+    assert "calib/keep_neg_lower" not in s2 and math.isfinite(s2["train/loss"])
