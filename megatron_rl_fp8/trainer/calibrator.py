@@ -69,7 +69,7 @@ class ClipCalibrator:
         self.lower = 1.0 - loss_cfg.eps_low
         self.upper = 1.0 + loss_cfg.eps_high
         self.count = 0  # calibrations folded into the EMA so far
-        # mode=share: mini-batch position -> smoothed _SHARE_COUNTS of its calibrations.
+        # mode=share: mini-batch position -> smoothed share_counts() of its calibrations.
         self.kept: dict[int, list[float]] = {}
         self.requested = False  # the stability guard asked for a calibration at the next step
 
@@ -94,23 +94,24 @@ class ClipCalibrator:
         c = self.loss_cfg.calib
         return self.fp8_training and c.enabled and c.mode == "share"
 
-    def keep(self, position: int) -> tuple[float, float]:
-        """(A<0, A>0) keep fractions for mini-batch ``position``; 1 (nominal) before any
-        calibration of it."""
-        counts = self.kept.get(position)
-        if counts is None:
-            return 1.0, 1.0
-        return keep_fraction(counts[0], counts[1]), keep_fraction(counts[2], counts[3])
+    def keep(self, kept: dict[int, list[float]] | None = None) -> tuple[float, float]:
+        """(A<0, A>0) keep fractions: the smoothed counts summed over the mini-batch positions
+        (one calibration batch holds a handful of clipped tokens; the sum is what the updates'
+        clips add up to); 1 (nominal) before any calibration."""
+        kept = self.kept if kept is None else kept
+        total = [sum(c[i] for c in kept.values()) for i in range(4)]
+        return keep_fraction(total[0], total[1]), keep_fraction(total[2], total[3])
 
     def thinner(self, position: int, *, seed: int, step: int, rank: int) -> ClipThinner:
-        """Mini-batch ``position``'s thinning at RL step ``step`` on data-parallel ``rank``; the
-        rounding offsets are seeded by all four, so a resumed run thins as the uninterrupted one."""
+        """The thinning of mini-batch ``position`` at RL step ``step`` on data-parallel ``rank``;
+        the rounding offsets are seeded by all four, so a resumed run thins as the uninterrupted
+        one."""
         mixed = 0
         for part in (seed, step, position, rank):
             mixed = (mixed * 1_000_003 + part) % 2**61
         gen = torch.Generator().manual_seed(mixed)
         offsets = torch.rand(2, generator=gen, dtype=torch.float64).tolist()
-        return ClipThinner(self.keep(position), (offsets[0], offsets[1]))
+        return ClipThinner(self.keep(), (offsets[0], offsets[1]))
 
     def due(self, step: int) -> bool:
         """Whether RL step ``step`` (1-based) calibrates. BF16 has nothing to calibrate against;
@@ -185,7 +186,7 @@ class ClipCalibrator:
             result = (*bounds, stats, kept)
         self.lower, self.upper, stats, kept = broadcast_object(result, g.last_stage_rank)
         if kept is not None:
-            self.kept[position] = kept
+            self.kept = kept
         self.count += 1
         self.requested = False
         out = {f"calib/{k}": v for k, v in stats.items() if k in _REPORTED}
@@ -197,29 +198,28 @@ class ClipCalibrator:
 
     def _share(self, packed: torch.Tensor, position: int):
         """(nominal bounds, the position's smoothed counts, stats, violated signs) of a share
-        calibration. The invariant judges the smoothed keep fractions on this batch; a sign whose
-        thinned share breaks it falls back to the whole nominal clip set until the next
-        calibration, which then starts that sign's smoothing afresh (its counts are zeroed: keep
-        1 now, and the next EMA keeps the new ratio as it is)."""
+        calibration. The invariant judges the keep fractions the next updates use on this batch;
+        a sign whose thinned share breaks it falls back to the whole nominal clip set until the
+        next calibration, which then starts that sign's smoothing afresh (its counts are zeroed:
+        keep 1 now, and the next EMA keeps the new ratio as it is)."""
         calib = self.loss_cfg.calib
         hist = {"bins": calib.bins, "log_ratio_range": calib.log_ratio_range}
         new = share_counts(packed, calib.bins)
         prev = self.kept.get(position)
         d = 0.0 if prev is None else calib.ema_decay
-        kept = new if prev is None else [d * p + (1 - d) * n for p, n in zip(prev, new)]
-        keep = (keep_fraction(*kept[:2]), keep_fraction(*kept[2:]))
+        counts = new if prev is None else [d * p + (1 - d) * n for p, n in zip(prev, new)]
+        kept = {k: list(v) for k, v in self.kept.items()} | {position: counts}
+        keep = self.keep(kept)
         shares = clip_shares(packed, *self.nominal, **hist)
-        shares["fp8_neg_lower_clipfrac_calibrated"] = (
-            keep[0] * shares["fp8_neg_lower_clipfrac_nominal"]
-        )
-        shares["fp8_pos_upper_clipfrac_calibrated"] = (
-            keep[1] * shares["fp8_pos_upper_clipfrac_nominal"]
-        )
+        for i, sign in enumerate(("neg_lower", "pos_upper")):
+            nominal = shares[f"fp8_{sign}_clipfrac_nominal"]
+            shares[f"fp8_{sign}_clipfrac_calibrated"] = keep[i] * nominal
         violated = invariant_violations(shares, calib.invariant_tolerance)
         for sign in violated:
             at = slice(0, 2) if sign == "neg_lower" else slice(2, 4)
-            kept[at] = [0.0, 0.0]
-        keep = (keep_fraction(*kept[:2]), keep_fraction(*kept[2:]))
+            for c in kept.values():
+                c[at] = [0.0, 0.0]
+        keep = self.keep(kept)
         stats = shares | {"keep_neg_lower": keep[0], "keep_pos_upper": keep[1]}
         stats |= dict(zip(("lower", "upper"), self.nominal))
         return self.nominal, kept, stats, violated

@@ -137,35 +137,44 @@ def _calibrator():
     return ClipCalibrator(cfg, fp8_training=True)
 
 
-def test_share_calibration_smooths_counts_per_position_and_falls_back_on_a_violation():
+def test_share_calibration_smooths_counts_pools_positions_and_falls_back_on_a_violation():
     cal = _calibrator()
+    assert cal.keep() == (1.0, 1.0)  # nothing calibrated yet: the nominal clip set
     gen = torch.Generator().manual_seed(3)
     x16 = torch.randn(32, 16, generator=gen) * 0.3  # BF16 clips ~23% of each sign
     x8 = x16 - 0.1  # FP8 ratios shifted low: more A<0 clips than BF16
     adv, mask = torch.tensor([-1.0, 1.0] * 16), torch.ones(32, 16, dtype=torch.bool)
     packed = build_calibration_histogram(x8, x16, adv, mask, EPS_LOW, EPS_HIGH)
+    counts = share_counts(packed, 4096)
     bounds, kept, stats, violated = cal._share(packed, 1)
-    assert bounds == pytest.approx((LOW, HIGH)) and not violated
-    assert kept == share_counts(packed, 4096)
-    cal.kept[1] = kept
+    assert bounds == pytest.approx((LOW, HIGH)) and not violated and kept == {1: counts}
     assert stats["fp8_neg_lower_clipfrac_calibrated"] == pytest.approx(
         stats["bf16_neg_lower_clipfrac"]
     )
-    assert cal.keep(1) == (stats["keep_neg_lower"], stats["keep_pos_upper"])
-    assert cal.keep(2) == (1.0, 1.0)  # a position never calibrated clips nominally
+    assert 0 < stats["keep_neg_lower"] < 1
+    cal.kept = kept
+    assert cal.keep() == (stats["keep_neg_lower"], stats["keep_pos_upper"])
+    # A second position pools its counts with the first; the EMA is per position.
+    cal.kept[2] = [0.0, 100.0, 0.0, 0.0]
+    assert cal.keep()[0] == pytest.approx(counts[0] / (counts[1] + 100.0))
+    _, kept, _, _ = cal._share(packed, 2)
+    assert kept[2] == pytest.approx(
+        [0.5 * counts[0], 50 + 0.5 * counts[1], *(0.5 * c for c in counts[2:])]
+    )
+    assert kept[1] == counts
     # A smoothed history far from this batch: the A<0 sign falls back to nominal (keep 1), and the
     # next calibration's EMA keeps that calibration's ratio as it is.
     assert stats["bf16_neg_lower_clipfrac"] > 0.02  # so that clipping nothing breaks it
-    cal.kept[1] = [0.0, 1000.0, kept[2], kept[3]]
+    cal.kept = {1: [0.0, 1000.0, counts[2], counts[3]]}
     _, kept2, stats2, violated2 = cal._share(packed, 1)
     assert violated2 == ["neg_lower"] and stats2["keep_neg_lower"] == 1.0
     # What broke it is reported: the smoothed fraction's share, more than 0.01 below BF16's.
     assert stats2["fp8_neg_lower_clipfrac_calibrated"] < stats["bf16_neg_lower_clipfrac"] - 0.01
-    cal.kept[1] = kept2
+    assert cal.kept[1][:2] == [0.0, 1000.0]  # the state changes only when the result is applied
+    cal.kept = kept2
     _, _, stats3, _ = cal._share(packed, 1)
     assert stats3["keep_neg_lower"] == pytest.approx(stats["keep_neg_lower"])
     # Checkpoints carry the counts; an older state without them loads as never calibrated.
-    cal.kept[1] = kept
     restored = _calibrator()
     restored.load_state_dict(cal.state_dict())
     assert restored.kept == cal.kept
