@@ -47,7 +47,8 @@ def _kth_past(values: torch.Tensor, past: torch.Tensor, k: torch.Tensor, nominal
     fill = -torch.inf if largest else torch.inf
     ordered = torch.where(past, values, fill).flatten().sort(descending=largest).values
     n = past.sum()
-    at = ordered[k.clamp(max=ordered.numel() - 1)]
+    # index_select, not ordered[k]: a 0-d index tensor would be read on the host (a GPU sync).
+    at = ordered.index_select(0, k.clamp(max=ordered.numel() - 1).reshape(1)).squeeze(0)
     return torch.where(k < n, at, nominal)
 
 

@@ -55,14 +55,23 @@ RUNS |= {
     "delayed_calibrated": [*DELAYED, "loss.calib.interval=1"],
     "delayed_nominal": [*DELAYED, "loss.calib.enabled=false"],
 }
+# Share mode calibrating at every step, stopped after step 2 and resumed: the smoothed counts and
+# the seeded rounding must come back as they were (compared with 3 uninterrupted steps).
+SHARE_3 = ["loss.calib.mode=share", *NARROW, "loss.calib.interval=1", "train.steps=3"]
+RUNS |= {
+    "share_3_steps": SHARE_3,
+    "share_resumed": [[*SHARE_3, "train.save_interval=1", "train.exit_after_steps=2"], SHARE_3],
+}
 
 
 def _runs(rank, world_size, runs: dict, tmp: str):
     out = {}
     for name, overrides in runs.items():
         d = Path(tmp) / name
-        overrides = [*COMMON, *overrides, f"train.output_dir={d}", f"train.cache_dir={tmp}/cache"]
-        out[name] = _run_with_amax_counts(overrides)
+        # A list of override lists: the runs one after another in one output directory.
+        for part in overrides if isinstance(overrides[0], list) else [overrides]:
+            part = [*COMMON, *part, f"train.output_dir={d}", f"train.cache_dir={tmp}/cache"]
+            out[name] = _run_with_amax_counts(part)
     return out
 
 
@@ -172,3 +181,15 @@ def test_share_mode_clips_bf16s_count_at_the_nominal_bounds(runs):
     assert tokens == pytest.approx(n1["train/pg_clipfrac_neg_lower"], rel=0.2)
     assert s1["train/pg_clipfrac_neg_lower"] < n1["train/pg_clipfrac_neg_lower"]
     assert "calib/keep_neg_lower" not in s2 and math.isfinite(s2["train/loss"])
+
+
+def test_share_mode_resumes_to_the_uninterrupted_run(runs):
+    _, m, _ = runs
+    full, resumed = m["share_3_steps"], m["share_resumed"]
+    assert sorted(resumed) == [0, 1, 2, 3] == sorted(full)
+    assert any(full[s]["calib/keep_neg_lower"] < 1 for s in (2, 3))  # the state matters
+    for step in (1, 2, 3):  # same machine, same kernels: bit for bit but the timings
+        drop = ("perf/",)
+        a = {k: v for k, v in full[step].items() if not k.startswith(drop)}
+        b = {k: v for k, v in resumed[step].items() if not k.startswith(drop)}
+        assert a == b, step
