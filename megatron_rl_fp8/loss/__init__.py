@@ -33,11 +33,16 @@ from megatron_rl_fp8.loss.importance import ISCorrectionConfig, importance_weigh
 from megatron_rl_fp8.loss.kl import KLType, kl_penalty
 from megatron_rl_fp8.loss.masked import masked_mean, masked_sum
 from megatron_rl_fp8.loss.ppo import aggregate_loss, policy_loss
-from megatron_rl_fp8.loss.thinning import ClipThinner, keep_fraction, share_counts, token_ratio
+from megatron_rl_fp8.loss.thinning import (
+    keep_fraction,
+    salt,
+    share_counts,
+    thinned_bounds,
+    token_ratio,
+)
 
 __all__ = [
     "CalibConfig",
-    "ClipThinner",
     "ISCorrectionConfig",
     "KLType",
     "aggregate_loss",
@@ -58,6 +63,8 @@ __all__ = [
     "merged_calibration_histogram",
     "overlong_reward_penalty",
     "policy_loss",
+    "salt",
     "share_counts",
+    "thinned_bounds",
     "token_ratio",
 ]

@@ -7,15 +7,17 @@ FP8 and under BF16 (exact counts at the nominal bounds). Their ratio is the *kee
     keep_pos = #(A>0, BF16 r > 1 + eps_high) / #(A>0, FP8 r > 1 + eps_high)   (at most 1)
 
 Later updates keep the nominal bounds but clip only that fraction of the tokens FP8 puts past
-them: the most extreme ones, i.e. a per-micro-batch bound moved out to the k-th most extreme
-ratio. Unlike a calibrated bound, a fraction of the clipped set carries over to batches whose
-ratio spread differs from the calibration batch's (the bound is a quantile of *this* micro-batch),
-which is what stale bounds did not. A fraction is at most 1: the rule never clips a token the
-nominal bounds would not, so it can only widen the trust region towards BF16's.
+them: in each sequence, its most extreme ones, through a per-row bound moved out to the row's
+k-th most extreme ratio. Unlike a calibrated bound, a fraction of the clipped set carries over to
+batches whose ratio spread differs from the calibration batch's (each row's bound comes from its
+own ratios), which is what stale bounds did not. A fraction is at most 1: the rule never clips a
+token the nominal bounds would not, so it can only widen the trust region towards BF16's.
 
-k is ``keep * n`` rounded systematically: a fractional carry passes from one micro-batch to the
-next, started from a seeded offset in [0, 1), so the expected count is exact even where a
-micro-batch holds less than one clipped token (A>0 clips are rare) and no host sync is needed.
+Per row, k = floor(keep * n + u) of its n tokens past the bound, where u in [0, 1) is a hash of
+the row's response tokens and a salt (run seed, step, mini-batch): the expected count is exact even
+where a row holds one clipped token (A>0 clips are rare), no host sync is needed, and the decision
+depends on the row alone, so DP, PP, TP and micro-batch layouts clip the same tokens. (Context
+parallelism splits a row's positions: each rank then thins its part of the row.)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from megatron_rl_fp8.loss.calibration import unpack_histogram
 
 # Same clamp as ppo.policy_loss, so the thinned ratio is the one the loss clips.
 _MAX_LOG_RATIO = 20.0
+_PRIME = 2**31 - 1  # the hash's modulus (products stay below 2^63)
 
 
 def token_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor):
@@ -35,63 +38,73 @@ def token_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.
     return log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
 
 
-def _kth_past(values: torch.Tensor, past: torch.Tensor, k: torch.Tensor, nominal, largest: bool):
-    """The bound that leaves exactly the ``k`` most extreme of the ``past`` values beyond it.
+def salt(*parts: int) -> int:
+    """One integer in [0, 2^31 - 1) from several (seed, step, mini-batch position)."""
+    mixed = 0
+    for part in parts:
+        mixed = (mixed * 1_000_003 + int(part)) % _PRIME
+    return mixed
 
-    Lower side (``largest=False``): clipped is ``r < bound``, so the bound is the (k+1)-th smallest
-    past value; all of them clipped (k = n) is the nominal bound. Ties at the bound stay unclipped.
+
+def row_offsets(labels: torch.Tensor, mask: torch.Tensor, salt_: int) -> torch.Tensor:
+    """[B, 1] float64 offsets in [0, 1): a hash of each row's response tokens and ``salt_``.
+
+    Only response positions count (a micro-batch may be trimmed to its longest row), each token
+    weighted by a per-position constant, so the row gives the same offset in any layout."""
+    t = torch.arange(labels.shape[-1], device=labels.device, dtype=torch.int64)
+    weight = (t * 2_654_435_761 + 97) % 1_048_573 + 1  # < 2^20 per position
+    tokens = (labels.long() % 65_521 + 1) * mask.long()  # < 2^16
+    h = (tokens * weight).sum(dim=-1, keepdim=True) % _PRIME
+    for _ in range(2):  # Lehmer steps mix the salt in
+        h = (h * 48_271 + salt_) % _PRIME
+    return h.double() / _PRIME
+
+
+def _row_kth(values: torch.Tensor, past: torch.Tensor, k: torch.Tensor, nominal, largest: bool):
+    """[B, 1] bounds leaving exactly the ``k`` (per row) most extreme past values beyond them.
+
+    Lower side (``largest=False``): clipped is ``r < bound``, so the bound is the row's (k+1)-th
+    smallest past value; all of them clipped (k = n) is the nominal bound. Ties at the bound stay
+    unclipped.
     """
     nominal = torch.as_tensor(nominal, dtype=values.dtype, device=values.device)
-    if values.numel() == 0:
-        return nominal
     fill = -torch.inf if largest else torch.inf
-    ordered = torch.where(past, values, fill).flatten().sort(descending=largest).values
-    n = past.sum()
-    # index_select, not ordered[k]: a 0-d index tensor would be read on the host (a GPU sync).
-    at = ordered.index_select(0, k.clamp(max=ordered.numel() - 1).reshape(1)).squeeze(0)
+    ordered = torch.where(past, values, fill).sort(dim=-1, descending=largest).values
+    n = past.sum(dim=-1, keepdim=True)
+    at = ordered.gather(-1, k.clamp(max=max(values.shape[-1] - 1, 0)))
     return torch.where(k < n, at, nominal)
 
 
-class ClipThinner:
-    """One mini-batch's thinning state: keep fractions and the carries between its micro-batches.
-
-    ``offsets`` are the two starting carries in [0, 1) (seeded by the trainer per step, mini-batch
-    and rank, so a resumed run thins as the uninterrupted one).
-    """
-
-    def __init__(self, keep: tuple[float, float], offsets: tuple[float, float]):
-        for name, v in zip(("keep_neg", "keep_pos"), keep):
-            if not 0.0 <= v <= 1.0:
-                raise ValueError(f"{name}={v!r} must lie in [0, 1] (a share of the clipped set).")
-        self.keep = keep
-        self.carry = [torch.tensor(float(o), dtype=torch.float64) for o in offsets]
-
-    def bounds(
-        self,
-        ratio: torch.Tensor,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        clip_low: float,
-        clip_high: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This micro-batch's (lower, upper) ratio bounds; advances the carries."""
-        if advantages.dim() == 1:
-            advantages = advantages.unsqueeze(-1)
-        adv = advantages.detach().expand_as(ratio)
-        mask_b = mask.bool()
-        out = []
-        sides = (
-            (adv < 0, ratio < clip_low, clip_low, False),
-            (adv > 0, ratio > clip_high, clip_high, True),
-        )
-        for i, (sign, beyond, nominal, largest) in enumerate(sides):
-            past = mask_b & sign & beyond
-            carry = self.carry[i].to(ratio.device)
-            x = self.keep[i] * past.sum().double() + carry
-            k = x.floor()
-            self.carry[i] = x - k
-            out.append(_kth_past(ratio, past, k.long(), nominal, largest))
-        return out[0], out[1]
+def thinned_bounds(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    keep: tuple[float, float],
+    salt_: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, 1] (lower, upper) ratio bounds per row that clip ``keep`` of each sign's tokens past
+    the nominal ``(clip_low, clip_high)`` (module docstring); ``ratio`` from :func:`token_ratio`."""
+    for name, v in zip(("keep_neg", "keep_pos"), keep):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"{name}={v!r} must lie in [0, 1] (a share of the clipped set).")
+    if ratio.dim() != 2 or ratio.shape[0] == 0 or ratio.shape[1] == 0:
+        raise ValueError(f"ratio must be a non-empty [B, T] tensor, got shape {tuple(ratio.shape)}")
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    adv = advantages.detach().expand_as(ratio)
+    mask_b = mask.bool()
+    u = row_offsets(labels, mask_b, salt_)
+    out = []
+    sides = ((adv < 0, ratio < clip_low, clip_low), (adv > 0, ratio > clip_high, clip_high))
+    for i, (sign, beyond, nominal) in enumerate(sides):
+        past = mask_b & sign & beyond
+        k = (keep[i] * past.sum(dim=-1, keepdim=True).double() + u).floor().long()
+        out.append(_row_kth(ratio, past, k, nominal, largest=i == 1))
+    return out[0], out[1]
 
 
 def share_counts(packed: torch.Tensor, bins: int) -> list[float]:

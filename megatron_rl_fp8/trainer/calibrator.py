@@ -31,13 +31,13 @@ import time
 import torch
 
 from megatron_rl_fp8.loss import (
-    ClipThinner,
     bounds_from_histogram,
     clip_shares,
     ema_bounds,
     invariant_violations,
     keep_fraction,
     merged_calibration_histogram,
+    salt,
     share_counts,
 )
 from megatron_rl_fp8.parallel import Groups
@@ -102,16 +102,11 @@ class ClipCalibrator:
         total = [sum(c[i] for c in kept.values()) for i in range(4)]
         return keep_fraction(total[0], total[1]), keep_fraction(total[2], total[3])
 
-    def thinner(self, position: int, *, seed: int, step: int, rank: int) -> ClipThinner:
-        """The thinning of mini-batch ``position`` at RL step ``step`` on data-parallel ``rank``;
-        the rounding offsets are seeded by all four, so a resumed run thins as the uninterrupted
-        one."""
-        mixed = 0
-        for part in (seed, step, position, rank):
-            mixed = (mixed * 1_000_003 + part) % 2**61
-        gen = torch.Generator().manual_seed(mixed)
-        offsets = torch.rand(2, generator=gen, dtype=torch.float64).tolist()
-        return ClipThinner(self.keep(), (offsets[0], offsets[1]))
+    def share(self, position: int, *, seed: int, step: int) -> tuple[tuple[float, float], int]:
+        """(keep fractions, rounding salt) for mini-batch ``position`` at RL step ``step``: what
+        ``loss.thinned_bounds`` takes. The salt depends on the run's seed, the step and the
+        position only, so every layout and a resumed run thin the same tokens."""
+        return self.keep(), salt(seed, step, position)
 
     def due(self, step: int) -> bool:
         """Whether RL step ``step`` (1-based) calibrates. BF16 has nothing to calibrate against;

@@ -12,7 +12,7 @@ shadow pass, and the calibrator resets the clip bounds before every mini-batch a
 ``loss.calib.mode=oracle`` every step computes the BF16 old logprobs, and every mini-batch after
 the first gets the BF16 shadow's log ratio (``clip_log_ratio``), which decides its clip. Under
 ``mode=share`` the bounds stay nominal and every mini-batch after the first clips only the
-calibrated share of the tokens past them (a ``ClipThinner`` per mini-batch, ``loss/thinning.py``).
+calibrated share of the tokens past them, the most extreme of each row (``loss/thinning.py``).
 
 With ``loss.kl_coef > 0`` the frozen reference (``reference.py``) adds ``ref_logprobs`` in the same
 phase, and each token's loss gains ``kl_coef * kl_penalty(logp, ref, loss.kl_type)``, aggregated
@@ -29,7 +29,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_fp8.config import RunConfig
-from megatron_rl_fp8.loss import aggregate_loss, kl_penalty, masked_mean, policy_loss, token_ratio
+from megatron_rl_fp8.loss import (
+    aggregate_loss,
+    kl_penalty,
+    masked_mean,
+    policy_loss,
+    thinned_bounds,
+    token_ratio,
+)
 from megatron_rl_fp8.metrics.accumulator import MetricAccumulator
 from megatron_rl_fp8.metrics.ratios import log_ratio_histogram
 from megatron_rl_fp8.parallel import Groups
@@ -166,14 +173,23 @@ class PolicyUpdate:
         kl = aggregate_loss(kl_tok, mask, self.cfg.loss.agg, **counts)
         return kl, masked_mean(kl_tok.detach(), mask)
 
-    def _token_loss(self, counts: dict, clip_low: float, clip_high: float, thinner=None):
+    def _token_loss(self, counts: dict, clip_low: float, clip_high: float, share=None):
         loss_cfg = self.cfg.loss
 
         def token_loss(mb, logprobs):
             low, high = clip_low, clip_high
-            if thinner is not None:  # mode=share: this micro-batch's bounds thin the clip set
-                ratio = token_ratio(logprobs, mb["old_logprobs"], mb["loss_mask"])
-                low, high = thinner.bounds(ratio, mb["advantages"], mb["loss_mask"], low, high)
+            if share is not None:  # mode=share: per-row bounds thin the nominal clip set
+                keep, salt_ = share
+                low, high = thinned_bounds(
+                    token_ratio(logprobs, mb["old_logprobs"], mb["loss_mask"]),
+                    mb["advantages"],
+                    mb["loss_mask"],
+                    mb["labels"],
+                    clip_low=low,
+                    clip_high=high,
+                    keep=keep,
+                    salt_=salt_,
+                )
             loss, m = policy_loss(
                 logprobs,
                 mb["old_logprobs"],
@@ -286,16 +302,14 @@ class PolicyUpdate:
                 )
                 _phase_done(mini["clip_log_ratio"])
                 shadow_time += time.perf_counter() - ts
-            thinner = None
+            share = None
             if self.calibrator.sharing and not self.bf16 and u >= 1:
-                thinner = self.calibrator.thinner(
-                    u, seed=cfg.train.seed, step=step, rank=g.dp_rank * g.cp_size + g.cp_rank
-                )
+                share = self.calibrator.share(u, seed=cfg.train.seed, step=step)
             lr = self.actor.lr  # the lr this update uses (the schedule steps after it)
             outs, grad_norm, applied = self.actor.train_step(
                 mini,
                 cfg.train.micro_batch_size,
-                self._token_loss(counts, *(bounds or self.calibrator.bounds), thinner),
+                self._token_loss(counts, *(bounds or self.calibrator.bounds), share),
                 temperature=cfg.rollout.temperature,
                 max_tokens=cfg.train.max_tokens_per_gpu,
             )

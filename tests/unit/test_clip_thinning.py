@@ -1,9 +1,12 @@
 """Share-matched clipping (``loss/thinning.py``, ``loss.calib.mode=share``) against direct counts.
 
-The property: keep fractions computed on a batch's calibration histogram, applied to the same batch
-split into micro-batches, clip each sign's BF16 count at the nominal bounds (FP8's where that is
-smaller), to within the one token the float rounding of ``keep * n`` may move, over 1,000 random
-batches (bulk shifts of +-2%, noise, skewed advantages, empty signs).
+The property, over 1,000 random batches (bulk shifts of +-2%, noise, skewed advantages, empty
+signs): keep fractions computed on a batch's calibration histogram, applied to the same batch, clip
+in each row floor(keep * n + u) of its n tokens past the nominal bound (u its hash offset), so each
+sign's count is BF16's (FP8's where that is smaller) to within the rows' rounding, and that
+rounding is unbiased: summed over the batches the thinned count equals the target to within a few
+standard deviations of the rounding noise. Rows decide alone: any split into micro-batches clips
+the same tokens.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ import pytest
 import torch
 
 from megatron_rl_fp8.loss import (
-    ClipThinner,
     build_calibration_histogram,
     clip_shares,
     invariant_violations,
     keep_fraction,
     policy_loss,
+    salt,
     share_counts,
+    thinned_bounds,
     token_ratio,
 )
 from megatron_rl_fp8.loss.calib_config import CalibConfig
@@ -52,82 +56,126 @@ def _batch(gen: torch.Generator):
     return x8.float(), x16.float(), adv.float(), mask
 
 
-def _thinned_counts(x8, adv, mask, keep, gen):
-    """(A<0 clipped, A>0 clipped) over the batch split into random micro-batches."""
-    offsets = torch.rand(2, generator=gen, dtype=torch.float64).tolist()
-    thinner = ClipThinner(keep, (offsets[0], offsets[1]))
-    cuts = sorted(set(torch.randint(1, x8.shape[0], (3,), generator=gen).tolist()))
-    neg = pos = 0
-    for rows in torch.tensor_split(torch.arange(x8.shape[0]), cuts):
-        r = token_ratio(x8[rows], torch.zeros_like(x8[rows]), mask[rows])
-        a, m = adv[rows], mask[rows]
-        low, high = thinner.bounds(r, a, m, LOW, HIGH)
-        neg += int((m & (a[:, None] < 0) & (r < low)).sum())
-        pos += int((m & (a[:, None] > 0) & (r > high)).sum())
-    return neg, pos
+def _labels(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 53, x.shape, generator=gen)
+
+
+def _clipped(x8, adv, mask, labels, keep, salt_):
+    """(A<0 clipped, A>0 clipped) masks under the thinned per-row bounds."""
+    r = token_ratio(x8, torch.zeros_like(x8), mask)
+    low, high = thinned_bounds(
+        r, adv, mask, labels, clip_low=LOW, clip_high=HIGH, keep=keep, salt_=salt_
+    )
+    a = adv[:, None]
+    return mask & (a < 0) & (r < low), mask & (a > 0) & (r > high)
 
 
 def test_thinned_clip_counts_are_bf16s_on_both_signs_over_1000_random_batches():
     gen = torch.Generator().manual_seed(0)
     thinned_any = 0
-    for _ in range(1000):
+    err = {"neg": 0.0, "pos": 0.0}
+    var = {"neg": 0.0, "pos": 0.0}
+    for b in range(1000):
         x8, x16, adv, mask = _batch(gen)
+        labels = _labels(x8, gen)
         packed = build_calibration_histogram(x8, x16, adv, mask, EPS_LOW, EPS_HIGH)
         bf16_neg, fp8_neg, bf16_pos, fp8_pos = share_counts(packed, 4096)
         keep = (keep_fraction(bf16_neg, fp8_neg), keep_fraction(bf16_pos, fp8_pos))
-        neg, pos = _thinned_counts(x8, adv, mask, keep, gen)
-        assert abs(neg - min(bf16_neg, fp8_neg)) <= 1, (neg, bf16_neg, fp8_neg)
-        assert abs(pos - min(bf16_pos, fp8_pos)) <= 1, (pos, bf16_pos, fp8_pos)
+        neg, pos = _clipped(x8, adv, mask, labels, keep, salt(1, b, 1))
+        r = token_ratio(x8, torch.zeros_like(x8), mask)
+        for name, got, k, target, past in (
+            ("neg", neg, keep[0], min(bf16_neg, fp8_neg), mask & (adv[:, None] < 0) & (r < LOW)),
+            ("pos", pos, keep[1], min(bf16_pos, fp8_pos), mask & (adv[:, None] > 0) & (r > HIGH)),
+        ):
+            n_row = past.sum(dim=-1).double()
+            per_row = got.sum(dim=-1).double()
+            # Each row clips floor(keep * n + u) of its own past tokens: within one of keep * n.
+            assert ((per_row - k * n_row).abs() < 1 + 1e-9).all(), name
+            assert (got <= past).all(), name  # never a token the nominal bound leaves alone
+            err[name] += float(per_row.sum()) - target
+            frac = (k * n_row) % 1
+            var[name] += float((frac * (1 - frac)).sum())
         thinned_any += keep[0] < 1 or keep[1] < 1
-        # The invariant on the thinned shares: never a violation.
+        # The invariant on the thinned shares, with the rows' rounding allowed for.
         shares = clip_shares(packed, LOW, HIGH)
         n_neg = int((mask & (adv[:, None] < 0)).sum())
         n_pos = int((mask & (adv[:, None] > 0)).sum())
-        shares["fp8_neg_lower_clipfrac_calibrated"] = neg / n_neg if n_neg else math.nan
-        shares["fp8_pos_upper_clipfrac_calibrated"] = pos / n_pos if n_pos else math.nan
-        assert not invariant_violations(shares, 0.01 + 1.0 / max(min(n_neg, n_pos), 1))
+        shares["fp8_neg_lower_clipfrac_calibrated"] = int(neg.sum()) / n_neg if n_neg else math.nan
+        shares["fp8_pos_upper_clipfrac_calibrated"] = int(pos.sum()) / n_pos if n_pos else math.nan
+        rows = x8.shape[0]
+        assert not invariant_violations(shares, 0.01 + rows / max(min(n_neg, n_pos), 1))
     assert thinned_any > 500  # most batches had FP8 clip more than BF16 on some sign
+    for name in err:  # unbiased: the summed error is within 4 standard deviations of 0
+        assert abs(err[name]) <= 4 * math.sqrt(var[name]) + 1, (name, err[name], var[name])
 
 
-def test_the_kept_clips_are_the_most_extreme_ratios_and_lose_their_gradient():
+def test_the_kept_clips_are_each_rows_most_extreme_and_lose_their_gradient():
     gen = torch.Generator().manual_seed(1)
     lp = (torch.randn(8, 16, generator=gen) * 0.3).requires_grad_()
     old, adv, mask = torch.zeros(8, 16), torch.tensor([-1.0, 1.0] * 4), torch.ones(8, 16)
+    labels = _labels(lp, gen)
     r = token_ratio(lp, old, mask)
     neg = (adv < 0)[:, None].expand(8, 16)
     past = neg & (r < LOW)
-    low, high = ClipThinner((0.5, 1.0), (0.0, 0.0)).bounds(r, adv, mask, LOW, HIGH)
+    low, high = thinned_bounds(
+        r, adv, mask, labels, clip_low=LOW, clip_high=HIGH, keep=(0.5, 1.0), salt_=3
+    )
+    assert low.shape == high.shape == (8, 1)
     kept = neg & (r < low)
-    assert int(kept.sum()) == int(past.sum()) // 2
-    assert r[kept].max() < r[past & ~kept].min()  # the lowest ratios stay clipped
-    assert float(high) == pytest.approx(HIGH)  # keep 1 leaves the nominal bound (in float32)
+    for row in range(8):
+        if kept[row].any() and (past[row] & ~kept[row]).any():  # the lowest ratios stay clipped
+            assert r[row][kept[row]].max() < r[row][past[row] & ~kept[row]].min()
+    assert 0 < int(kept.sum()) < int(past.sum())
+    assert torch.allclose(high, torch.tensor(HIGH))  # keep 1 leaves the nominal bound
     loss, m = policy_loss(lp, old, adv, mask, clip_low=low, clip_high=high)
     loss.backward()
     assert (lp.grad[kept] == 0).all() and (lp.grad[past & ~kept] != 0).all()
     assert float(m["pg_clipfrac_neg_lower"]) == pytest.approx(float(kept.sum() / neg.sum()))
 
 
-def test_rounding_is_unbiased_where_a_micro_batch_holds_under_one_clipped_token():
-    """One token past the bound per micro-batch, keep 0.3: over seeded offsets it stays clipped
-    in 30% of the micro-batches (the carry makes it exact over every run of 10)."""
-    r = torch.tensor([[2.0, 1.0]])
-    adv, mask = torch.tensor([1.0]), torch.ones(1, 2)
+def test_rows_decide_alone_so_any_micro_batch_split_or_trim_clips_the_same_tokens():
     gen = torch.Generator().manual_seed(2)
-    clipped = 0
-    for _ in range(100):
-        thinner = ClipThinner((1.0, 0.3), tuple(torch.rand(2, generator=gen).tolist()))
-        for _ in range(10):
-            _, high = thinner.bounds(r, adv, mask, LOW, HIGH)
-            clipped += int(r[0, 0] > high)
-    assert clipped == 300
+    x8, _, adv, mask = _batch(gen)
+    x8, adv, mask = torch.cat([x8] * 3), torch.cat([adv] * 3), torch.cat([mask] * 3)
+    labels = _labels(x8, gen)
+    whole = _clipped(x8, adv, mask, labels, (0.4, 0.6), 11)
+    for cut in (1, x8.shape[0] // 2, x8.shape[0] - 1):
+        parts = [
+            _clipped(x8[rows], adv[rows], mask[rows], labels[rows], (0.4, 0.6), 11)
+            for rows in (slice(0, cut), slice(cut, None))
+        ]
+        for i in range(2):
+            assert torch.equal(torch.cat([p[i] for p in parts]), whole[i]), cut
+    # A micro-batch trimmed after its longest response gives each row the same offset.
+    longest = int(mask.any(dim=0).nonzero().max()) + 1
+    trimmed = _clipped(x8[:, :longest], adv, mask[:, :longest], labels[:, :longest], (0.4, 0.6), 11)
+    assert torch.equal(trimmed[0], whole[0][:, :longest])
 
 
-def test_keep_fraction_and_bad_keeps():
+def test_rounding_is_unbiased_where_a_row_holds_one_clipped_token():
+    """One A>0 token past the bound in each of 4,000 distinct rows, keep 0.3: about 30% stay
+    clipped (binomial: 1,200 +- 4 sd of 29)."""
+    gen = torch.Generator().manual_seed(4)
+    r = torch.ones(4000, 4)
+    r[:, 0] = 2.0
+    labels = torch.randint(0, 53, (4000, 4), generator=gen)
+    adv, mask = torch.ones(4000), torch.ones(4000, 4)
+    _, high = thinned_bounds(
+        r, adv, mask, labels, clip_low=LOW, clip_high=HIGH, keep=(1.0, 0.3), salt_=5
+    )
+    clipped = int((r[:, 0:1] > high).sum())
+    assert abs(clipped - 1200) < 4 * 29, clipped
+
+
+def test_keep_fraction_and_bad_inputs():
     assert keep_fraction(3, 12) == 0.25
     assert keep_fraction(5, 2) == 1.0  # never clips more than nominal
     assert keep_fraction(0, 0) == 1.0 and keep_fraction(0, 4) == 0.0
+    one = torch.ones(2, 3)
     with pytest.raises(ValueError, match="keep_pos=1.5"):
-        ClipThinner((1.0, 1.5), (0.0, 0.0))
+        thinned_bounds(
+            one, one[:, 0], one, one.long(), clip_low=LOW, clip_high=HIGH, keep=(1.0, 1.5), salt_=0
+        )
     with pytest.raises(ValueError, match="mode='shares'.*'share'"):
         CalibConfig(mode="shares")
 
@@ -183,9 +231,9 @@ def test_share_calibration_smooths_counts_pools_positions_and_falls_back_on_a_vi
     assert restored.kept == {}
 
 
-def test_thinner_offsets_follow_seed_step_position_and_rank():
+def test_the_salt_follows_seed_step_and_position():
     cal = _calibrator()
-    a = cal.thinner(1, seed=1, step=5, rank=0).carry
-    assert [float(x) for x in a] == [float(x) for x in cal.thinner(1, seed=1, step=5, rank=0).carry]
-    assert [float(x) for x in a] != [float(x) for x in cal.thinner(1, seed=1, step=6, rank=0).carry]
-    assert [float(x) for x in a] != [float(x) for x in cal.thinner(1, seed=1, step=5, rank=1).carry]
+    keep, a = cal.share(1, seed=1, step=5)
+    assert keep == (1.0, 1.0) and a == cal.share(1, seed=1, step=5)[1]
+    assert len({a, cal.share(1, seed=1, step=6)[1], cal.share(2, seed=1, step=5)[1]}) == 3
+    assert a != cal.share(1, seed=2, step=5)[1]
