@@ -43,8 +43,9 @@ class CalibConfig:
         "from its BF16 ratio at the nominal bounds (gradient still FP8): what calibration "
         "approximates, at one shadow forward per mini-batch (a study arm, not a production mode); "
         "'share': the bounds stay nominal and each sign clips only the share of the tokens past "
-        "them that BF16 clipped at the last calibrations (the most extreme ones; the counts "
-        "smoothed with ema_decay per mini-batch position; strategy is unused).",
+        "them that BF16 clipped at the last calibrations (each row's most extreme ones; the "
+        "counts smoothed with ema_decay per mini-batch position and summed over positions; "
+        "strategy is unused).",
     )
     strategy: Strategy = field(
         default="balance",

@@ -38,7 +38,7 @@ AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 
 # exp(20) ~ 5e8: far outside any clip bound, so clamping the log ratio changes no clipped loss, but
 # it keeps exp() finite when a bad token has log ratio in the hundreds (same guard as verl).
-_MAX_LOG_RATIO = 20.0
+MAX_LOG_RATIO = 20.0
 
 
 def aggregate_loss(
@@ -166,7 +166,7 @@ def policy_loss(
     # Padding may hold -inf or NaN log-probs. Masking the log ratio *before* exp keeps both the loss
     # and its gradient finite there (masking the loss afterwards would still give NaN * 0 = NaN).
     log_ratio = torch.where(mask_b, log_prob - old_log_prob, torch.zeros_like(log_prob))
-    log_ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     neg = advantages < 0
     pos = advantages > 0
@@ -180,7 +180,7 @@ def policy_loss(
         # The same pessimistic clip, decided on the other ratio: past its bound on the side the
         # advantage pushes, a token keeps its loss value but loses its gradient.
         decide = torch.where(mask_b, clip_log_ratio.detach(), torch.zeros_like(log_ratio))
-        decide = decide.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+        decide = decide.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
         clipped = (neg & (decide < clip_low)) | (pos & (decide > clip_high))
         loss_tok = torch.where(clipped, loss_unclipped.detach(), loss_unclipped)
     if clip_c is not None:

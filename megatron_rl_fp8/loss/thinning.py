@@ -25,17 +25,16 @@ from __future__ import annotations
 import torch
 
 from megatron_rl_fp8.loss.calibration import unpack_histogram
+from megatron_rl_fp8.loss.ppo import MAX_LOG_RATIO
 
-# Same clamp as ppo.policy_loss, so the thinned ratio is the one the loss clips.
-_MAX_LOG_RATIO = 20.0
 _PRIME = 2**31 - 1  # the hash's modulus (products stay below 2^63)
 
 
 def token_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mask: torch.Tensor):
-    """The detached ratio ``policy_loss`` clips (padding at 1), computed the same way."""
+    """The detached ratio ``policy_loss`` clips (padding at 1), with its clamp."""
     mask_b = mask.bool()
     log_ratio = torch.where(mask_b, log_prob.detach() - old_log_prob.detach(), 0.0)
-    return log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+    return log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
 
 
 def salt(*parts: int) -> int:

@@ -12,8 +12,9 @@ difference from the study's reference arm (BF16) in the A<0 lower-clip share, th
 share, the final accuracy and the largest entropy rise, with its interval. Points are coloured by
 how the arm clips, read from each run's resolved ``config.yaml``: ``nominal`` (calibration off),
 ``calibrated (<strategy>)``, ``share`` (the nominal clip set thinned) or ``oracle`` (the clip
-decided by the BF16 shadow); a BF16 arm that is not the reference is ``bf16``. Writes ``dose_response.png`` and ``dose_response.md`` (the same
-numbers as a table) into ``DIR`` (default ``runs/studies/dose_response``).
+decided by the BF16 shadow); a BF16 arm that is not the reference is ``bf16``. Writes
+``dose_response.png`` and ``dose_response.md`` (the same numbers as a table) into ``DIR``
+(default ``runs/studies/dose_response``).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ gradient: what calibration approximates at one shadow pass per ``interval`` step
 
 ``loss.calib.mode=share`` calibrates on the same schedule but keeps the nominal bounds: each
 calibration measures, per sign, the share of FP8's nominally clipped tokens that BF16 clips too
-(``loss/thinning.py``), smoothed per mini-batch position over calibrations (EMA of the counts),
-and every later update on that position clips only that share, the most extreme tokens.
+(``loss/thinning.py``; the counts smoothed per mini-batch position over calibrations and summed
+over positions), and every later update clips only that share, each row's most extreme tokens.
 """
 
 from __future__ import annotations
@@ -200,8 +200,7 @@ class ClipCalibrator:
         calib = self.loss_cfg.calib
         hist = {"bins": calib.bins, "log_ratio_range": calib.log_ratio_range}
         new = share_counts(packed, calib.bins)
-        prev = self.kept.get(position)
-        d = 0.0 if prev is None else calib.ema_decay
+        prev, d = self.kept.get(position), calib.ema_decay
         counts = new if prev is None else [d * p + (1 - d) * n for p, n in zip(prev, new)]
         kept = {k: list(v) for k, v in self.kept.items()} | {position: counts}
         keep = self.keep(kept)
