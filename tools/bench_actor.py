@@ -150,7 +150,7 @@ def peak_tflops(arg: float | None) -> float | None:
 
 def parse_fp8(text: str) -> list[tuple[str, dict]]:
     """``--fp8`` entries -> (label, FP8Config kwargs); raises ValueError naming a bad entry."""
-    from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.fp8.config import FP8Config
 
     out = []
     for entry in (e.strip() for e in text.split(",")):
@@ -190,8 +190,8 @@ def run(args) -> list[dict]:
     from validate_plan import peak_bytes  # this script's folder is on sys.path
 
     from megatron_rl_fp8 import parallel
-    from megatron_rl_fp8.fp8 import FP8Config
     from megatron_rl_fp8.fp8.backend import resolve_backend
+    from megatron_rl_fp8.fp8.config import FP8Config
     from megatron_rl_fp8.models.memory import MemoryConfig
     from megatron_rl_fp8.trainer.actor import Actor
     from megatron_rl_fp8.trainer.batch import rows_for_rank

@@ -72,7 +72,7 @@ def _model_cfg(name: str):
 
 def bench_train(models: list[str], rows: int, seq: int, iters: int) -> None:
     from megatron_rl_fp8 import parallel
-    from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.fp8.config import FP8Config
     from megatron_rl_fp8.trainer.actor import Actor
     from megatron_rl_fp8.trainer.config import OptimConfig
 
@@ -111,7 +111,7 @@ def bench_train(models: list[str], rows: int, seq: int, iters: int) -> None:
 
 
 def bench_rollout(models: list[str], prompts: int, new_tokens: int, iters: int) -> None:
-    from megatron_rl_fp8.fp8 import RolloutFP8Config
+    from megatron_rl_fp8.fp8.config import RolloutFP8Config
     from megatron_rl_fp8.models.hf_mapping import hf_config
     from megatron_rl_fp8.rollout.local import LocalEngine
     from megatron_rl_fp8.sync.buckets import rollout_buckets
@@ -151,7 +151,7 @@ def bench_rollout(models: list[str], prompts: int, new_tokens: int, iters: int) 
 
 
 def bench_quantize(sizes: list[int], iters: int, pow2_scale: bool) -> None:
-    from megatron_rl_fp8.fp8 import quantize_blockwise
+    from megatron_rl_fp8.fp8.quantize import quantize_blockwise
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_rl_fp8.config import EXAMPLES_DIR, load_config  # noqa: E402
 from megatron_rl_fp8.config_utils import ConfigError  # noqa: E402
+from megatron_rl_fp8.fp8.recipes import RECIPES  # noqa: E402
 from megatron_rl_fp8.plan.hardware import GPUS  # noqa: E402
 from megatron_rl_fp8.plan.layouts import alternatives  # noqa: E402
 from megatron_rl_fp8.plan.memory import GB, Layout, World  # noqa: E402
@@ -191,8 +192,9 @@ def recipe_table(preset: str, gpu: str, nodes: int) -> str:
         cfg = case_config(preset, gpu, nodes)
         b = predict(cfg, w, GPUS[gpu], "bf16", layout=c.layout, fleet=c.fleet, fill=FILL, eff=eff)
         for recipe, speed in eff.fp8_linear_speedup:
-            if recipe in ("tensorwise_delayed", "mxfp8"):
-                continue
+            spec = RECIPES[recipe]
+            if spec.delayed or spec.min_capability >= (10, 0):
+                continue  # priced as its current-scaling twin; or Blackwell's only
             f = predict(
                 cfg,
                 w,

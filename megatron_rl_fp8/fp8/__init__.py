@@ -23,62 +23,14 @@ Finer scales contain outliers (one large value only coarsens its own group) at t
 scale bookkeeping. For RL the noise matters beyond loss curves: it enters the importance ratio
 pi_theta / pi_old directly, which is why the loss side calibrates its clip bounds (see ``loss/``).
 
-Where things live: ``config`` (FP8Config, RolloutFP8Config), ``formats`` (constants),
+Where things live: ``recipes`` (one description per recipe, read by everything that depends on
+it), ``config`` (FP8Config, RolloutFP8Config), ``formats`` (constants),
 ``quantize`` (fake quant per granularity; real FP8 blockwise weights for rollout),
 ``emulation`` (the quantize-dequantize FP8 linear layer, any device), ``torch_backend`` (real FP8
 GEMMs through ``torch._scaled_mm``), ``torchao_backend`` (torchao's float8 matmul), ``te``
 (mapping to Transformer Engine / Megatron) and ``backend`` (which of the four runs,
 ``fp8.backend``).
-Nothing here imports Transformer Engine or Megatron at import time.
+Nothing here imports Transformer Engine or Megatron at import time. This file re-exports nothing:
+import from the modules, so that ``recipes`` and ``config`` load without torch (the planner and
+the report read them).
 """
-
-from megatron_rl_fp8.fp8.backend import resolve_backend, should_emulate
-from megatron_rl_fp8.fp8.config import FP8Config, RolloutFP8Config
-from megatron_rl_fp8.fp8.emulation import (
-    DelayedScalingState,
-    FP8LinearEmulator,
-    fp8_linear,
-    quantization_error,
-    quantize_operand,
-)
-from megatron_rl_fp8.fp8.formats import E4M3_MAX, E5M2_MAX, FP8_DTYPES, FP8_MAX
-from megatron_rl_fp8.fp8.quantize import (
-    dequantize_blockwise,
-    dequantize_per_tensor,
-    fake_quant_blocks,
-    fake_quant_groups,
-    fake_quant_mxfp8,
-    fake_quant_rows,
-    fake_quant_tensor,
-    quantize_blockwise,
-    quantize_per_tensor,
-)
-from megatron_rl_fp8.fp8.te import have_te, megatron_fp8_kwargs, te_recipe
-
-__all__ = [
-    "DelayedScalingState",
-    "E4M3_MAX",
-    "E5M2_MAX",
-    "FP8Config",
-    "FP8LinearEmulator",
-    "FP8_DTYPES",
-    "FP8_MAX",
-    "RolloutFP8Config",
-    "dequantize_blockwise",
-    "dequantize_per_tensor",
-    "fake_quant_blocks",
-    "fake_quant_groups",
-    "fake_quant_mxfp8",
-    "fake_quant_rows",
-    "fake_quant_tensor",
-    "fp8_linear",
-    "have_te",
-    "megatron_fp8_kwargs",
-    "quantization_error",
-    "quantize_blockwise",
-    "quantize_operand",
-    "quantize_per_tensor",
-    "resolve_backend",
-    "should_emulate",
-    "te_recipe",
-]

@@ -24,14 +24,19 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl_fp8.fp8.config import BACKEND_RECIPES, HYBRID_BLOCKWISE, FP8Config, backends_for
+from megatron_rl_fp8.fp8.config import HYBRID_BLOCKWISE, FP8Config
+from megatron_rl_fp8.fp8.recipes import (
+    BACKEND_RECIPES,
+    FP8_MIN_CAPABILITY,
+    backends_for,
+    recipe_spec,
+)
 from megatron_rl_fp8.fp8.te import INSTALL_HINT, have_te
 
 __all__ = [
     "BLOCKWISE_CUBLAS",
     "BLOCKWISE_SM_MAJOR",
     "FP8_MIN_CAPABILITY",
-    "MXFP8_MIN_CAPABILITY",
     "backend_problem",
     "cuda_capability",
     "cuda_toolkit_version",
@@ -39,11 +44,6 @@ __all__ = [
     "resolve_backend",
     "should_emulate",
 ]
-
-FP8_MIN_CAPABILITY = (8, 9)
-"""First compute capability with FP8 tensor cores (Ada); Hopper is 9.0, Blackwell 10.0."""
-MXFP8_MIN_CAPABILITY = (10, 0)
-"""MXFP8 (E8M0 block scales) tensor cores: Blackwell."""
 
 
 BLOCKWISE_SM_MAJOR = 9
@@ -106,20 +106,29 @@ def backend_problem(
         return f"it has no {recipe!r} recipe (use backend {can})"
     if backend == "emulate":
         return None
-    minimum = MXFP8_MIN_CAPABILITY if recipe == "mxfp8" else FP8_MIN_CAPABILITY
-    problem = _capability_problem(capability, minimum)
+    spec = recipe_spec(recipe)
+    problem = _capability_problem(capability, spec.min_capability)
     if problem is not None:
         return problem
     if backend == "te" and not have_te():
         return f"Transformer Engine is not installed (`{INSTALL_HINT}`)"
-    if backend == "te" and recipe == "blockwise":
-        # TE's own gate (pytorch/quantization.py: _compute_fp8_block_scaling_support).
+    if backend == "te" and (spec.te_min_capability or spec.te_min_cuda):
         cuda = cuda_toolkit_version()
-        if tuple(capability) < (9, 0) or (cuda is not None and cuda < BLOCKWISE_CUBLAS):
+        low_cc = spec.te_min_capability and tuple(capability) < spec.te_min_capability
+        low_cuda = spec.te_min_cuda and cuda is not None and cuda < spec.te_min_cuda
+        if low_cc or low_cuda:
+            need = " and ".join(
+                f"{what} >= {'.'.join(map(str, v))}"
+                for what, v in (
+                    ("compute capability", spec.te_min_capability),
+                    ("CUDA", spec.te_min_cuda),
+                )
+                if v
+            )
             return (
-                "Transformer Engine's Float8BlockScaling needs compute capability >= 9.0 and "
-                f"CUDA >= 12.9 (this GPU: {'.'.join(map(str, capability))}, torch's CUDA: "
-                f"{torch.version.cuda}); use recipe 'tensorwise_current' on this GPU"
+                f"Transformer Engine's {spec.te_recipe} needs {need} (this GPU: "
+                f"{'.'.join(map(str, capability))}, torch's CUDA: {torch.version.cuda}); use "
+                "recipe 'tensorwise_current' on this GPU"
             )
     if backend == "torchao":
         from megatron_rl_fp8.fp8.torchao_backend import INSTALL_HINT as AO_HINT
@@ -127,7 +136,7 @@ def backend_problem(
 
         if not have_torchao():
             return f"torchao is not installed (`{AO_HINT}`)"
-    if backend == "torch" and recipe == "blockwise":
+    if backend == "torch" and spec.granularity == "block":
         return _blockwise_scaled_mm_problem(capability, fmt)
     return None
 

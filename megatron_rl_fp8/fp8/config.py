@@ -15,35 +15,22 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron_rl_fp8.config_utils import check_literals, field
+from megatron_rl_fp8.fp8.recipes import (
+    BACKENDS,
+    RECIPE_NAMES,
+    RecipeSpec,
+    backends_for,
+    recipe_help,
+    recipe_spec,
+)
 
-Recipe = Literal[
-    "bf16", "tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise", "mxfp8", "nvfp4"
-]
+Recipe = Literal[RECIPE_NAMES]  # the accepted values of fp8.recipe: fp8/recipes.py
 Format = Literal["e4m3", "hybrid"]
 AmaxComputeAlgo = Literal["max", "most_recent"]
 RolloutWeightQuant = Literal["bf16", "blockwise", "per_tensor"]
 RolloutQuantizer = Literal["modelopt", "builtin"]
 Accumulation = Literal["fp32", "hopper"]
-Backend = Literal["auto", "te", "torch", "torchao", "emulate"]
-
-BACKEND_RECIPES: dict[str, tuple[str, ...]] = {
-    "te": ("tensorwise_delayed", "tensorwise_current", "blockwise", "mxfp8"),
-    "torch": ("tensorwise_delayed", "tensorwise_current", "rowwise", "blockwise"),
-    "torchao": ("tensorwise_current", "rowwise"),
-    "emulate": (
-        "tensorwise_delayed",
-        "tensorwise_current",
-        "rowwise",
-        "blockwise",
-        "mxfp8",
-        "nvfp4",
-    ),
-}
-"""Which FP8 recipes each backend can run. TE has no per-row recipe; the torch backend runs
-tensorwise / rowwise through ``torch._scaled_mm`` and blockwise through
-``torch.nn.functional.scaled_mm`` (delayed scaling keeps its amax histories itself), but not MXFP8;
-torchao's float8 training has dynamic tensorwise and rowwise scaling only; the emulation runs
-all."""
+Backend = Literal[("auto", *BACKENDS)]
 
 
 HYBRID_BLOCKWISE = (
@@ -52,11 +39,6 @@ HYBRID_BLOCKWISE = (
     "recipe='blockwise'; use format 'e4m3', or backend 'te' or 'emulate'"
 )
 """Why the torch backend refuses ``recipe='blockwise'`` with ``format='hybrid'``."""
-
-
-def backends_for(recipe: str) -> list[str]:
-    """The backends (``te``, ``torch``, ``torchao``, ``emulate``) that can run ``recipe``."""
-    return [b for b, recipes in BACKEND_RECIPES.items() if recipe in recipes]
 
 
 HOPPER_MMA_K = 32
@@ -75,15 +57,7 @@ class FP8Config:
 
     recipe: Recipe = field(
         default="bf16",
-        help="Scaling recipe. 'bf16' turns FP8 off. 'tensorwise_delayed': one scale per "
-        "tensor from an amax history (TE DelayedScaling). 'tensorwise_current': one scale per "
-        "tensor from its own amax (TE Float8CurrentScaling). 'rowwise': one scale per row "
-        "along the GEMM contraction dim (torch backend and emulation; no TE recipe). "
-        "'blockwise': 1x128 "
-        "activation/gradient groups and 128x128 weight blocks (TE Float8BlockScaling, "
-        "DeepSeek-V3). 'mxfp8': 32-element blocks with power-of-two E8M0 scales (Blackwell). "
-        "'nvfp4': a study-only emulation of NVFP4's grid (E2M1 values, 16-element blocks with "
-        "E4M3 scales; fp8/fp4_emulation.py), backend 'emulate' only.",
+        help=recipe_help(),
     )
     format: Format = field(
         default="e4m3",
@@ -194,11 +168,11 @@ class FP8Config:
         # Megatron-Core rejects this pair in TransformerConfig; catching it here means the error
         # appears at config load, before any process group or model exists.
         bf16_edges = self.bf16_first_layers or self.bf16_last_layers
-        if self.recipe == "tensorwise_delayed" and bf16_edges:
+        if bf16_edges and not self.spec.bf16_edge_layers:
             raise ValueError(
                 "FP8Config.bf16_first_layers/bf16_last_layers="
                 f"{self.bf16_first_layers}/{self.bf16_last_layers} is not supported with "
-                "recipe='tensorwise_delayed' (Megatron-Core forbids BF16 first/last layers under "
+                f"recipe={self.recipe!r} (Megatron-Core forbids BF16 first/last layers under "
                 "delayed scaling); use recipe='tensorwise_current' or set both to 0"
             )
 
@@ -222,12 +196,12 @@ class FP8Config:
                 "FP8Config.keep_lm_head_bf16=False cannot run on backend='te' (Megatron's output "
                 "layer is not a TE module); set it to true, or use backend 'torch' or 'emulate'"
             )
-        if self.recipe == "nvfp4" and self.format != "e4m3":
+        if self.format == "hybrid" and not self.spec.hybrid:
             raise ValueError(
-                "FP8Config.format='hybrid' is not valid with recipe='nvfp4': every operand, "
-                "gradients included, is on the E2M1 grid; use format 'e4m3'"
+                f"FP8Config.format='hybrid' is not valid with recipe={self.recipe!r}: every "
+                "operand, gradients included, is on one grid; use format 'e4m3'"
             )
-        if self.backend == "torch" and self.recipe == "blockwise" and self.format == "hybrid":
+        if self.backend == "torch" and self.spec.granularity == "block" and self.format == "hybrid":
             raise ValueError(
                 f"FP8Config.format='hybrid' cannot run on backend='torch': {HYBRID_BLOCKWISE}"
             )
@@ -275,15 +249,15 @@ class FP8Config:
             )
         if self.accumulation != "hopper":
             return
-        if self.recipe in ("mxfp8", "nvfp4"):
+        if not self.spec.hopper_accumulation:
             raise ValueError(
                 f"FP8Config.accumulation='hopper' is not valid with recipe={self.recipe!r}: "
                 "Hopper has no MX or FP4 tensor cores, and Blackwell's accumulate differently; "
                 f"use accumulation='fp32' with {self.recipe}"
             )
-        if self.recipe == "blockwise" and 128 % chunk:
+        if self.spec.split_accumulation and 128 % chunk:
             raise ValueError(
-                f"FP8Config.accum_chunk={chunk} is not valid with recipe='blockwise' and "
+                f"FP8Config.accum_chunk={chunk} is not valid with recipe={self.recipe!r} and "
                 "accumulation='hopper': the 1x128 / 128x128 scales change every 128 elements of "
                 "K, so a blockwise GEMM promotes at least that often; use 32, 64 or 128"
             )
@@ -291,7 +265,12 @@ class FP8Config:
     @property
     def enabled(self) -> bool:
         """True when any GEMM runs in FP8 (recipe is not 'bf16')."""
-        return self.recipe != "bf16"
+        return self.spec.enabled
+
+    @property
+    def spec(self) -> RecipeSpec:
+        """The recipe's description (``fp8/recipes.py``)."""
+        return recipe_spec(self.recipe)
 
     @property
     def fprop_fast_accum(self) -> bool:
@@ -299,7 +278,7 @@ class FP8Config:
         under 'blockwise', whose per-block scales need split accumulation (TE's
         ``Float8BlockScaling`` asserts ``use_split_accumulator`` for all three GEMMs). The
         emulation's 'hopper' accumulation and the torch / torchao backends' real GEMMs read this."""
-        return self.accum_fast_fprop and self.recipe != "blockwise"
+        return self.accum_fast_fprop and not self.spec.split_accumulation
 
     @property
     def grad_format(self) -> str:

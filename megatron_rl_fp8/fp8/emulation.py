@@ -57,6 +57,7 @@ from megatron_rl_fp8.fp8.quantize import (
     fake_quant_rows,
     fake_quant_tensor,
 )
+from megatron_rl_fp8.fp8.recipes import GRANULARITY, RECIPES
 
 __all__ = [
     "BLOCK_GROUP",
@@ -68,6 +69,7 @@ __all__ = [
     "quantize_operand",
     "quantization_error",
 ]
+
 
 BLOCK_GROUP = 128
 """Group size of 1D (1x128) activation / gradient scales under the blockwise recipe."""
@@ -177,24 +179,24 @@ def quantize_operand(
     check_format(fmt)
     with torch.no_grad():
         t = t.detach()
-        if recipe == "bf16":
+        gran = GRANULARITY.get(recipe)
+        if gran == "none":
             return t.to(torch.bfloat16).float()
-        if recipe in ("tensorwise_delayed", "tensorwise_current"):
+        if gran == "tensor":
             return fake_quant_tensor(t.float(), fmt, scale_inv=scale_inv)
-        if recipe == "rowwise":
+        if gran == "row":
             return fake_quant_rows(t.float(), fmt, dim=dim)
-        if recipe == "blockwise":
+        if gran == "block":
             if role == "weight":
                 # 128x128 tiles are symmetric under transpose: one copy serves fprop and dgrad.
                 return fake_quant_blocks(t.float(), BLOCK_WEIGHT, fmt)
             return fake_quant_groups(t.float(), BLOCK_GROUP, fmt, dim=dim)
-        if recipe == "mxfp8":
+        if gran == "mx":
             return fake_quant_mxfp8(t.float(), fmt, dim=dim, block=MX_BLOCK)
-        if recipe == "nvfp4":
+        if gran == "nvfp4":
             return fake_quant_nvfp4(t, dim=dim)
     raise ValueError(
-        f"recipe={recipe!r} is not valid; choose one of 'bf16', 'tensorwise_delayed', "
-        "'tensorwise_current', 'rowwise', 'blockwise', 'mxfp8', 'nvfp4'"
+        f"recipe={recipe!r} is not valid; choose one of {', '.join(repr(r) for r in RECIPES)}"
     )
 
 
@@ -203,11 +205,11 @@ class _FP8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, emulator: FP8LinearEmulator):  # noqa: D102
-        recipe = emulator.config.recipe
+        recipe, spec = emulator.config.recipe, emulator.config.spec
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         sx = sw = None
-        if recipe == "tensorwise_delayed":
+        if spec.delayed:
             sx = emulator.input_state.scale_inv_then_update(x2, "e4m3")
             sw = emulator.weight_state.scale_inv_then_update(weight, "e4m3")
         qx = quantize_operand(x2, recipe, "input", dim=-1, fmt="e4m3", scale_inv=sx)
@@ -218,7 +220,7 @@ class _FP8LinearFn(torch.autograd.Function):
         ctx.emulator = emulator
         ctx.x_shape = x.shape
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.per_tensor = recipe in ("tensorwise_delayed", "tensorwise_current")
+        ctx.per_tensor = spec.per_tensor
         if ctx.per_tensor:
             # One scale per tensor is the same along every dim: the backward GEMMs reuse the
             # forward FP8 operands (and, for delayed scaling, the forward scales) as TE does.
@@ -238,7 +240,7 @@ class _FP8LinearFn(torch.autograd.Function):
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
 
         sg = None
-        if recipe == "tensorwise_delayed":
+        if emulator.config.spec.delayed:
             sg = emulator.grad_state.scale_inv_then_update(g2, gfmt)
 
         cfg = emulator.config
@@ -360,7 +362,8 @@ def quantization_error(
     nonzero = x != 0
     n_nonzero = nonzero.sum().clamp_min(1)
     rel = diff.norm() / norm.clamp_min(torch.finfo(torch.float32).tiny)
-    saturated = _mx_saturated(x, fmt).sum() if recipe == "mxfp8" else x.new_zeros(())
+    mx = GRANULARITY.get(recipe) == "mx"
+    saturated = _mx_saturated(x, fmt).sum() if mx else x.new_zeros(())
     stats = torch.stack(
         [
             rel,

@@ -3,15 +3,9 @@
 Pure functions: nothing here runs a GEMM, and Transformer Engine / Megatron are imported only
 inside the functions that need them, so the mapping is unit-testable on a CPU box.
 
-=====================  ==========================  =============================
-FP8Config.recipe       TE recipe class             Megatron ``fp8_recipe``
-=====================  ==========================  =============================
-tensorwise_delayed     DelayedScaling              "delayed"
-tensorwise_current     Float8CurrentScaling        "tensorwise"
-blockwise              Float8BlockScaling          "blockwise"
-mxfp8                  MXFP8BlockScaling           "mxfp8"
-rowwise                (none)                      (none): torch backend / emulation
-=====================  ==========================  =============================
+Each recipe's TE recipe class and Megatron ``fp8_recipe`` name are its ``te_recipe`` and
+``megatron_name`` in ``fp8/recipes.py`` (DelayedScaling "delayed", Float8CurrentScaling
+"tensorwise", Float8BlockScaling "blockwise", MXFP8BlockScaling "mxfp8"; rowwise has none).
 
 ``format`` maps to TE's ``Format.E4M3`` / ``Format.HYBRID`` and Megatron's ``fp8="e4m3"`` /
 ``"hybrid"``. TE's Float8BlockScaling uses power-of-two scales by default (unless
@@ -27,6 +21,7 @@ import math
 from typing import Any
 
 from megatron_rl_fp8.fp8.config import FP8Config
+from megatron_rl_fp8.fp8.recipes import RECIPES, TE_FP8_COLS, TE_FP8_ROWS, TE_MXFP8_BLOCK
 
 __all__ = [
     "INSTALL_HINT",
@@ -45,38 +40,21 @@ __all__ = [
 INSTALL_HINT = "pip install megatron-rl-fp8[gpu]"
 
 MEGATRON_RECIPE_NAMES: dict[str, str] = {
-    "tensorwise_delayed": "delayed",
-    "tensorwise_current": "tensorwise",
-    "blockwise": "blockwise",
-    "mxfp8": "mxfp8",
+    name: spec.megatron_name for name, spec in RECIPES.items() if spec.megatron_name
 }
 """FP8Config.recipe -> Megatron-Core's ``TransformerConfig.fp8_recipe`` name."""
 
-
-TE_FP8_ROWS = 8
-TE_FP8_COLS = 16
-"""Transformer Engine's FP8 GEMM shape rule (``transformer_engine/pytorch/utils.py:
-assert_dim_for_fp8_exec``, TE 2.x main read 2026-12-01; called on the input and the weight by
-``module/linear.py``, ``layernorm_linear.py`` and ``layernorm_mlp.py`` whenever FP8 is on): the
-product of all dims but the last a multiple of ``TE_FP8_ROWS``, the last dim a multiple of
-``TE_FP8_COLS``; anything else raises ValueError at the first FP8 forward. A linear's input is
-[S, B, hidden] (under sequence parallelism this rank's S / TP), so the actor pads every
-micro-batch's sequence length for it (``trainer/schedule.py: seq_multiple``), and the model's
-widths per TP rank are checked at config validation (:func:`fp8_weight_shapes`)."""
-
-
-TE_MXFP8_BLOCK = 32
-"""MXFP8 quantizes 1x32 blocks along both dims (``tensor/mxfp8_tensor.py:
-MXFP8Quantizer.is_quantizable``, ``csrc/quantizer.cpp``; Megatron's ``fp8_utils.get_fp8_align_size``
-gives 32 for it): both the leading dims' product and the last dim multiples of 32."""
+_BY_MEGATRON_NAME = {spec.megatron_name: spec for spec in RECIPES.values() if spec.megatron_name}
 
 
 def te_fp8_align(recipe: str | None) -> tuple[int, int]:
     """(leading dims' product, last dim) multiples TE's FP8 GEMMs need under ``recipe`` (an
-    ``FP8Config.recipe`` or Megatron ``fp8_recipe`` name)."""
-    if recipe == "mxfp8":
-        return TE_MXFP8_BLOCK, TE_MXFP8_BLOCK
-    return TE_FP8_ROWS, TE_FP8_COLS
+    ``FP8Config.recipe`` or Megatron ``fp8_recipe`` name; None: TE's default rule). A linear's
+    input is [S, B, hidden] (under sequence parallelism this rank's S / TP), so the actor pads
+    every micro-batch's sequence length for it (``trainer/schedule.py: seq_multiple``), and the
+    model's widths per TP rank are checked at config validation (:func:`fp8_weight_shapes`)."""
+    spec = RECIPES.get(recipe) or _BY_MEGATRON_NAME.get(recipe)
+    return spec.te_align if spec is not None else (TE_FP8_ROWS, TE_FP8_COLS)
 
 
 def te_fp8_dims_problem(shape, recipe: str | None = None) -> str | None:
@@ -84,9 +62,10 @@ def te_fp8_dims_problem(shape, recipe: str | None = None) -> str | None:
     rows, cols = math.prod(shape[:-1]), shape[-1]
     need_rows, need_cols = te_fp8_align(recipe)
     if rows % need_rows or cols % need_cols:
+        under = f" under {recipe}" if (need_rows, need_cols) != (TE_FP8_ROWS, TE_FP8_COLS) else ""
         return (
             f"shape {list(shape)} (leading dims' product {rows}, last dim {cols}): "
-            f"Transformer Engine's FP8 GEMMs{' under mxfp8' if recipe == 'mxfp8' else ''} need "
+            f"Transformer Engine's FP8 GEMMs{under} need "
             f"the product of the leading dims a multiple of {need_rows} and the last dim a "
             f"multiple of {need_cols}"
         )
@@ -118,11 +97,14 @@ def _require_te_mappable(config: FP8Config, what: str) -> None:
         raise ValueError(
             f"FP8Config.recipe='bf16' has no {what}: FP8 is off. Check FP8Config.enabled first"
         )
-    if config.recipe == "rowwise":
+    if config.spec.te_recipe is None:
+        runs_on = " or ".join(
+            repr(b) + (" (the emulation)" if b == "emulate" else "") for b in config.spec.backends
+        )
         raise ValueError(
-            f"FP8Config.recipe='rowwise' has no {what} (Transformer Engine has no per-row FP8 "
-            "recipe); it runs on FP8Config.backend='torch' or 'emulate' (the emulation). With "
-            "TE use 'blockwise' (finer, 1x128) or 'tensorwise_current'"
+            f"FP8Config.recipe={config.recipe!r} has no {what} (Transformer Engine has no such "
+            f"FP8 recipe); it runs on FP8Config.backend {runs_on}. With TE use 'blockwise' "
+            "(finer, 1x128) or 'tensorwise_current'"
         )
 
 
@@ -142,20 +124,15 @@ def te_recipe(config: FP8Config) -> Any:
             f"FP8Config.backend to 'torch' (FP8 GPU) or 'emulate'. (Import error: {e})"
         ) from e
     fmt = te_recipes.Format.HYBRID if config.format == "hybrid" else te_recipes.Format.E4M3
-    if config.recipe == "tensorwise_delayed":
-        return te_recipes.DelayedScaling(
+    recipe_class = getattr(te_recipes, config.spec.te_recipe)
+    if config.spec.delayed:
+        return recipe_class(
             fp8_format=fmt,
             amax_history_len=config.amax_history_len,
             amax_compute_algo=config.amax_compute_algo,
             margin=config.margin,
         )
-    if config.recipe == "tensorwise_current":
-        return te_recipes.Float8CurrentScaling(fp8_format=fmt)
-    if config.recipe == "blockwise":
-        return te_recipes.Float8BlockScaling(fp8_format=fmt)
-    if config.recipe == "mxfp8":
-        return te_recipes.MXFP8BlockScaling(fp8_format=fmt)
-    raise AssertionError(f"unhandled recipe {config.recipe!r}")  # FP8Config validated it
+    return recipe_class(fp8_format=fmt)
 
 
 def _transformer_config_fields() -> set[str]:

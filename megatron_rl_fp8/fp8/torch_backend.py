@@ -76,6 +76,7 @@ import torch.nn.functional as F
 from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.fp8.emulation import FP8Linear, OperandRole
 from megatron_rl_fp8.fp8.quantize import compute_scale_inv, to_codes
+from megatron_rl_fp8.fp8.recipes import BACKEND_RECIPES, GRANULARITY
 from megatron_rl_fp8.fp8.weight_cache import WeightCache
 
 __all__ = [
@@ -94,8 +95,6 @@ ALIGN = 16
 BLOCK = 128
 """Block size of the blockwise recipe: 1x128 activation / gradient groups, 128x128 weight tiles."""
 
-_PER_TENSOR = ("tensorwise_delayed", "tensorwise_current")
-
 
 class FP8Operand(NamedTuple):
     """One GEMM operand: FP8 ``codes`` [rows, contraction] (zero-padded) and float32 ``scale_inv``
@@ -107,15 +106,14 @@ class FP8Operand(NamedTuple):
 
 
 def _granularity(recipe: str, role: OperandRole) -> str:
-    if recipe in _PER_TENSOR:
-        return "tensor"
-    if recipe == "rowwise":
-        return "row"
-    if recipe == "blockwise":
+    gran = GRANULARITY.get(recipe)
+    if gran in ("tensor", "row"):
+        return gran
+    if gran == "block":
         return "block" if role == "weight" else "group"
     raise ValueError(
-        f"FP8Config.recipe={recipe!r} has no torch-backend GEMM; use 'tensorwise_delayed', "
-        "'tensorwise_current', 'rowwise' or 'blockwise', or backend 'emulate'"
+        f"FP8Config.recipe={recipe!r} has no torch-backend GEMM; use "
+        f"{', '.join(repr(r) for r in BACKEND_RECIPES['torch'])}, or backend 'emulate'"
     )
 
 
@@ -146,7 +144,7 @@ def quantize_gemm_operand(
         t = _pad2(
             t.detach(),
             BLOCK if gran == "block" else ALIGN,
-            BLOCK if recipe == "blockwise" else ALIGN,
+            BLOCK if gran in ("block", "group") else ALIGN,
         ).contiguous()
         r, c = t.shape
         if gran == "tensor":
@@ -269,12 +267,12 @@ def _gathered_input(
     the whole-sequence linear makes, bit for bit. Returns it and this rank's codes."""
     import torch.distributed as dist
 
-    recipe = linear.config.recipe
+    recipe, spec = linear.config.recipe, linear.config.spec
     sx = None
-    if recipe in _PER_TENSOR:
+    if spec.per_tensor:
         amax = x2.detach().abs().amax().float()
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        if recipe == "tensorwise_delayed":
+        if spec.delayed:
             sx = linear.input_state.scale_inv_then_update(x2, "e4m3", amax=amax)
         else:
             sx = compute_scale_inv(amax, "e4m3")
@@ -307,20 +305,20 @@ class _ScaledMMLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, linear: FP8LinearTorch, sp_group=None):  # noqa: D102
         cfg = linear.config
-        recipe = cfg.recipe
+        recipe, delayed = cfg.recipe, cfg.spec.delayed
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         world = 1 if sp_group is None else torch.distributed.get_world_size(sp_group)
         x_shape = (x.shape[0] * world, *x.shape[1:])  # the whole sequence's
         t, n = x2.shape[0] * world, weight.shape[0]
         sw = None
-        if recipe == "tensorwise_delayed":
+        if delayed:
             sw = linear.weight_state.scale_inv_then_update(weight, "e4m3")
         if sp_group is not None:
             qx, x8 = _gathered_input(linear, x2, sp_group)
         else:
             sx = None
-            if recipe == "tensorwise_delayed":
+            if delayed:
                 sx = linear.input_state.scale_inv_then_update(x2, "e4m3")
             qx = linear.quantize(x2, recipe, "input", "e4m3", scale_inv=sx)
             x8 = qx.codes
@@ -331,7 +329,7 @@ class _ScaledMMLinearFn(torch.autograd.Function):
         ctx.linear = linear
         ctx.shapes = (x_shape, t, n, k)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.per_tensor = recipe in _PER_TENSOR
+        ctx.per_tensor = cfg.spec.per_tensor
         ctx.sp_group = sp_group
         ctx.padded_rows = qx.codes.shape[0]
         if ctx.per_tensor:
@@ -359,7 +357,7 @@ class _ScaledMMLinearFn(torch.autograd.Function):
             if group is not None and need_dw:
                 x8 = _gather_rows(x8, group, rows=ctx.padded_rows)
             sg = None
-            if recipe == "tensorwise_delayed":
+            if cfg.spec.delayed:
                 sg = linear.grad_state.scale_inv_then_update(g2.float(), gfmt)
             qg = linear.quantize(g2, recipe, "grad_output", gfmt, scale_inv=sg)
             if need_dx:
@@ -410,7 +408,7 @@ class FP8LinearTorch(FP8Linear):
         super().__init__(config, enabled=enabled)
         # quantize_gemm_operand's signature, eager or compiled (fp8.compile_casts)
         self.quantize = compiled_quantize() if config.compile_casts else quantize_gemm_operand
-        self.weights = WeightCache(enabled=config.recipe != "tensorwise_delayed")
+        self.weights = WeightCache(enabled=config.spec.torch_keeps_weight)
 
     def weight_cache(self):
         """Reuse the quantized weight across calls inside the block (:class:`WeightCache`)."""

@@ -39,13 +39,14 @@ import torch
 
 from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.fp8.emulation import FP8Linear
+from megatron_rl_fp8.fp8.recipes import RECIPES
 from megatron_rl_fp8.fp8.weight_cache import WeightCache
 from megatron_rl_fp8.utils.imports import module_exists
 
 INSTALL_HINT = "pip install torchao (or the project's [gpu] extra)"
 
-TORCHAO_RECIPES = {"tensorwise_current": "tensorwise", "rowwise": "rowwise"}
-"""This project's recipe -> torchao's float8 recipe name."""
+TORCHAO_RECIPES = {name: s.torchao_name for name, s in RECIPES.items() if s.torchao_name}
+"""This project's recipe -> torchao's float8 recipe name (``fp8/recipes.py``)."""
 
 
 def have_torchao() -> bool:
@@ -182,7 +183,7 @@ class FP8LinearTorchAO(FP8Linear):
         if config.enabled:
             self.ao_config, self.mm_config = torchao_config(config)
         # Tensorwise: one weight cast serves fprop and dgrad (module docstring).
-        self.weights = WeightCache(enabled=config.recipe == "tensorwise_current")
+        self.weights = WeightCache(enabled=config.spec.torchao_keeps_weight)
 
     def weight_cache(self):
         """Cast the weight once inside the block (:class:`WeightCache`; tensorwise only)."""

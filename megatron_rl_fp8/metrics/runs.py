@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.fp8.recipes import fp8_training
 from megatron_rl_fp8.metrics.logger import EVENTS_FILE, METRICS_FILE, read_metrics
 
 # A derived series (``Run.series`` computes it step by step) for runs that predate
@@ -120,7 +121,7 @@ def precision(cfg: dict) -> str:
     if recipe is None and rollout is None:
         return "?"
     text = f"train {recipe or 'bf16'}, rollout {rollout or 'bf16'}"
-    if recipe not in (None, "bf16") and config_value(cfg, "loss.calib.enabled"):
+    if fp8_training(recipe) and config_value(cfg, "loss.calib.enabled"):
         text += ", calibrated clip"
     return text
 

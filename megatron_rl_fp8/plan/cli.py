@@ -11,8 +11,25 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from megatron_rl_fp8.config import load_config, read_config_dict
+from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.fp8.recipes import planned_recipe
+from megatron_rl_fp8.launch.layout import plan_layout
+from megatron_rl_fp8.launch.slurm import SlurmEnv
+from megatron_rl_fp8.plan.hardware import get_gpu
+from megatron_rl_fp8.plan.layouts import alternatives
 from megatron_rl_fp8.plan.memory import GB, PHASES, RUNTIME_ALLOWANCE_GB, Estimate, World, estimate
 from megatron_rl_fp8.plan.model_bytes import DEFAULT_LOGPROBS, param_bytes, stage_params
+from megatron_rl_fp8.plan.presets import preset_overrides
+from megatron_rl_fp8.plan.time import (
+    IN_TURN,
+    PRECISIONS,
+    ROLLOUT_SIDE,
+    TRAINER_SIDE,
+    Fleet,
+    predict,
+)
+from megatron_rl_fp8.plan.time import PHASES as TIME_PHASES
 
 # The model fields the planner needs when the start checkpoint, which would supply them, is not
 # on this machine (a plan is often made before the download).
@@ -88,8 +105,6 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 def load_for_plan(path: str, overrides: list[str]):
     """(the run's config, notes). A checkpoint path that is not on this machine is dropped when
     the config states the model's shape; without the shape it is an error."""
-    from megatron_rl_fp8.config import load_config, read_config_dict
-    from megatron_rl_fp8.config_utils import ConfigError
 
     model = read_config_dict(path, overrides).get("model") or {}
     absent = [
@@ -165,12 +180,10 @@ def _row(label: str, values, fmt: str = "13.2f") -> str:
 def format_time(preds: list, gpu_name: str) -> str:
     """The ``--time`` table: one column per precision, seconds per phase; a ``one_step_off``
     run's phases grouped by the side that does them, which overlap."""
-    from megatron_rl_fp8.plan.time import IN_TURN, PHASES, ROLLOUT_SIDE, TRAINER_SIDE
-
     head = "".join(f"{p.precision:>13}" for p in preds)
     lines = [f"{'seconds per step (' + gpu_name + ')':<34}{head}"]
     if preds[0].pipeline == "sync":
-        for phase in PHASES:
+        for phase in TIME_PHASES:
             lines.append(_row(TIME_LABELS.get(phase, phase), [p.phases[phase] for p in preds]))
         lines.append(_row("step", [p.step_s for p in preds]))
     else:
@@ -217,10 +230,9 @@ def _shadow_schedule(cfg) -> str:
 
 
 def run_time(cfg, world: World, gpu, fill: float, spec: str) -> str:
-    from megatron_rl_fp8.plan.time import PRECISIONS, Fleet, predict
 
     preds = [predict(cfg, world, gpu, p, fill=fill, spec=spec) for p in PRECISIONS]
-    recipe = cfg.fp8.recipe if cfg.fp8.recipe != "bf16" else "blockwise"
+    recipe = planned_recipe(cfg.fp8.recipe)
     d = preds[-1].detail
     notes = [
         f"step-time model (plan/time.py, docs/scaling.md): {cfg.train.prompts_per_step} prompts "
@@ -266,15 +278,12 @@ def launcher_note(cfg, world: World) -> str | None:
     pipeline stage's sending rank runs on; the tensor transport on one node, until the per-node sync
     lands; ``launch/layout.py``), so the two agree or the plan says why not. Dedicated engines
     run on nodes of their own, outside the planned trainer GPUs."""
-    from megatron_rl_fp8.config_utils import ConfigError
 
     r = cfg.rollout
     if r.engine != "sglang" or r.placement != "colocated" or r.sglang.engine_urls:
         return None
     if world.device == "cpu" or r.sglang.device == "cpu":
         return None
-    from megatron_rl_fp8.launch.layout import plan_layout
-    from megatron_rl_fp8.launch.slurm import SlurmEnv
 
     nodes = tuple(f"node{i + 1}" for i in range(world.nodes))
     try:
@@ -285,10 +294,6 @@ def launcher_note(cfg, world: World) -> str | None:
 
 
 def run(args) -> int:
-    from megatron_rl_fp8.config_utils import ConfigError
-    from megatron_rl_fp8.plan.hardware import get_gpu
-    from megatron_rl_fp8.plan.layouts import alternatives
-    from megatron_rl_fp8.plan.presets import preset_overrides
 
     if not (0 < args.fill <= 1):  # nan fails it too
         raise ConfigError(
@@ -345,7 +350,6 @@ def run(args) -> int:
 def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 plan") -> int:
     # Intermixed: the overrides may come after the flags.
     args = build_parser(prog).parse_intermixed_args(argv)
-    from megatron_rl_fp8.config_utils import ConfigError
 
     try:
         return run(args)

@@ -97,8 +97,8 @@ def fp8_weight_copy_bytes(fp8: FP8Config, *, spec: Spec, device: Device) -> tupl
     if backend == "te":
         return 2.0, 2.0
     if backend == "torchao":  # one tensorwise copy serves both GEMMs; rowwise casts per call
-        return (1.0, 1.0) if fp8.recipe == "tensorwise_current" else (0.0, 0.0)
-    return (0.0, 0.0) if fp8.recipe == "tensorwise_delayed" else (2.0, 1.0)
+        return (1.0, 1.0) if fp8.spec.torchao_keeps_weight else (0.0, 0.0)
+    return (2.0, 1.0) if fp8.spec.torch_keeps_weight else (0.0, 0.0)
 
 
 def gpu_fp8_backend(fp8: FP8Config, *, spec: Spec, device: Device) -> str | None:
@@ -108,17 +108,14 @@ def gpu_fp8_backend(fp8: FP8Config, *, spec: Spec, device: Device) -> str | None
         return None
     if fp8.backend != "auto":
         return fp8.backend
-    from megatron_rl_fp8.fp8.config import BACKEND_RECIPES  # the fp8 package imports torch
-
-    return "te" if spec == "te" and fp8.recipe in BACKEND_RECIPES["te"] else "torch"
+    return "te" if spec == "te" and "te" in fp8.spec.backends else "torch"
 
 
 def saves_fp8_inputs(fp8: FP8Config, *, spec: Spec, device: Device) -> bool:
     """Whether the FP8 linears keep their inputs for the backward as 1-byte FP8 codes: the torch
     backend's tensorwise recipes (one scale per tensor serves the transposed wgrad GEMM too).
     Transformer Engine keeps FP8 inputs as well, in layouts not read here: counted as bf16."""
-    tensorwise = fp8.recipe in ("tensorwise_delayed", "tensorwise_current")
-    return tensorwise and gpu_fp8_backend(fp8, spec=spec, device=device) == "torch"
+    return fp8.spec.per_tensor and gpu_fp8_backend(fp8, spec=spec, device=device) == "torch"
 
 
 def param_bytes(m: ModelConfig, device: Device) -> int:

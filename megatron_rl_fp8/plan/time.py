@@ -48,6 +48,7 @@ import math
 from typing import TYPE_CHECKING, Literal
 
 from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.fp8.recipes import RECIPES, planned_recipe
 from megatron_rl_fp8.plan.hardware import GPU, GPUS
 from megatron_rl_fp8.plan.memory import Estimate, Layout, World, estimate
 from megatron_rl_fp8.plan.model_bytes import Spec, layer_linear_weights, stage_params
@@ -83,18 +84,13 @@ class Efficiency:
     attention (torch's SDPA, the local spec's GPU default since 2026-12-01, and Transformer
     Engine should shrink the non-GEMM share; not measured yet: gpu_check's ``attention`` step)."""
 
-    fp8_linear_speedup: tuple[tuple[str, float], ...] = (
-        ("tensorwise_delayed", 1.44),
-        ("tensorwise_current", 1.44),
-        ("rowwise", 1.10),
-        ("blockwise", 1.15),
-        ("mxfp8", 1.15),
+    fp8_linear_speedup: tuple[tuple[str, float], ...] = tuple(
+        (name, spec.plan_speedup) for name, spec in RECIPES.items() if spec.plan_speedup
     )
     """FP8 / BF16 time of the linear layers' forward + backward, quantization included, by
-    ``fp8.recipe``. tensorwise 1.44x, rowwise 1.10x: torchao 0.18 float8 + torch.compile, four
-    Qwen3-8B blocks, 8192 tokens, H200 (PLATFORM_NOTES, 2026-11-30). blockwise 1.15x: NOT
-    measured here; the seed paper's blockwise 10-20% (DESIGN.md), ASSUMPTION. mxfp8: as
-    blockwise, ASSUMPTION (needs Blackwell)."""
+    ``fp8.recipe``: each recipe's ``plan_speedup`` in ``fp8/recipes.py``, with its source
+    (tensorwise 1.44x and rowwise 1.10x measured on an H200; blockwise and mxfp8 1.15x
+    ASSUMPTIONS)."""
 
     rollout_fp8_gemm: float = 1.59
     """FP8 W8A8 blockwise (1x128 x 128x128) / BF16 GEMM rate for the rollout engine's linears:
@@ -396,7 +392,7 @@ def predict(
     fleet = fleet or Fleet.from_config(cfg, world)
     fp8_rollout = precision != "bf16"
     fp8_train = precision == "fp8"
-    recipe = recipe or (cfg.fp8.recipe if cfg.fp8.recipe != "bf16" else "blockwise")
+    recipe = recipe or planned_recipe(cfg.fp8.recipe)
     trainer_fp8 = dataclasses.replace(cfg.fp8, recipe=recipe if fp8_train else "bf16")
     memory = estimate(dataclasses.replace(cfg, fp8=trainer_fp8), world, layout=lay, spec=spec)
     if fleet.placement == "colocated" and fleet.engines * fleet.tp > world.size:

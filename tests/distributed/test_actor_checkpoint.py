@@ -99,7 +99,7 @@ def _delayed_body(rank, world, ckpt_dir, pp):
     its own data, at PP=2 from its own layers; either way they differ between ranks and each
     rank's checkpoint file must bring back its own."""
     from megatron_rl_fp8 import checkpoint, parallel
-    from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.fp8.config import FP8Config
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.models.fp8 import fp8_scaling_state
     from megatron_rl_fp8.trainer.actor import Actor

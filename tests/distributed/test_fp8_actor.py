@@ -9,7 +9,7 @@ from tests.dist_utils import run_distributed
 
 def _actor(fp8_kwargs, tp=1, sp=False):
     from megatron_rl_fp8 import parallel
-    from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.fp8.config import FP8Config
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.trainer.actor import Actor
     from megatron_rl_fp8.trainer.config import OptimConfig
@@ -63,7 +63,8 @@ def _exactness_body(rank, world):
     import torch.nn.functional as F
 
     from megatron_rl_fp8 import parallel
-    from megatron_rl_fp8.fp8 import FP8Config, FP8LinearEmulator
+    from megatron_rl_fp8.fp8.config import FP8Config
+    from megatron_rl_fp8.fp8.emulation import FP8LinearEmulator
 
     actor, _ = _actor(dict(recipe="tensorwise_current", format="hybrid"))
     lin = actor.module.decoder.layers[0].mlp.linear_fc1
@@ -203,7 +204,7 @@ def _torch_backend_gaps(actor):
     at these sizes) in the actor's schedule. ``fp8.backend: torch`` needs an FP8 GPU, so the
     emulated linears are swapped for the torch backend's on the same weights. Mean logprob gaps:
     torch vs emulation, emulation vs BF16, the same two after a step, torch before vs after."""
-    from megatron_rl_fp8.fp8 import FP8LinearEmulator
+    from megatron_rl_fp8.fp8.emulation import FP8LinearEmulator
     from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
     from megatron_rl_fp8.models.fp8 import emulated_linears
 
@@ -243,7 +244,7 @@ def _sp_linear_body(rank, world):
     the whole sequence in this process; and what each keeps for its backward."""
     import torch.distributed as dist
 
-    from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.fp8.config import FP8Config
     from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
 
     gen = torch.Generator().manual_seed(7)

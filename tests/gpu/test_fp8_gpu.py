@@ -75,8 +75,9 @@ def test_emulated_per_tensor_gemm_matches_scaled_mm(fast_accum):
        Some outputs of ``_scaled_mm`` violate that bound, and the emulator's float32 GEMM has an
        RMS error more than 30x below the hardware's.
     """
-    from megatron_rl_fp8.fp8 import quantize_operand, quantize_per_tensor
     from megatron_rl_fp8.fp8.accumulation import accumulation_error_bound, hopper_matmul
+    from megatron_rl_fp8.fp8.emulation import quantize_operand
+    from megatron_rl_fp8.fp8.quantize import quantize_per_tensor
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip(
@@ -125,7 +126,7 @@ def test_emulated_per_tensor_gemm_matches_scaled_mm(fast_accum):
 
 def _te_step(rank, world, recipe):
     from megatron_rl_fp8 import parallel
-    from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.fp8.config import FP8Config
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.trainer.actor import Actor
     from megatron_rl_fp8.trainer.config import OptimConfig

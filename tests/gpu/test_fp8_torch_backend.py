@@ -49,7 +49,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 @pytest.mark.parametrize("shape", [(512, 1024, 768), (200, 300, 136)], ids=["aligned", "ragged"])
 def test_torch_backend_gemms_match_emulation(recipe, fmt, shape):
-    from megatron_rl_fp8.fp8 import FP8Config, FP8LinearEmulator
+    from megatron_rl_fp8.fp8.config import FP8Config
+    from megatron_rl_fp8.fp8.emulation import FP8LinearEmulator
     from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
 
     _skip_where_the_backend_cannot(recipe, fmt)
@@ -83,7 +84,7 @@ def test_torch_backend_gemms_match_emulation(recipe, fmt, shape):
 def test_compiled_casts_are_the_eager_casts_on_the_gpu(recipe):
     """``fp8.compile_casts``: Triton's fused cast gives the eager kernels' codes and scales, and
     the linear the same outputs and gradients, bit for bit (the CPU suite checks inductor's C++)."""
-    from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.fp8.config import FP8Config
     from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
 
     _skip_where_the_backend_cannot(recipe, "e4m3")
@@ -107,7 +108,8 @@ def test_compiled_casts_are_the_eager_casts_on_the_gpu(recipe):
 
 def _actor_step(rank, world, recipe):
     from megatron_rl_fp8 import parallel
-    from megatron_rl_fp8.fp8 import FP8Config, FP8LinearEmulator
+    from megatron_rl_fp8.fp8.config import FP8Config
+    from megatron_rl_fp8.fp8.emulation import FP8LinearEmulator
     from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.models.fp8 import emulated_linears
@@ -183,7 +185,8 @@ def test_torchao_backend_gemms_on_the_gpu(recipe, compiled):
     torch backend does (same codes); rowwise (torchao's power-of-two scales) has an error against
     the unquantized product of the emulation's order; compiled (``fp8.compile_casts``: the
     call, casts and GEMMs, through torch.compile) meets the same bounds."""
-    from megatron_rl_fp8.fp8 import FP8Config, FP8LinearEmulator
+    from megatron_rl_fp8.fp8.config import FP8Config
+    from megatron_rl_fp8.fp8.emulation import FP8LinearEmulator
     from megatron_rl_fp8.fp8.torchao_backend import FP8LinearTorchAO
 
     t, k, n = 512, 1024, 768

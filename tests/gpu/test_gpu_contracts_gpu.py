@@ -50,7 +50,7 @@ def test_te_linear_refuses_unaligned_rows_in_fp8():
 
 def _te_ragged_step(rank, world):
     from megatron_rl_fp8 import parallel
-    from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.fp8.config import FP8Config
     from megatron_rl_fp8.models.config import ModelConfig
     from megatron_rl_fp8.trainer.actor import Actor
     from megatron_rl_fp8.trainer.config import OptimConfig

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl_fp8.fp8 import FP8Config, FP8LinearEmulator, quantize_operand
+from megatron_rl_fp8.fp8.config import FP8Config
+from megatron_rl_fp8.fp8.emulation import FP8LinearEmulator, quantize_operand
 from megatron_rl_fp8.fp8.fp4_emulation import fake_quant_nvfp4, round_e2m1
 
 GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

@@ -23,8 +23,10 @@ import torch
 
 from megatron_rl_fp8.config import load_config
 from megatron_rl_fp8.config_utils import ConfigError
-from megatron_rl_fp8.fp8 import FP8Config, FP8LinearEmulator, quantize_operand, quantize_per_tensor
 from megatron_rl_fp8.fp8.accumulation import accumulation_error_bound, emulated_gemm, hopper_matmul
+from megatron_rl_fp8.fp8.config import FP8Config
+from megatron_rl_fp8.fp8.emulation import FP8LinearEmulator, quantize_operand
+from megatron_rl_fp8.fp8.quantize import quantize_per_tensor
 
 EPS32 = 2.0**-24
 

@@ -18,11 +18,17 @@ import torch.nn.functional as F
 
 from megatron_rl_fp8.config import load_config
 from megatron_rl_fp8.config_utils import ConfigError
-from megatron_rl_fp8.fp8 import FP8Config, FP8LinearEmulator, quantize_operand, should_emulate
 from megatron_rl_fp8.fp8 import backend as backend_mod
 from megatron_rl_fp8.fp8 import torch_backend as tb
-from megatron_rl_fp8.fp8.backend import backend_problem, cuda_capability, resolve_backend
-from megatron_rl_fp8.fp8.config import BACKEND_RECIPES
+from megatron_rl_fp8.fp8.backend import (
+    backend_problem,
+    cuda_capability,
+    resolve_backend,
+    should_emulate,
+)
+from megatron_rl_fp8.fp8.config import FP8Config
+from megatron_rl_fp8.fp8.emulation import FP8LinearEmulator, quantize_operand
+from megatron_rl_fp8.fp8.recipes import BACKEND_RECIPES
 from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch, quantize_gemm_operand
 from megatron_rl_fp8.models.fp8 import (
     emulated_linears,

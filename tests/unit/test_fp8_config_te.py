@@ -6,14 +6,9 @@ import dataclasses
 
 import pytest
 
-from megatron_rl_fp8.fp8 import (
-    FP8Config,
-    RolloutFP8Config,
-    have_te,
-    megatron_fp8_kwargs,
-    should_emulate,
-    te_recipe,
-)
+from megatron_rl_fp8.fp8.backend import should_emulate
+from megatron_rl_fp8.fp8.config import FP8Config, RolloutFP8Config
+from megatron_rl_fp8.fp8.te import have_te, megatron_fp8_kwargs, te_recipe
 
 
 def test_defaults_and_help_metadata():

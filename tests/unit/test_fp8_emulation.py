@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl_fp8.fp8 import (
+from megatron_rl_fp8.fp8.config import FP8Config
+from megatron_rl_fp8.fp8.emulation import (
     DelayedScalingState,
-    FP8Config,
     FP8LinearEmulator,
     fp8_linear,
     quantization_error,

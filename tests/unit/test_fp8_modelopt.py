@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl_fp8.fp8 import fake_quant_blocks, fake_quant_tensor, quantize_blockwise
+from megatron_rl_fp8.fp8.quantize import fake_quant_blocks, fake_quant_tensor, quantize_blockwise
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from megatron_rl_fp8.fp8 import (
-    E4M3_MAX,
+from megatron_rl_fp8.fp8.formats import E4M3_MAX, FP8_MAX, FP8_MIN_NORMAL, FP8_REL_ERROR
+from megatron_rl_fp8.fp8.quantize import (
     dequantize_blockwise,
     dequantize_per_tensor,
     fake_quant_blocks,
@@ -19,7 +19,6 @@ from megatron_rl_fp8.fp8 import (
     quantize_blockwise,
     quantize_per_tensor,
 )
-from megatron_rl_fp8.fp8.formats import FP8_MAX, FP8_MIN_NORMAL, FP8_REL_ERROR
 
 # float32 arithmetic on top of FP8 rounding (scale division, dequant multiply): a few ulps.
 F32_SLACK = 4 * 2.0**-23

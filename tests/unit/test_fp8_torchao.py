@@ -18,9 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_rl_fp8.fp8 import FP8Config, FP8LinearEmulator
 from megatron_rl_fp8.fp8 import backend as backend_mod
 from megatron_rl_fp8.fp8.backend import resolve_backend
+from megatron_rl_fp8.fp8.config import FP8Config
+from megatron_rl_fp8.fp8.emulation import FP8LinearEmulator
 from tests.unit.test_fp8_backend import H200, _check_against_emulation, _run
 
 pytest.importorskip("torchao", reason="the torchao backend's tests need torchao (make install)")

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from megatron_rl_fp8.config import load_config
 from megatron_rl_fp8.config_utils import ConfigError
-from megatron_rl_fp8.fp8 import FP8Config
 from megatron_rl_fp8.fp8 import backend as backend_mod
 from megatron_rl_fp8.fp8.backend import backend_problem, resolve_backend
+from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.fp8.te import fp8_weight_shapes, te_fp8_dims_problem
 from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch, fp8_mm, quantize_gemm_operand
 from megatron_rl_fp8.models.config import ModelConfig

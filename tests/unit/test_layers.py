@@ -7,6 +7,8 @@ import ast
 import re
 from pathlib import Path
 
+from megatron_rl_fp8.fp8.recipes import RECIPE_NAMES
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "megatron_rl_fp8"
 MAX_LINES = 500
@@ -169,3 +171,83 @@ def test_no_module_is_over_500_lines():
 def test_the_loop_holds_the_order_of_the_phases_and_little_else():
     loop = ROOT / PACKAGE / "trainer" / "loop.py"
     assert len(loop.read_text().splitlines()) <= 220
+
+
+def _strings(node: ast.AST) -> list[str]:
+    """The string constants of a comparison operand: a constant, or a tuple / list / set of them."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [s for elt in node.elts for s in _strings(elt)]
+    return []
+
+
+def _names_recipe(node: ast.AST) -> bool:
+    """Whether an expression reads a recipe: a name or attribute called ``*recipe*``, or
+    ``config_value(cfg, "fp8.recipe")``-style lookups of the key."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and "recipe" in sub.id.lower():
+            return True
+        if isinstance(sub, ast.Attribute) and "recipe" in sub.attr.lower():
+            return True
+        if isinstance(sub, ast.Constant) and sub.value == "fp8.recipe":
+            return True
+    return False
+
+
+def recipe_branches(path: Path) -> list[str]:
+    """Every place in ``path`` that compares a recipe with a name, or spells a name only a
+    training recipe has ('bf16' and 'blockwise' also name dtypes and the rollout quantization)."""
+    only_recipes = set(RECIPE_NAMES) - {"bf16", "blockwise"}
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(_names_recipe(o) for o in operands) and any(_strings(o) for o in operands):
+                found.append(f"{path.name}:{node.lineno}: compares a recipe with a name")
+        if (
+            isinstance(node, ast.Constant)
+            and id(node) not in docstrings
+            and isinstance(node.value, str)
+            and node.value in only_recipes
+        ):
+            found.append(f"{path.name}:{node.lineno}: names recipe {node.value!r}")
+    return sorted(found, key=lambda hit: int(hit.split(":")[1]))
+
+
+def test_no_module_outside_fp8_branches_on_a_recipe_name():
+    """What depends on the recipe reads its description (fp8/recipes.py): a new recipe is one
+    entry there plus its kernels, not an edit of the planner, the config and the report."""
+    found = [
+        hit
+        for name, path in MODULES.items()
+        if not (name == f"{PACKAGE}.fp8" or name.startswith(f"{PACKAGE}.fp8."))
+        for hit in recipe_branches(path)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_recipe_branch_finder_finds_them(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        '"""Docstrings may say \'rowwise\'."""\n'
+        "def f(cfg, recipe):\n"
+        '    if cfg.fp8.recipe != "bf16":\n'
+        "        return 1\n"
+        '    table = {"mxfp8": 2}\n'
+        '    return recipe in ("blockwise",)\n'
+    )
+    assert recipe_branches(src) == [
+        "m.py:3: compares a recipe with a name",
+        "m.py:5: names recipe 'mxfp8'",
+        "m.py:6: compares a recipe with a name",
+    ]

@@ -399,7 +399,7 @@ def test_fp8_weight_copies_are_what_the_torch_backend_caches():
     no-grad forward: the planner's numbers for it."""
     import torch
 
-    from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.fp8.config import FP8Config
     from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
 
     def cached_bytes(linear):
@@ -424,7 +424,7 @@ def test_fp8_weight_copies_are_what_the_torchao_backend_caches():
     (1 byte per element, with or without the backward); rowwise: none."""
     import torch
 
-    from megatron_rl_fp8.fp8 import FP8Config
+    from megatron_rl_fp8.fp8.config import FP8Config
     from megatron_rl_fp8.fp8.torchao_backend import FP8LinearTorchAO
 
     for recipe, want in (("tensorwise_current", 1), ("rowwise", 0)):

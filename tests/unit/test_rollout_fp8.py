@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megatron_rl_fp8.fp8 import RolloutFP8Config, dequantize_blockwise, fake_quant_groups
+from megatron_rl_fp8.fp8.config import RolloutFP8Config
+from megatron_rl_fp8.fp8.quantize import dequantize_blockwise, fake_quant_groups
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.hf_mapping import hf_config
 from megatron_rl_fp8.rollout.local import LocalEngine
