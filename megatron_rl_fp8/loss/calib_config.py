@@ -11,9 +11,13 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from megatron_rl_fp8.config_utils import field
+from megatron_rl_fp8.loss.upper_rules import UPPER_RULES, rules_help
 
-Strategy = Literal["balance", "quantile", "shift", "lower_only"]
-STRATEGIES = ("balance", "quantile", "shift", "lower_only")
+STRATEGIES = tuple(UPPER_RULES)
+"""The upper rules ``loss.calib.strategy`` accepts: every one registered in ``upper_rules.py``."""
+Strategy = Literal[STRATEGIES]
+DEFAULT_STRATEGY = "balance"
+"""The default upper rule (docs/reproduction.md has the evidence it was chosen on)."""
 Mode = Literal["calibrate", "oracle", "share"]
 
 DEFAULT_BINS = 4096
@@ -48,12 +52,8 @@ class CalibConfig:
         "strategy is unused).",
     )
     strategy: Strategy = field(
-        default="balance",
-        help="Upper-bound rule: 'balance' matches BF16's positive/negative update "
-        "balance, widening the nominal upper bound but never tightening it; 'quantile' clips the "
-        "share of positive-advantage tokens BF16 clips at the nominal upper bound (the lower "
-        "rule's mirror); 'shift' keeps the nominal log-width of the clip interval; 'lower_only' "
-        "keeps the nominal upper bound (the paper's ablation: it over-penalises).",
+        default=DEFAULT_STRATEGY,
+        help=rules_help() + " (loss/upper_rules.py).",
     )
     invariant_tolerance: float = field(
         default=0.01,
@@ -148,7 +148,7 @@ def check_solver_args(
     if strategy not in STRATEGIES:
         raise ValueError(
             f"{owner}strategy={strategy!r} is not supported; use one of "
-            f"{', '.join(STRATEGIES)} ('balance' is the default)."
+            f"{', '.join(STRATEGIES)} ('{DEFAULT_STRATEGY}' is the default)."
         )
     if not isinstance(bins, int) or bins < 16:
         raise ValueError(f"{owner}bins={bins!r} must be an int >= 16 (4096 is a good default).")

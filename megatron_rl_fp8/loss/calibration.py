@@ -64,6 +64,7 @@ from megatron_rl_fp8.loss.calib_config import (
     DEFAULT_BINS,
     DEFAULT_LOG_RATIO_RANGE,
     DEFAULT_LOWER_LIMITS,
+    DEFAULT_STRATEGY,
     DEFAULT_UPPER_LIMITS,
     CalibConfig,
     Strategy,
@@ -71,6 +72,7 @@ from megatron_rl_fp8.loss.calib_config import (
     check_solver_args,
 )
 from megatron_rl_fp8.loss.histogram import hist_inverse_mass, hist_mass_below
+from megatron_rl_fp8.loss.upper_rules import UPPER_RULES, UpperInputs
 
 __all__ = [
     "CalibConfig",
@@ -300,7 +302,7 @@ def bounds_from_histogram(
     eps_low: float,
     eps_high: float,
     *,
-    strategy: Strategy = "balance",
+    strategy: Strategy = DEFAULT_STRATEGY,
     bins: int = DEFAULT_BINS,
     log_ratio_range: tuple[float, float] = DEFAULT_LOG_RATIO_RANGE,
     lower_limits: tuple[float, float] = DEFAULT_LOWER_LIMITS,
@@ -353,37 +355,26 @@ def bounds_from_histogram(
     def fp8_neg_unclipped(log_lower: float) -> float:
         return neg_total - hist_mass_below(neg_sum, log_lower, log_ratio_range)
 
-    def unclip_all(weights: torch.Tensor) -> float:
-        # The right edge of the last non-empty positive bin, never below nominal.
-        return max(nominal_upper, math.exp(hist_inverse_mass(weights, math.inf, log_ratio_range)))
-
     bf16_balance = _ratio(s["bf16_pos_unclipped"], s["bf16_neg_unclipped"])
-    q_plus = _ratio(s["bf16_pos_above"], n_pos)
-    if strategy == "shift":
-        upper = lower * nominal_upper / nominal_lower
-    elif strategy == "lower_only" or n_pos == 0:
-        upper = nominal_upper
-    elif strategy == "quantile":
-        upper = (
-            unclip_all(pos_cnt)
-            if q_plus == 0
-            else math.exp(hist_inverse_mass(pos_cnt, (1.0 - q_plus) * n_pos, log_ratio_range))
-        )
-    elif math.isnan(bf16_balance):
+    rule = UPPER_RULES[strategy]
+    if n_pos == 0 and rule.needs_positive_tokens:
         upper = nominal_upper
     else:
-        target = bf16_balance * fp8_neg_unclipped(log_l)
-        if target >= pos_total:
-            # Unreachable: unclip every positive token this batch has. Going further, e.g. to the
-            # safety maximum, would not move this batch's balance at all, only drop the upper
-            # clip for every step until the next calibration.
-            upper = unclip_all(pos_sum)
-        else:
-            # One-sided: the balance may widen the upper bound, never tighten it (see the module
-            # docstring: a bulk shift of the positive ratios would pull it into the bulk).
-            upper = max(
-                nominal_upper, math.exp(hist_inverse_mass(pos_sum, target, log_ratio_range))
+        upper = rule.fn(
+            UpperInputs(
+                pos_cnt=pos_cnt,
+                pos_sum=pos_sum,
+                n_pos=n_pos,
+                pos_total=pos_total,
+                lower=lower,
+                nominal_lower=nominal_lower,
+                nominal_upper=nominal_upper,
+                q_plus=_ratio(s["bf16_pos_above"], n_pos),
+                bf16_balance=bf16_balance,
+                fp8_neg_unclipped=fp8_neg_unclipped(log_l),
+                log_ratio_range=log_ratio_range,
             )
+        )
     upper = _clamp(upper, upper_limits)
     log_u = math.log(upper)
 
@@ -443,7 +434,7 @@ def calibrated_clip_bounds(
     eps_low: float,
     eps_high: float,
     *,
-    strategy: Strategy = "balance",
+    strategy: Strategy = DEFAULT_STRATEGY,
     group: Any = None,
     bins: int = DEFAULT_BINS,
     log_ratio_range: tuple[float, float] = DEFAULT_LOG_RATIO_RANGE,
