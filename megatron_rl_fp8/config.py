@@ -17,6 +17,7 @@ from megatron_rl_fp8.config_utils import ConfigError, field, from_dict, set_dott
 from megatron_rl_fp8.data.prompts import TokenizerConfig
 from megatron_rl_fp8.data.task import TaskConfig
 from megatron_rl_fp8.fp8.config import FP8Config
+from megatron_rl_fp8.loss.config import PolicyLossConfig
 from megatron_rl_fp8.metrics.config import LoggingConfig
 from megatron_rl_fp8.metrics.logger import require_packages
 from megatron_rl_fp8.models.config import ModelConfig
@@ -29,13 +30,7 @@ from megatron_rl_fp8.models.pretrained import (
 from megatron_rl_fp8.parallel import ParallelConfig, check_context_parallel
 from megatron_rl_fp8.reward.verifiers import RewardConfig
 from megatron_rl_fp8.rollout.config import RolloutConfig
-from megatron_rl_fp8.trainer.config import (
-    GuardConfig,
-    OptimConfig,
-    PolicyLossConfig,
-    SFTConfig,
-    TrainConfig,
-)
+from megatron_rl_fp8.trainer.config import GuardConfig, OptimConfig, SFTConfig, TrainConfig
 from megatron_rl_fp8.utils.yaml_unique import safe_load as safe_load_unique
 from megatron_rl_fp8.utils.yaml_unique import yaml_problem
 

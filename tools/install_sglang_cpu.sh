@@ -9,7 +9,7 @@
 # transformers / megatron-core, so the server runs from this venv and the trainer only talks to it
 # over HTTP (rollout.sglang.python points at this venv's python).
 #
-# Recipe (docs/sglang.md, /work/shared/PLATFORM_NOTES.md):
+# Recipe (docs/sglang.md, "Install"):
 #   1. torch==2.13.0 (the CPU build; any other spec pulls CUDA torch);
 #   2. sglang==0.5.23 --no-deps, then the pure-Python requirements its server imports;
 #   3. import-time stand-ins for `sgl_kernel` (its CPU build is not on PyPI) and `torchvision`

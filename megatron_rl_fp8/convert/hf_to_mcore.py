@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from megatron_rl_fp8.convert import mcore_io
+from megatron_rl_fp8.convert.assembly import hf_to_mcore_plan
 from megatron_rl_fp8.convert.errors import ConvertError
 from megatron_rl_fp8.convert.hf_io import HFCheckpoint
-from megatron_rl_fp8.convert.plan import hf_to_mcore_plan
 from megatron_rl_fp8.convert.progress import Meter, summary_line
 from megatron_rl_fp8.convert.staging import check_output, staged_output
 from megatron_rl_fp8.models.config import ModelConfig

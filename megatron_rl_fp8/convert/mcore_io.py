@@ -15,7 +15,7 @@ Because the stored shapes are global, loading reshards to any TP/PP layout; only
 (a multiple of ``make_vocab_size_divisible_by * TP``) is fixed at conversion time.
 
 Writing never materialises a fused tensor: each Megatron tensor is saved as row blocks ("pieces",
-``convert.plan.hf_to_mcore_plan``) that are views of memory-mapped HF tensors; the torch_dist
+``convert.assembly.hf_to_mcore_plan``) that are views of memory-mapped HF tensors; the torch_dist
 writer copies one block at a time. Reading loads one layer at a time.
 """
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl_fp8.convert.assembly import hf_to_mcore_plan
 from megatron_rl_fp8.convert.errors import ConvertError
 from megatron_rl_fp8.convert.hf_io import HFCheckpoint, OutTensor, read_config
-from megatron_rl_fp8.convert.plan import hf_to_mcore_plan
 from megatron_rl_fp8.models.hf_mapping import (
     MappingError,
     expected_hf_names,

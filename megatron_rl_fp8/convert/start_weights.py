@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from megatron_rl_fp8 import checkpoint
+from megatron_rl_fp8.convert.assembly import assemble_pieces, hf_to_mcore_plan
 from megatron_rl_fp8.convert.hf_io import HFCheckpoint
 from megatron_rl_fp8.convert.hf_to_mcore import check_hf_tensors
-from megatron_rl_fp8.convert.plan import assemble_pieces, hf_to_mcore_plan
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.pretrained import converted_dir, expand_path
 from megatron_rl_fp8.sync.gather import global_names, split_tp_shard, unwrap
@@ -61,7 +61,7 @@ def load_hf_weights(
             if key not in plan:
                 raise RuntimeError(
                     f"parameter {names[local]} has no source in the HF checkpoint plan; the "
-                    "layer spec and convert/plan.py disagree"
+                    "layer spec and convert/assembly.py disagree"
                 )
             cache: dict[str, torch.Tensor] = {}  # q/k/v are read once, not once per head
 

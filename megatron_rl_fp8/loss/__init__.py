@@ -6,7 +6,7 @@
 * :mod:`.kl`           per-token KL estimators (k1, k2, k3, low_var_kl) for the reference penalty;
 * :mod:`.histogram`    fixed-bin histograms and quantiles read from them;
 * :mod:`.calibration`  calibrated clipping for FP8 (the only place that may all-reduce, over a
-                       process group passed in by the caller); its knobs in :mod:`.calib_config`;
+                       process group passed in by the caller); its knobs in :mod:`.config`;
 * :mod:`.thinning`     share-matched clipping: the nominal clip set thinned to BF16's share.
 
 Nothing here imports Megatron, and ``torch.distributed`` is imported only inside

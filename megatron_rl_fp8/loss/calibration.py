@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl_fp8.loss.calib_config import (
+from megatron_rl_fp8.loss.config import (
     DEFAULT_BINS,
     DEFAULT_LOG_RATIO_RANGE,
     DEFAULT_LOWER_LIMITS,

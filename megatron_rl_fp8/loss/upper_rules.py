@@ -5,7 +5,7 @@ the upper bound is a choice, and each choice is a function here, registered with
 :func:`upper_rule`: its name is a value ``loss.calib.strategy`` accepts, its help is that value's
 sentence in the setting's help, and the solver (``calibration.py: bounds_from_histogram``) calls it
 with an :class:`UpperInputs`. A new rule is one decorated function in this file; nothing else
-names it (``calib_config.py`` takes its accepted values from the registry when it is imported).
+names it (``config.py`` takes its accepted values from the registry when it is imported).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 What a model family looks like on each side, next to the model definitions: weight sync into
 rollout engines, the checkpoint conversion tools and the trainer all go through this module, so a
-layout bug is fixed once (the conversion-only planning is ``convert/plan.py``). It works on *full* (TP-gathered) tensors; ``sync.gather`` produces
+layout bug is fixed once (the conversion-only planning is ``convert/assembly.py``). It works on *full* (TP-gathered) tensors; ``sync.gather`` produces
 those from the shards. Layout facts:
 
 * ``linear_qkv.weight`` is [groups * (q_per_group + 2) * head_dim, hidden], interleaved per query

@@ -50,9 +50,6 @@ class ParallelConfig:
         help="With the distributed optimizer: gather updated weights bucket by bucket during the "
         "next forward pass instead of right after the step.",
     )
-    backend: Literal["auto", "gloo", "nccl"] = field(
-        "auto", help="torch.distributed backend; auto = nccl with CUDA, gloo otherwise."
-    )
     timeout_minutes: int = field(30, help="Collective timeout.")
 
     def __post_init__(self):

@@ -40,9 +40,9 @@ from megatron_rl_fp8.loss import (
     salt,
     share_counts,
 )
+from megatron_rl_fp8.loss.config import PolicyLossConfig
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.trainer.collectives import broadcast_object
-from megatron_rl_fp8.trainer.config import PolicyLossConfig
 
 # Diagnostics of calibrated_clip_bounds reported as calib/<name> on calibration steps.
 _REPORTED = (

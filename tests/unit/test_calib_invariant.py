@@ -21,7 +21,7 @@ from megatron_rl_fp8.loss import (
     clip_shares,
     invariant_violations,
 )
-from megatron_rl_fp8.loss.calib_config import DEFAULT_LOWER_LIMITS, DEFAULT_UPPER_LIMITS
+from megatron_rl_fp8.loss.config import DEFAULT_LOWER_LIMITS, DEFAULT_UPPER_LIMITS
 from megatron_rl_fp8.loss.histogram import bin_index
 from tests.calib_reference import exact_calibrated_clip_bounds, exact_clip_shares
 

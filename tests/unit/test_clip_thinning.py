@@ -27,9 +27,8 @@ from megatron_rl_fp8.loss import (
     thinned_bounds,
     token_ratio,
 )
-from megatron_rl_fp8.loss.calib_config import CalibConfig
+from megatron_rl_fp8.loss.config import CalibConfig, PolicyLossConfig
 from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
-from megatron_rl_fp8.trainer.config import PolicyLossConfig
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 LOW, HIGH = 1 - EPS_LOW, 1 + EPS_HIGH

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_rl_fp8.convert import ConvertError, export_fp8, hf_to_mcore, mcore_to_hf
-from megatron_rl_fp8.convert.plan import assemble_pieces, hf_to_mcore_plan
+from megatron_rl_fp8.convert.assembly import assemble_pieces, hf_to_mcore_plan
 from megatron_rl_fp8.fp8.quantize import dequantize_blockwise
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.hf_mapping import (

@@ -164,8 +164,8 @@ def test_gradients_stay_finite_at_extreme_log_ratios(dtype):
 def test_config_fields():
     from megatron_rl_fp8.config import load_config
     from megatron_rl_fp8.config_utils import ConfigError
+    from megatron_rl_fp8.loss.config import PolicyLossConfig
     from megatron_rl_fp8.models.config import ModelConfig
-    from megatron_rl_fp8.trainer.config import PolicyLossConfig
 
     cfg = load_config(None, [])
     assert (cfg.loss.kl_coef, cfg.loss.kl_type, cfg.model.ref_checkpoint) == (

@@ -358,17 +358,6 @@ def test_tensor_transport_hands_every_engine_one_buffer(monkeypatch):
     assert torch.multiprocessing.get_sharing_strategy() == strategy
 
 
-def test_per_tensor_fp8_scales_take_sglang_names():
-    from megatron_rl_fp8.rollout.sglang.sender import per_tensor_scale_names
-
-    named = [("a.weight", 1), ("a.weight_scale_inv", 2), ("b.bias", 3)]
-    assert [n for n, _ in per_tensor_scale_names(named)] == [
-        "a.weight",
-        "a.weight_scale",
-        "b.bias",
-    ]
-
-
 def test_a_hung_server_counts_as_gone():
     import socket
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_rl_fp8.loss.calib_config import STRATEGIES, CalibConfig
+from megatron_rl_fp8.loss.config import STRATEGIES, CalibConfig
 from megatron_rl_fp8.loss.upper_rules import UPPER_RULES, rules_help, upper_rule
 
 

@@ -183,7 +183,6 @@ class SGLangFleet(ServerPool):
             export_options=self.export_options,
             failed=[e.url for e in failed],
             transport=self.cfg.transport,
-            rename_scales=self.fp8_checkpoint and self.fp8.weight_quant == "per_tensor",
             engine_nodes=[e.node for e in members] if all(e.node for e in members) else [],
             generations=[e.generation for e in members],
         )

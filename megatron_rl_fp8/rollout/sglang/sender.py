@@ -43,7 +43,6 @@ from megatron_rl_fp8.rollout.sglang.transports import (
     push_tensor,
 )
 from megatron_rl_fp8.sync.buckets import Bucket
-from megatron_rl_fp8.sync.quantize import SCALE_SUFFIX
 from megatron_rl_fp8.sync.timing import SyncTimes
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -59,7 +58,6 @@ class SGLangSyncPlan(SyncPlan):
     timeout: float
     failed: list[str]  # engines that refused the begin of the sync: push nothing
     transport: str = "distributed"
-    rename_scales: bool = False  # per-tensor FP8 checkpoints: SGLang names the scale weight_scale
     from_stages: bool = True
     engine_nodes: list[str] = dataclasses.field(default_factory=list)  # each engine's, or []
     # Each engine's process generation (``SGLangServer.generation``: one more at every launch or
@@ -126,10 +124,6 @@ class WeightSender:
         for bucket in buckets:
             if error or plan.failed:
                 continue
-            if plan.rename_scales:
-                bucket = dataclasses.replace(
-                    bucket, tensors=list(per_tensor_scale_names(bucket.tensors))
-                )
             try:
                 if fault is not None:
                     fault("push")
@@ -223,13 +217,6 @@ def _each(engines: list[Http], call, args: list) -> list:
         if error is not None:
             raise error
     return [fut.result() for fut in futures]
-
-
-def per_tensor_scale_names(named):
-    for name, t in named:
-        if name.endswith("weight" + SCALE_SUFFIX):
-            name = name[: -len(SCALE_SUFFIX)] + "_scale"
-        yield name, t
 
 
 def sender_address(engine_url: str) -> str:

@@ -1,4 +1,5 @@
-"""Knobs of calibrated clipping (``loss.calib.*``) and the checks its solver shares.
+"""The ``loss.*`` section: the policy objective (:class:`PolicyLossConfig`) and the knobs of
+calibrated clipping (``loss.calib.*``, :class:`CalibConfig`) with the checks its solver shares.
 
 The solver itself is :mod:`megatron_rl_fp8.loss.calibration`; the trainer's
 :class:`~megatron_rl_fp8.trainer.calibrator.ClipCalibrator` owns the state (bounds, count).
@@ -10,7 +11,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from megatron_rl_fp8.config_utils import field
+from megatron_rl_fp8.config_utils import check_literals, field
+from megatron_rl_fp8.loss.importance import ISCorrectionConfig
+from megatron_rl_fp8.loss.kl import KLType
 from megatron_rl_fp8.loss.upper_rules import UPPER_RULES, rules_help
 
 STRATEGIES = tuple(UPPER_RULES)
@@ -184,3 +187,71 @@ def check_eps(eps_low: float, eps_high: float) -> None:
             "0 < eps_low < 1 and eps_high > 0 (the nominal bounds are "
             "1 - eps_low and 1 + eps_high)."
         )
+
+
+@dataclass(kw_only=True)
+class PolicyLossConfig:
+    """The clipped policy-gradient objective (GRPO by default)."""
+
+    eps_low: float = field(0.2, help="Lower clip: ratio bound 1 - eps_low.")
+    eps_high: float = field(0.2, help="Upper clip: ratio bound 1 + eps_high (DAPO uses 0.28).")
+    clip_c: float | None = field(None, help="Dual-clip constant (> 1) for negative advantages.")
+    agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = field(
+        "token-mean", help="Loss aggregation; token-mean counts tokens across all DP ranks."
+    )
+    norm_adv_by_std: bool = field(True, help="GRPO: divide group-centred rewards by group std.")
+    is_correction: ISCorrectionConfig | None = field(
+        None,
+        help="TIS/MIS: reweight token losses by pi_old / pi_rollout (null = off; the "
+        "mismatch is logged either way).",
+    )
+    calib: CalibConfig = field(
+        default_factory=CalibConfig,
+        help="Calibrated clipping (FP8 training only): clip bounds matched to a BF16 shadow pass "
+        "every calib.interval steps, smoothed by EMA in between.",
+    )
+    dynamic_sampling: bool = field(
+        False,
+        help="DAPO: drop prompt groups whose rewards are all equal and sample more prompts "
+        "until the batch is full.",
+    )
+    max_sampling_rounds: int = field(
+        4,
+        help="DAPO: most rollout rounds per step when refilling; if the batch is still short, "
+        "dropped groups fill it (zero advantage) and rollout/dynamic_fill_frac says so.",
+    )
+    overlong_buffer: int = field(
+        0,
+        help="DAPO soft overlong punishment: responses longer than rollout.max_new_tokens - "
+        "overlong_buffer lose reward linearly (0 = off).",
+    )
+    overlong_penalty: float = field(1.0, help="DAPO: reward lost at rollout.max_new_tokens.")
+    kl_coef: float = field(
+        0.0,
+        help="Weight of a per-token KL(pi_theta || pi_ref) penalty against a frozen reference "
+        "policy (model.ref_checkpoint); 0 = off and no reference model is built (DAPO drops it).",
+    )
+    kl_type: KLType = field(
+        "low_var_kl",
+        help="KL estimator (loss/kl.py): k1, k2, k3, or low_var_kl (k3 with verl's clamps).",
+    )
+
+    def __post_init__(self):
+        if self.max_sampling_rounds < 1:
+            raise ValueError(f"max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            raise ValueError(
+                "overlong_buffer and overlong_penalty must be >= 0, got "
+                f"{self.overlong_buffer} and {self.overlong_penalty}"
+            )
+        if not 0 <= self.eps_low < 1:
+            raise ValueError(f"eps_low must be in [0, 1), got {self.eps_low}")
+        if self.eps_high < 0:
+            raise ValueError(f"eps_high must be >= 0, got {self.eps_high}")
+        if self.clip_c is not None and self.clip_c <= 1:
+            raise ValueError(f"clip_c must be > 1 (or null to disable), got {self.clip_c}")
+        if not math.isfinite(self.kl_coef) or self.kl_coef < 0:
+            raise ValueError(
+                f"kl_coef must be a finite number >= 0 (0 = no KL penalty), got {self.kl_coef}"
+            )
+        check_literals(self, "loss")
