@@ -42,12 +42,12 @@ test-portable: $(STAMP)
 SGLANG_VENV ?= .venv-sglang
 
 install-sglang:
-	tools/install_sglang_cpu.sh $(SGLANG_VENV)
+	scripts/install_sglang_cpu.sh $(SGLANG_VENV)
 
 test-sglang: $(STAMP) install-sglang
 	MRF8_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -q -m sglang tests/sglang --durations=10
 
-# A real two-node Slurm on this machine (tools/slurm_local.sh: root; apt-get installs slurm-wlm
+# A real two-node Slurm on this machine (scripts/slurm_local.sh: root; apt-get installs slurm-wlm
 # and munge if absent), started and stopped by the tests; submits slurm/train.sbatch. ~2 min,
 # plus the dedicated SGLang rollout node's job (engines + router on n2; needs .venv-sglang).
 test-slurm: $(STAMP) install-sglang
@@ -63,4 +63,4 @@ clean:
 # (docs/gpu.md). Uses .venv if present, else python3; no install (keep the node's CUDA torch).
 .PHONY: gpu-check
 gpu-check:
-	tools/gpu_check.sh $(ARGS)
+	scripts/gpu_check.sh $(ARGS)

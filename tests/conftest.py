@@ -4,7 +4,7 @@ Where a GPU is visible, unmarked tests still run on the CPU: they compare agains
 spawn several ranks that would otherwise share one GPU, and must pass on a GPU box exactly as in
 CI. So CUDA is hidden (``CUDA_VISIBLE_DEVICES=""``) from this process and from every rank and
 subprocess it starts, unless the run selects the ``gpu`` marker (``pytest -m gpu``, as
-``tools/gpu_check.sh`` does): then the GPU tests run on the GPU. Set ``MRF8_TEST_KEEP_CUDA=1`` to
+``scripts/gpu_check.sh`` does): then the GPU tests run on the GPU. Set ``MRF8_TEST_KEEP_CUDA=1`` to
 keep CUDA visible anyway.
 """
 

@@ -1,5 +1,5 @@
 """``python tests/scaled_mm_stand_in.py -m megatron_rl_fp8 train CONFIG ...`` (or
-``... tools/bench_actor.py ARGS``): run a module or script as ``python`` would, with the FP8 GEMM
+``... benchmarks/bench_actor.py ARGS``): run a module or script as ``python`` would, with the FP8 GEMM
 backends that need an FP8 GPU (``fp8.backend: torch | torchao``) allowed on this CPU;
 :func:`allow_fp8_backends` does the same inside a process (a test's rank).
 
@@ -14,7 +14,6 @@ business.
 
 import runpy
 import sys
-from pathlib import Path
 
 
 def allow_fp8_backends() -> None:
@@ -37,5 +36,4 @@ if __name__ == "__main__":  # spawned workers (the reward pool) import this file
         runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
     else:
         sys.argv = sys.argv[1:]
-        sys.path[0] = str(Path(sys.argv[0]).resolve().parent)  # as `python SCRIPT` sets it
         runpy.run_path(sys.argv[0], run_name="__main__")

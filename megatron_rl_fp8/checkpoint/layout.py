@@ -17,7 +17,7 @@ RANK_STATE = "rank_state"
 MANIFEST_FORMAT = 1
 # zlib's crc32, streamed in 8 MiB chunks: in memory 2.1 GB/s on one core of the project's CPU
 # machine (sha1 1.5, sha256 1.4, md5 0.6, blake2b 0.6), ~1.6 GB/s reading a file from the page
-# cache (tools/bench_checkpoint.py). It detects accidental damage (torn writes, bad copies, bit
+# cache (benchmarks/bench_checkpoint.py). It detects accidental damage (torn writes, bad copies, bit
 # rot), which is all a manifest is for; it is no defence against a shard forged on purpose.
 CHECKSUM = "crc32"
 _CHUNK = 8 << 20

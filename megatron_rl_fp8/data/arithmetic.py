@@ -11,7 +11,7 @@ exercises the sign handling of the verifier. Validation prompts are distinct and
 the train file; train prompts may repeat (easy ones do, as in the mix above).
 
 Everything is driven by one ``random.Random(seed)``: the same seed gives the same files byte for
-byte (``tools/make_tiny_task.py`` writes the shipped ones; a unit test regenerates and compares).
+byte (``scripts/make_tiny_task.py`` writes the shipped ones; a unit test regenerates and compares).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ so the task stays trainable while the chain gets long.
 Mix (per problem): 5 or 6 operands, equally likely; each operand has 1 or 2 digits (half each);
 each operator is ``+`` (60%) or ``-`` (40%); totals may go negative (``"3-15=-12"``);
 the rare solution over 63 characters is drawn again, so every answer fits 64 tokens with ``<eos>``. The files
-are written by ``tools/make_tiny_task.py`` with the same seed-for-bytes guarantee as the default
+are written by ``scripts/make_tiny_task.py`` with the same seed-for-bytes guarantee as the default
 task (:mod:`.arithmetic`), and shipped in ``data/assets/chain/``.
 """
 

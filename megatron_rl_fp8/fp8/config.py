@@ -109,7 +109,7 @@ class FP8Config:
         "padding) as one torch.compile'd function instead of six to eight eager kernels that "
         "each read the whole tensor. Same codes and scales (tests check bit equality); the first "
         "step pays the compile (seconds to a minute). Off by default until measured on a GPU: "
-        "tools/bench_actor.py --fp8 torch:tensorwise_current,torch:tensorwise_current+compile.",
+        "benchmarks/bench_actor.py --fp8 torch:tensorwise_current,torch:tensorwise_current+compile.",
     )
     emulate: bool = field(
         default=False,

@@ -45,8 +45,8 @@ the nominal bounds, which are known before any data is seen, so exact sums repla
 One all-reduce (SUM) over the data-parallel (x context-parallel) group merges them; traffic is
 ``8 * (4 * bins + 9)`` bytes, independent of tokens and ranks. Reading the bounds is then a pure
 function of the merged tensor (:func:`bounds_from_histogram`), so every rank gets identical bounds.
-``tests/calib_reference.py`` computes the same thing from raw tokens (O(tokens)) and exists
-as the reference for tests.
+``loss/exact.py`` computes the same thing from raw tokens (O(tokens)): the reference the tests
+and the calibration benchmark hold this path against.
 
 Conventions: tokens with A == 0 or mask 0 are ignored (they get no policy gradient); the PPO dual
 clip is not part of the balance (it touches only extreme ratios); "clipped below" is r < lower and
@@ -117,7 +117,7 @@ def ema_bounds(
     return (decay * prev[0] + (1 - decay) * new[0], decay * prev[1] + (1 - decay) * new[1])
 
 
-def _token_views(
+def token_views(
     fp8_log_ratio: torch.Tensor,
     bf16_log_ratio: torch.Tensor,
     advantages: torch.Tensor,
@@ -165,7 +165,7 @@ def build_calibration_histogram(
     host sync happens here. Log ratios must be finite on response tokens (+-inf is tolerated and
     lands in an edge bin); padding may hold anything.
     """
-    x8, x16, adv, neg, pos = _token_views(fp8_log_ratio, bf16_log_ratio, advantages, mask)
+    x8, x16, adv, neg, pos = token_views(fp8_log_ratio, bf16_log_ratio, advantages, mask)
     valid = neg | pos
     abs_a = adv.abs()
     log_lower, log_upper = math.log1p(-eps_low), math.log1p(eps_high)
@@ -225,7 +225,7 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else math.nan
 
 
-def _clamp(x: float, limits: tuple[float, float]) -> float:
+def clamp_to(x: float, limits: tuple[float, float]) -> float:
     return min(max(x, limits[0]), limits[1])
 
 
@@ -349,7 +349,7 @@ def bounds_from_histogram(
         lower = min(nominal_lower, math.exp(hist_inverse_mass(neg_cnt, 0.0, log_ratio_range)))
     else:
         lower = math.exp(hist_inverse_mass(neg_cnt, q * n_neg, log_ratio_range))
-    lower = _clamp(lower, lower_limits)
+    lower = clamp_to(lower, lower_limits)
     log_l = math.log(lower)
 
     def fp8_neg_unclipped(log_lower: float) -> float:
@@ -375,7 +375,7 @@ def bounds_from_histogram(
                 log_ratio_range=log_ratio_range,
             )
         )
-    upper = _clamp(upper, upper_limits)
+    upper = clamp_to(upper, upper_limits)
     log_u = math.log(upper)
 
     stats = {
@@ -420,6 +420,7 @@ def merged_calibration_histogram(
         log_ratio_range=log_ratio_range,
     )
     if group is not None:
+        # lazy: docs/architecture.md keeps loss/ module tops free of torch.distributed
         import torch.distributed as dist
 
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)

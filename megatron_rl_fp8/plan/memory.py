@@ -80,7 +80,7 @@ if TYPE_CHECKING:
     from megatron_rl_fp8.config import RunConfig
     from megatron_rl_fp8.models.config import ModelConfig
 
-GB = 1e9  # GB here are 10^9 bytes, as tools/bench_actor.py reports torch.cuda.max_memory_allocated
+GB = 1e9  # GB here are 10^9 bytes, as benchmarks/bench_actor.py reports torch.cuda.max_memory_allocated
 
 Recompute = Literal["none", "selective", "full"]
 PHASES = ("update", "logprobs")
@@ -107,7 +107,7 @@ class World:
     nodes: int = 1
     gpu_memory_gb: float = 80.0
     # cpu: fp32 for params_dtype=auto, no fused kernels, the local spec, no allowance (the CPU
-    # validation of tools/validate_plan.py).
+    # validation of scripts/validate_plan.py).
     device: Device = "gpu"
 
     def __post_init__(self):

@@ -181,7 +181,7 @@ def layer_activation_bytes(
     s^2 term); of ``mlp``, drops SwiGLU's and FC2's terms; of ``layernorm``, the two linear
     inputs (norm outputs, recomputed). Context parallelism divides the tokens (the caller's
     business: this is per token). Checked against the tensors autograd saves on the CPU
-    (tools/validate_plan.py); the GPU-only kernels (fused SwiGLU, TE) are read from their code.
+    (scripts/validate_plan.py); the GPU-only kernels (fused SwiGLU, TE) are read from their code.
     """
     h, q, g, f, n = _widths(m)
     gqa = m.num_attention_heads > m.num_query_groups

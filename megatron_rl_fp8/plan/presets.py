@@ -1,4 +1,4 @@
-"""Model shapes for the step-time model and the scaling tables (``tools/scaling_model.py``), from
+"""Model shapes for the step-time model and the scaling tables (``scripts/scaling_model.py``), from
 the public Hugging Face ``config.json`` of each model (hidden_size, num_hidden_layers,
 num_attention_heads, num_key_value_heads, head_dim, intermediate_size, vocab_size,
 tie_word_embeddings). These are shapes to plan with, not runs: a run is a file in ``examples/``
@@ -61,7 +61,7 @@ PRESETS = {
     ),
 }
 
-# The actor shape measured on the H200 (tools/bench_actor.py's default, the step-time model's
+# The actor shape measured on the H200 (benchmarks/bench_actor.py's default, the step-time model's
 # reference point): the Qwen3-1.7B block (huggingface.co/Qwen/Qwen3-1.7B/blob/main/config.json)
 # with an untied output layer, 2.03B parameters.
 BENCH_ACTOR_2B = dict(

@@ -27,7 +27,7 @@ sync           TP gather on NVLink, FP8 quantization (FP8 rollout), the broadcas
 checkpoint     weights + optimizer state at the file system's rate / ``train.save_interval``.
 =============  ===============================================================================
 
-Trainer compute: the FLOP convention of ``tools/bench_actor.py`` (PaLM's: 6 x linear weights per
+Trainer compute: the FLOP convention of ``benchmarks/bench_actor.py`` (PaLM's: 6 x linear weights per
 token + 12 x layers x seq x heads x head_dim for attention, a forward is a third) split in two:
 the linear GEMMs at the measured GEMM efficiency, and the rest (attention, norms, the loss,
 launches; everything not a linear GEMM) at a per-FLOP cost fitted to the measured 2.03B actor
@@ -78,7 +78,7 @@ class Efficiency:
     on the lent H200 (660-770 TFLOP/s of 989; docs/gpu.md, gpu_check run of 2026-11-30)."""
 
     actor_step_s: float = 1.00
-    """The measured trainer step the non-GEMM cost is fitted to: ``tools/bench_actor.py``, 2.03B
+    """The measured trainer step the non-GEMM cost is fitted to: ``benchmarks/bench_actor.py``, 2.03B
     Qwen3 shape, local spec (no TE), bf16, 8 x 2048 tokens, micro-batch 2, one H200: 1.00 s/step,
     19.4% MFU (docs/gpu.md, gpu_check run of 2026-11-30). Local spec with Megatron's unfused
     attention (torch's SDPA, the local spec's GPU default since 2026-12-01, and Transformer
@@ -135,7 +135,7 @@ class Efficiency:
 
     rest_s_per_flop: float | None = None
     """The trainer's non-GEMM seconds per model FLOP *on the device in use*, when fitted there
-    (``tools/validate_step_model.py`` fits it on a measured CPU run). ``None``: the fit to
+    (``scripts/validate_step_model.py`` fits it on a measured CPU run). ``None``: the fit to
     ``actor_step_s`` on the reference GPU, scaled by HBM bandwidth."""
 
     def fp8_speedup(self, recipe: str) -> float:
@@ -149,7 +149,7 @@ EFFICIENCY = Efficiency()
 REFERENCE_GPU = GPUS["H200"]  # where the efficiencies were measured
 
 
-# -- FLOPs: tools/bench_actor.py's convention ------------------------------------------------------
+# -- FLOPs: benchmarks/bench_actor.py's convention ------------------------------------------------------
 def linear_weights(m: ModelConfig) -> float:
     """Weights of every linear GEMM, the output layer included (not the embedding, a lookup)."""
     return m.num_layers * layer_linear_weights(m) + m.hidden_size * m.padded_vocab_size()
@@ -157,7 +157,7 @@ def linear_weights(m: ModelConfig) -> float:
 
 def train_flops_per_token(m: ModelConfig, seq: float) -> tuple[float, float]:
     """(linear, attention) training FLOPs per token, forward + backward, at sequence length
-    ``seq``: ``tools/bench_actor.py:flops_per_token`` split in its two terms (a unit test
+    ``seq``: ``benchmarks/bench_actor.py:flops_per_token`` split in its two terms (a unit test
     holds them equal)."""
     q = m.num_attention_heads * m.kv_channels
     return 6.0 * linear_weights(m), 12.0 * m.num_layers * seq * q

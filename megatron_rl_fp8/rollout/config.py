@@ -20,7 +20,7 @@ class RolloutConfig:
         help="local = in-process transformers engine on the driver rank (CPU boxes); "
         "sglang = SGLang engines (one or a fleet behind sglang-router) launched by the driver "
         "rank or attached to, synced from the ranks holding the weights "
-        "(rollout.sglang; install: tools/install_sglang_cpu.sh on CPU).",
+        "(rollout.sglang; install: scripts/install_sglang_cpu.sh on CPU).",
     )
     sglang: SGLangConfig = field(
         default_factory=SGLangConfig, help="The SGLang engines (used when engine is sglang)."

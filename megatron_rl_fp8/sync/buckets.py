@@ -108,7 +108,7 @@ def export_for_rollout(
     """The export path of every weight sync: Megatron-named full tensors -> engine buckets.
 
     ``full_params`` is the (Megatron name, full tensor) stream of ``sync.gather.iter_full_params``
-    (or any full state dict's items). The trainer's ``EngineLink.sync``, ``tools/bench_sync.py`` and
+    (or any full state dict's items). The trainer's ``EngineLink.sync``, ``benchmarks/bench_sync.py`` and
     the tests all call this one function, with the engine's ``export_options`` (its bucket size,
     and ``dequantize_to`` for servers without FP8 kernels).
     """

@@ -6,7 +6,7 @@ step, can use every GPU. ``rollout.sglang.num_engines: 0`` asks for exactly that
 GPUs cut into blocks of ``rollout.sglang.tp_size``, one engine per block, on every node, so
 ``nodes * (gpus_per_node // tp_size)`` engines. :func:`colocated_engines` is that placement, the
 one the launcher starts (``launch/layout.py``), ``plan --time`` predicts (``plan/time.py``:
-``Fleet``) and ``tools/scaling_model.py`` tabulates.
+``Fleet``) and ``scripts/scaling_model.py`` tabulates.
 
 Engines are numbered as the launcher deals them: round-robin over the nodes (engine e on node
 e % nodes), engine e taking slot e // nodes of its node, GPUs slot * tp_size onwards, so a node's

@@ -312,19 +312,13 @@ def test_torch_backend_gathers_a_sequence_parallel_input_and_keeps_its_own_rows(
 def _saved_bytes_body(rank, world):
     """Bytes the actor's first layer saves for its backward with the torch backend's linears
     (real FP8 codes on the CPU), rowwise vs tensorwise, and what the planner predicts."""
-    import sys
-    from pathlib import Path
 
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
     from megatron_rl_fp8.models.fp8 import emulated_linears
+    from megatron_rl_fp8.plan.measure import FirstLayerSaved
     from megatron_rl_fp8.plan.model_bytes import layer_activation_bytes
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    try:
-        from validate_plan import FirstLayerSaved
-    finally:
-        sys.path.pop(0)
     ids = torch.randint(4, 53, (4, 16), generator=torch.Generator().manual_seed(2))
     batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "loss_mask": torch.ones(4, 16)}
     out = {}

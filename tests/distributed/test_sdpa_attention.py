@@ -96,18 +96,12 @@ def test_a_model_with_sdpa_attention_equals_the_unfused_one(tp):
 def _saved_body(rank, world):
     """Bytes per token the first layer saves for its backward, measured and planned, for each
     attention backend, fp32 and bf16, GQA and MHA."""
-    import sys
-    from pathlib import Path
 
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
+    from megatron_rl_fp8.plan.measure import FirstLayerSaved
     from megatron_rl_fp8.plan.model_bytes import layer_activation_bytes
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    try:
-        from validate_plan import FirstLayerSaved
-    finally:
-        sys.path.pop(0)
     parallel.initialize(parallel.ParallelConfig(), seed=5)
     ids = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(0))
     out = {}

@@ -1,5 +1,5 @@
 """The trainer's weight sync runs the one export path (``sync.buckets.export_for_rollout``), the
-function ``tools/bench_sync.py`` measures: the buckets the engine receives equal, name for name,
+function ``benchmarks/bench_sync.py`` measures: the buckets the engine receives equal, name for name,
 bucket for bucket and bit for bit, what that function makes from the same weights. Checked with
 FP8 rollout weights (codes + scales), and at TP=2 (where the gather runs first)."""
 

@@ -1,5 +1,5 @@
 """The GPU-library contracts of docs/gpu_contracts.md, checked against the hardware (marked
-``gpu``; ``tools/gpu_check.sh`` runs them first). Their CPU halves are
+``gpu``; ``scripts/gpu_check.sh`` runs them first). Their CPU halves are
 tests/unit/test_gpu_contracts.py and tests/unit/test_sync_contracts.py; here each precondition
 written there is confirmed on the GPU, and the project's code is run where it meets it.
 

@@ -1,5 +1,5 @@
 """SGLang tests need a Python with SGLang: ``MRF8_SGLANG_PYTHON`` or the venv made by
-``tools/install_sglang_cpu.sh`` (.venv-sglang). Without one they are skipped, not failed; they are
+``scripts/install_sglang_cpu.sh`` (.venv-sglang). Without one they are skipped, not failed; they are
 also deselected by default (marker ``sglang``): run them with ``make test-sglang``."""
 
 import os
@@ -19,5 +19,5 @@ def sglang_python() -> str | None:
 def sglang_py():
     path = sglang_python()
     if path is None:
-        pytest.skip("no SGLang python: run tools/install_sglang_cpu.sh or set MRF8_SGLANG_PYTHON")
+        pytest.skip("no SGLang python: run scripts/install_sglang_cpu.sh or set MRF8_SGLANG_PYTHON")
     return path

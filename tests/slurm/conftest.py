@@ -1,5 +1,5 @@
 """A real Slurm for the launcher's tests: two slurmd (n1, n2) on this machine, on loopback
-(tools/slurm_local.sh), started once per session and stopped after it.
+(scripts/slurm_local.sh), started once per session and stopped after it.
 
 Marked ``slurm`` and deselected by default: ``make test-slurm``. Needs root (slurmd, munged);
 apt-get installs Debian's slurm-wlm and munge if absent. Without root or the packages the tests
@@ -23,9 +23,9 @@ import pytest
 from tests.sglang.conftest import sglang_py  # noqa: F401 - the SGLang fixture, shared
 
 ROOT = Path(__file__).resolve().parents[2]
-SLURM_LOCAL = ROOT / "tools" / "slurm_local.sh"
+SLURM_LOCAL = ROOT / "scripts" / "slurm_local.sh"
 SBATCH = ROOT / "slurm" / "train.sbatch"
-UNAVAILABLE = 3  # tools/slurm_local.sh: no root, or the packages cannot be installed
+UNAVAILABLE = 3  # scripts/slurm_local.sh: no root, or the packages cannot be installed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,7 @@ def slurm_cluster(tmp_path_factory) -> Cluster:
     if sys.platform != "linux":
         pytest.skip("the local Slurm runs on Linux only")
     if os.geteuid() != 0:
-        pytest.skip("needs root: tools/slurm_local.sh runs munged and slurmd as root")
+        pytest.skip("needs root: scripts/slurm_local.sh runs munged and slurmd as root")
     state = tmp_path_factory.mktemp("slurm")
     start = subprocess.run(
         [str(SLURM_LOCAL), "start", str(state)], capture_output=True, text=True, timeout=300
@@ -76,7 +76,7 @@ def slurm_cluster(tmp_path_factory) -> Cluster:
     if start.returncode == UNAVAILABLE:
         pytest.skip(f"no local Slurm: {start.stderr.strip()}")
     try:
-        assert start.returncode == 0, f"tools/slurm_local.sh start failed:\n{start.stderr}"
+        assert start.returncode == 0, f"scripts/slurm_local.sh start failed:\n{start.stderr}"
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
         env["SLURM_CONF"] = str(state / "slurm.conf")
         yield Cluster(dir=state, env=env)

@@ -8,7 +8,7 @@ engines on the weights the trainer had (``token_mult_prob_error`` within 1e-3 of
 fp32, so a stale or wrong weight gives >> 1.01), and no engine or router outlives the job.
 
 Marked ``slurm`` and ``sglang``: ``make test-slurm`` runs it when an SGLang python is there
-(MRF8_SGLANG_PYTHON, or .venv-sglang from tools/install_sglang_cpu.sh); skipped otherwise.
+(MRF8_SGLANG_PYTHON, or .venv-sglang from scripts/install_sglang_cpu.sh); skipped otherwise.
 """
 
 import time

@@ -1,15 +1,13 @@
-"""tools/bench_calibration.py: the share arithmetic on hand-made metric lines, and the merge
+"""benchmarks/bench_calibration.py: the share arithmetic on hand-made metric lines, and the merge
 comparison on two real gloo ranks (the histogram path agrees with the exact all-gather)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import bench_calibration as bench  # noqa: E402
+from tests.scripts import load_script
+
+bench = load_script("benchmarks/bench_calibration.py")
 
 
 def _line(step, *, shadow=None, eval_s=0.0):

@@ -1,4 +1,4 @@
-"""tools/bench_pipeline.py: its jobs' overrides are a valid run config for both settings, the
+"""benchmarks/bench_pipeline.py: its jobs' overrides are a valid run config for both settings, the
 steps it times, and the pinned interpreter it hands the engine (a real child process)."""
 
 from __future__ import annotations
@@ -7,14 +7,13 @@ import argparse
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import bench_pipeline as bench  # noqa: E402
+from megatron_rl_fp8.config import load_config
+from tests.scripts import load_script
 
-from megatron_rl_fp8.config import load_config  # noqa: E402
+bench = load_script("benchmarks/bench_pipeline.py")
 
 ARGS = argparse.Namespace(steps=10, prompts=32, samples=8, max_new_tokens=8, updates=2)
 

@@ -14,7 +14,7 @@ from megatron_rl_fp8.loss import (
     calibrated_clip_bounds,
     ema_bounds,
 )
-from tests.calib_reference import exact_calibrated_clip_bounds
+from megatron_rl_fp8.loss.exact import exact_calibrated_clip_bounds
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 BIN_WIDTH = 4.0 / 4096

@@ -4,7 +4,7 @@
 nominal bounds, to within the mass of the histogram bin a bound falls in (the histogram's
 resolution), over random batches that shift, widen and skew the FP8 ratios; ``balance`` may widen
 the upper bound but never tighten it; :func:`invariant_violations` names the signs on which
-calibrated bounds do harm. Shares are counted token by token in float64 (tests/calib_reference).
+calibrated bounds do harm. Shares are counted token by token in float64 (loss/exact.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from megatron_rl_fp8.loss import (
     invariant_violations,
 )
 from megatron_rl_fp8.loss.config import DEFAULT_LOWER_LIMITS, DEFAULT_UPPER_LIMITS
+from megatron_rl_fp8.loss.exact import exact_calibrated_clip_bounds, exact_clip_shares
 from megatron_rl_fp8.loss.histogram import bin_index
-from tests.calib_reference import exact_calibrated_clip_bounds, exact_clip_shares
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 NOMINAL = (1 - EPS_LOW, 1 + EPS_HIGH)

@@ -74,7 +74,7 @@ def test_default_lengths_fit_the_task_config():
 
 
 def test_regeneration_is_byte_exact(tmp_path):
-    # The shipped assets are exactly what tools/make_tiny_task.py writes with its defaults.
+    # The shipped assets are exactly what scripts/make_tiny_task.py writes with its defaults.
     train, val = write_task_files(tmp_path / "arithmetic")
     assert train.read_bytes() == DEFAULT_TRAIN_PATH.read_bytes()
     assert val.read_bytes() == DEFAULT_VAL_PATH.read_bytes()
@@ -89,7 +89,7 @@ def test_make_tiny_task_script(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "tools" / "make_tiny_task.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "make_tiny_task.py"
     argv = sys.argv
     sys.argv = [str(script), "--out-dir", str(tmp_path), "--num-train", "50", "--num-val", "10"]
     try:

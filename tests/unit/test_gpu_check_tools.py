@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
 
@@ -35,15 +37,11 @@ def _table_rows(stdout: str) -> list[list[str]]:
 
 
 def test_bench_gemm_cpu_smoke(tmp_path):
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import bench_gemm
-    finally:
-        sys.path.pop(0)
+    bench_gemm = load_script("benchmarks/bench_gemm.py")
     out = _run(
         [
             sys.executable,
-            "tools/bench_gemm.py",
+            "benchmarks/bench_gemm.py",
             "--cpu-smoke",
             "--tokens",
             "64,128",
@@ -65,7 +63,7 @@ def test_bench_gemm_cpu_smoke(tmp_path):
             assert r["method"] in bench_gemm.FP8_METHODS
             assert r["status"].startswith("unavailable") and r["tflops"] is None
     assert {r["vs_bf16"] for r in rows if r["method"] == "bf16"} == {1.0}
-    bad = _run([sys.executable, "tools/bench_gemm.py", "--cpu-smoke", "--tokens", "100"])
+    bad = _run([sys.executable, "benchmarks/bench_gemm.py", "--cpu-smoke", "--tokens", "100"])
     assert (
         bad.returncode == 2
         and "--tokens '100': each must be a positive multiple of 16" in bad.stderr
@@ -79,7 +77,7 @@ def test_bench_actor_cpu_smoke(tmp_path):
     out = _run(
         [
             sys.executable,
-            "tools/bench_actor.py",
+            "benchmarks/bench_actor.py",
             "--cpu-smoke",
             "--varlen",
             "--configs",
@@ -122,7 +120,7 @@ def test_bench_actor_fp8_rows_through_the_real_fp8_backends(tmp_path):
     pytest.importorskip("torchao")
     fp8 = "bf16,torch:tensorwise_current,torchao:tensorwise_current"
     out = _run(
-        [sys.executable, "tests/scaled_mm_stand_in.py", "tools/bench_actor.py", "--cpu-smoke",
+        [sys.executable, "tests/scaled_mm_stand_in.py", "benchmarks/bench_actor.py", "--cpu-smoke",
          "--fp8", fp8, "--profile", "2", "--json", str(tmp_path / "actor.json")]
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -138,11 +136,7 @@ def test_bench_actor_fp8_rows_through_the_real_fp8_backends(tmp_path):
 def test_bench_sync_quantizers_cpu_smoke(tmp_path, capsys):
     """In process (modelopt's import is paid once per test session, not once more here); the
     thread count passed is the current one, so the run leaves this process's setting alone."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import bench_sync
-    finally:
-        sys.path.pop(0)
+    bench_sync = load_script("benchmarks/bench_sync.py")
     args = ["--quantizers", "--device", "cpu", "--small", "--reps", "1"]
     threads = ["--threads", str(torch.get_num_threads()), "--json", str(tmp_path / "q.json")]
     bench_sync.main(args + threads)
@@ -164,11 +158,7 @@ def test_bench_sync_quantizers_cpu_smoke(tmp_path, capsys):
 def test_actor_flops_match_qwen3_published_sizes():
     """The FLOP count's parameter arithmetic reproduces Qwen3-1.7B's model card (1.7B, 1.4B
     non-embedding, tied embeddings); the benchmark unties the output layer: 2.03B."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import bench_actor
-    finally:
-        sys.path.pop(0)
+    bench_actor = load_script("benchmarks/bench_actor.py")
     mc = bench_actor.model_config(False, 2048)
     fpt, params = bench_actor.flops_per_token(mc, 2048)
     assert params == pytest.approx(2.03e9, rel=0.005)
@@ -185,11 +175,7 @@ def test_actor_shapes_of_larger_models_with_fewer_layers(capsys):
     """``--shape`` / ``--layers``: a preset's layers (the GEMM shapes of an 8B or 32B model), as
     deep as one GPU holds. At full depth the parameter count is the model card's: Qwen3-8B 8.2B,
     Qwen3-32B 32.8B (untied output layers)."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import bench_actor
-    finally:
-        sys.path.pop(0)
+    bench_actor = load_script("benchmarks/bench_actor.py")
     mc = bench_actor.model_config(False, 2048, shape="qwen3-8b", layers=8)
     assert (mc.num_layers, mc.hidden_size, mc.ffn_hidden_size) == (8, 4096, 12288)
     full = {"qwen3-8b": 8.19e9, "qwen3-32b": 32.76e9}
@@ -211,7 +197,7 @@ def test_actor_shapes_of_larger_models_with_fewer_layers(capsys):
 def test_gpu_check_stops_clearly_without_a_gpu(tmp_path):
     env_python = {"PYTHON": sys.executable}
     out = subprocess.run(
-        ["bash", "tools/gpu_check.sh", "--out", str(tmp_path / "o")],
+        ["bash", "scripts/gpu_check.sh", "--out", str(tmp_path / "o")],
         cwd=ROOT,
         env={**os.environ, **env_python},
         capture_output=True,
@@ -226,11 +212,7 @@ def test_gpu_check_stops_clearly_without_a_gpu(tmp_path):
 
 def test_bench_actor_profile_kinds_from_kernel_names():
     """GPU kernel names as the profiler reports them (H100/H200, torch 2.x) sorted into kinds."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import bench_actor
-    finally:
-        sys.path.pop(0)
+    bench_actor = load_script("benchmarks/bench_actor.py")
     kinds = {
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1": "GEMM",
         "nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNT": "GEMM",
@@ -255,11 +237,7 @@ def test_bench_actor_profile_kinds_from_kernel_names():
 def test_bench_actor_fp8_entries_and_ratios_against_bf16():
     """``--fp8``: entries are checked before anything is built, and each row's ratios are
     against its configuration's BF16 row."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import bench_actor
-    finally:
-        sys.path.pop(0)
+    bench_actor = load_script("benchmarks/bench_actor.py")
     entries = bench_actor.parse_fp8("bf16, torch:tensorwise_current,rowwise,emulate:mxfp8")
     assert [label for label, _ in entries] == [
         "bf16",
@@ -309,7 +287,7 @@ def test_bench_rollout_parse_cpu_smoke(capsys, monkeypatch):
     import runpy
     import sys
 
-    script = str(ROOT / "tools" / "bench_rollout_parse.py")
+    script = str(ROOT / "benchmarks" / "bench_rollout_parse.py")
     argv = [
         script,
         "--tokens",

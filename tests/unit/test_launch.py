@@ -596,7 +596,7 @@ def test_every_shell_script_is_shellcheck_clean():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
     root = SBATCH.parents[1]
-    scripts = [SBATCH, *sorted((root / "tools").glob("*.sh")), root / ".ci" / "run"]
+    scripts = [SBATCH, *sorted((root / "scripts").glob("*.sh")), root / ".ci" / "run"]
     proc = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
 

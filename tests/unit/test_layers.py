@@ -251,3 +251,45 @@ def test_the_recipe_branch_finder_finds_them(tmp_path):
         "m.py:5: names recipe 'mxfp8'",
         "m.py:6: compares a recipe with a name",
     ]
+
+
+def sys_path_edits(path: Path) -> list[str]:
+    """``file:line`` of every change to ``sys.path`` in ``path`` (a call of one of its methods
+    that changes it, an assignment to it or to an item of it)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ("insert", "append", "extend", "remove", "pop", "clear"):
+                targets = [node.func.value]
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            targets = [t.value if isinstance(t, ast.Subscript) else t for t in targets]
+        if any(ast.unparse(t) == "sys.path" for t in targets):
+            found.append(
+                f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{node.lineno}"
+            )
+    return found
+
+
+def test_nothing_edits_sys_path():
+    """Scripts (benchmarks/, scripts/) import the installed package, never each other, and tests
+    load a script from its file (tests/scripts.py): no module reaches another through sys.path."""
+    skip = {".git", ".venv", ".venv-sglang", "runs"}
+    files = [p for p in ROOT.rglob("*.py") if not skip & set(p.relative_to(ROOT).parts)]
+    assert len(files) > 100
+    found = [hit for path in files for hit in sys_path_edits(path)]
+    assert not found, "\n".join(found)
+
+
+def test_the_sys_path_finder_finds_them(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        '"""Docstrings may say sys.path.insert."""\n'
+        "import sys\n"
+        "sys.path.insert(0, 'x')\n"
+        "sys.path[0] = 'y'\n"
+        "sys.path += ['z']\n"
+        "print(sys.path.index('x'))\n"
+    )
+    assert sorted(sys_path_edits(src)) == ["m.py:3", "m.py:4", "m.py:5"]

@@ -133,7 +133,7 @@ def test_sequence_and_context_parallelism_and_recompute_reduce_activations():
 def test_layer_activations_match_the_tensors_autograd_saves_on_the_cpu():
     """Hidden 256, 8 query / 2 KV heads of 32, SwiGLU 768, 64 tokens, fp32 local spec: the
     tensors one layer of the real actor saved for its backward (counted per storage through
-    saved_tensors_hooks, as tools/validate_plan.py's FirstLayerSaved does) came to 31824 bytes
+    saved_tensors_hooks, as scripts/validate_plan.py's FirstLayerSaved does) came to 31824 bytes
     per token, 31488 of them in the terms the planner counts (norms 6144, QKV output and
     QK-norms 3840, attention 3072 + scores 2048, projection 1024, SwiGLU 12288, FC2 3072) and
     336 in small ones it leaves out (norm statistics, RoPE tables, the causal mask)."""
@@ -207,7 +207,7 @@ def test_alternative_layouts_fit_and_are_valid():
 
 
 def test_the_2b_gpu_reference_point():
-    """tools/bench_actor.py's 2.03B Qwen3 shape (28 layers, hidden 2048, ffn 6144, 16 / 8 heads
+    """benchmarks/bench_actor.py's 2.03B Qwen3 shape (28 layers, hidden 2048, ffn 6144, 16 / 8 heads
     of 128, vocab 151936, untied), local spec, bf16, 8 x 2048-token rows in micro-batches of 2,
     no recompute, plain DDP + Adam, the unchunked log-prob path it ran with:
     torch.cuda.max_memory_allocated was 82.4 GB on an H200. The planner's allocated bytes (no

@@ -10,15 +10,15 @@ fenced shell block is split into commands, and each command is checked by the ru
   config and overrides, on torchrun's ranks as GPUs. That is the config and layout check ``train``
   makes before any compute, minus the packages this machine lacks and checkpoint folders that exist
   only on a cluster (the config states the model's shape).
-* ``python tools/X.py``: runs as written when it is cheap (``RUN_AS_WRITTEN``); otherwise its
+* ``python scripts/X.py`` (or ``benchmarks/``): runs as written when it is cheap (``RUN_AS_WRITTEN``); otherwise its
   ``--help`` must work.
 * ``pip install``: ``torch==V`` is the Makefile's pin, and ``-e ".[extras]"`` names extras that
   ``setup.py`` has.
 * ``python3 -m venv DIR`` and ``. DIR/bin/activate``: DIR is the Makefile's venv.
 
-The commands run in order, in a scratch directory. So ``tools/make_tiny_hf_model.py`` writes
+The commands run in order, in a scratch directory. So ``scripts/make_tiny_hf_model.py`` writes
 ``runs/tiny_hf/`` there, and the next command's config finds it. Repository paths
-(``examples/...``, ``tools/...``) are resolved from the repository root. A command that no rule
+(``examples/...``, ``scripts/...``) are resolved from the repository root. A command that no rule
 knows fails the test, so the README cannot gain an unchecked command. Also checked: the README's
 test command is the one ``.ci/run`` calls, every ``examples/*.yaml`` is in its table, every path
 and link it names exists, and every ``make`` target and ``megatron-rl-fp8`` subcommand it names
@@ -43,8 +43,10 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 MAKEFILE = ROOT / "Makefile"
 SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
-REPO_DIRS = ("examples/", "tools/", "slurm/", "docs/", "dev/")
-RUN_AS_WRITTEN = {"tools/make_tiny_hf_model.py"}  # a few seconds; the next command needs its output
+REPO_DIRS = ("examples/", "scripts/", "benchmarks/", "slurm/", "docs/", "dev/")
+RUN_AS_WRITTEN = {
+    "scripts/make_tiny_hf_model.py"
+}  # a few seconds; the next command needs its output
 MAX_LINES = 130  # a front door: settings go to `megatron-rl-fp8 config` and the docs that own them
 
 
@@ -183,7 +185,7 @@ def check(argv: list[str], monkeypatch) -> None:
         assert args[2:] == [venv], f"creates {args[2:]}, the Makefile's venv is {venv}"
     elif prog in ("python", "python3") and args[:2] == ["-m", "megatron_rl_fp8"]:
         check_cli(args[2:])
-    elif prog in ("python", "python3") and args and args[0].startswith("tools/"):
+    elif prog in ("python", "python3") and args and args[0].startswith(("scripts/", "benchmarks/")):
         check_tool(args[0], args[1:], monkeypatch)
     else:
         raise AssertionError(f"no check for `{shlex.join(argv)}` yet: add one to {__file__}")

@@ -5,8 +5,6 @@ phases, memory from the planner, presets, and the ``plan --time`` CLI."""
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,6 +14,7 @@ from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.plan import Layout, World, estimate
 from megatron_rl_fp8.plan.hardware import GPUS, get_gpu
+from megatron_rl_fp8.plan.measure import flops_per_token, preset_model
 from megatron_rl_fp8.plan.model_bytes import stage_params
 from megatron_rl_fp8.plan.presets import PRESETS, preset_overrides
 from megatron_rl_fp8.plan.time import (
@@ -27,8 +26,8 @@ from megatron_rl_fp8.plan.time import (
     train_flops_per_token,
     trainer_pass_seconds,
 )
+from tests.scripts import load_script
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
 EXAMPLE = EXAMPLES_DIR / "qwen3_8b_grpo_math_fp8.yaml"
 
 # hidden 64, 4 query heads / 2 KV groups of 16, SwiGLU 128, vocab 256, 2 layers (test_plan's SMALL)
@@ -70,13 +69,8 @@ def test_flops_by_hand():
     assert attn == 12 * 2 * 256 * 64  # layers x seq x heads x head_dim
 
 
-def test_flops_are_bench_actors_convention():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        from bench_actor import flops_per_token, model_config
-    finally:
-        sys.path.remove(str(TOOLS))
-    for m, seq in ((TINY, 256), (model_config(False, 2048), 2048)):
+def test_flops_split_is_the_measured_convention():
+    for m, seq in ((TINY, 256), (preset_model("2b", 2048), 2048)):
         lin, attn = train_flops_per_token(m, seq)
         assert lin + attn == pytest.approx(flops_per_token(m, seq)[0], rel=1e-12)
 
@@ -84,12 +78,7 @@ def test_flops_are_bench_actors_convention():
 def test_the_fitted_reference_step_is_reproduced():
     """The non-GEMM cost is fitted to bench_actor's measured 2.03B step on an H200; the model must
     give that step back (forward + backward = 3 forwards, plus Adam)."""
-    sys.path.insert(0, str(TOOLS))
-    try:
-        from bench_actor import model_config
-    finally:
-        sys.path.remove(str(TOOLS))
-    m = model_config(False, 2048)
+    m = preset_model("2b", 2048)
     lay = Layout()
     step = trainer_pass_seconds(
         m,
@@ -254,12 +243,7 @@ def test_scaling_tables_engines_are_the_launchers_placement(preset, gpu, nodes, 
 
 
 def _scaling_model():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import scaling_model
-    finally:
-        sys.path.remove(str(TOOLS))
-    return scaling_model
+    return load_script("scripts/scaling_model.py")
 
 
 DEDICATED = ("rollout.placement=dedicated", "rollout.sglang.transport=distributed")
@@ -370,11 +354,11 @@ def test_scaling_pipelined_cases_are_dedicated_and_one_step_off(
 
 
 def test_scaling_doc_pipelined_table_is_up_to_date():
-    """docs/scaling.md's pipelined table is what `python tools/scaling_model.py` prints now."""
+    """docs/scaling.md's pipelined table is what `python scripts/scaling_model.py` prints now."""
     sm = _scaling_model()
     cases = [
         (e, sm.make_pipelined_case(p, sm.PIPELINE_GPU, n, e))
         for p in PRESETS
         for n, e in sm.PIPELINE_NODES
     ]
-    assert sm.pipeline_table(cases) in sm.DOC.read_text(), "run python tools/scaling_model.py"
+    assert sm.pipeline_table(cases) in sm.DOC.read_text(), "run python scripts/scaling_model.py"

@@ -1,5 +1,5 @@
 """What this project relies on SGLang to do, each written as the precondition read from SGLang's
-source (0.5.23, the version ``tools/install_sglang_cpu.sh`` installs), and the project's side of it.
+source (0.5.23, the version ``scripts/install_sglang_cpu.sh`` installs), and the project's side of it.
 
 The default run checks our side without SGLang. Where SGLang's own code runs on CPU, the tests
 marked ``sglang`` run it too, in SGLang's interpreter (``.venv-sglang`` or ``MRF8_SGLANG_PYTHON``;
@@ -39,7 +39,7 @@ def _python(mode: str) -> str:
         return sys.executable
     path = sglang_python()
     if path is None:
-        pytest.skip("no SGLang python: run tools/install_sglang_cpu.sh or set MRF8_SGLANG_PYTHON")
+        pytest.skip("no SGLang python: run scripts/install_sglang_cpu.sh or set MRF8_SGLANG_PYTHON")
     return path
 
 

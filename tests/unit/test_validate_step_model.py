@@ -1,4 +1,4 @@
-"""tools/validate_step_model.py's pure parts: step medians, the closed-form fit (it recovers
+"""scripts/validate_step_model.py's pure parts: step medians, the closed-form fit (it recovers
 known constants from the model's own predictions), the error rows and the doc block."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from megatron_rl_fp8.config import load_config
 from megatron_rl_fp8.plan.hardware import GPU
 
-_PATH = Path(__file__).resolve().parents[2] / "tools" / "validate_step_model.py"
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "validate_step_model.py"
 _spec = importlib.util.spec_from_file_location("validate_step_model", _PATH)
 vsm = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(vsm)

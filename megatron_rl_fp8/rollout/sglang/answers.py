@@ -4,7 +4,7 @@ A round sends every request at once (up to :data:`MAX_IN_FLIGHT` threads), decod
 answer and checks it (``http.parse_completion``). Decoding holds the GIL for the whole of an
 answer (6 ms for 8192 tokens of logprobs), and under ``train.pipeline=one_step_off`` the round
 runs while the driver launches the update's kernels, which need the GIL for every small op: a
-thread decoding answers slowed a launch-bound update 377x (``tools/bench_rollout_parse.py``,
+thread decoding answers slowed a launch-bound update 377x (``benchmarks/bench_rollout_parse.py``,
 docs/benchmarks.md). With ``rollout.sglang.parse_answers: process`` (the default) the round runs
 in :class:`AnswerProcess`, a spawned helper that imports no torch, and each completion comes back
 as two packed arrays: the trainer's process unpickles bytes and makes two lists per answer.

@@ -1,9 +1,9 @@
 #!/bin/bash
 # A real two-node Slurm on this machine, for tests (tests/slurm, `make test-slurm`).
 #
-#   tools/slurm_local.sh start DIR    install slurm-wlm + munge if absent, start the cluster
-#   tools/slurm_local.sh status DIR   sinfo + squeue; exit 1 when the controller does not answer
-#   tools/slurm_local.sh stop DIR     cancel its jobs, stop its daemons
+#   scripts/slurm_local.sh start DIR    install slurm-wlm + munge if absent, start the cluster
+#   scripts/slurm_local.sh status DIR   sinfo + squeue; exit 1 when the controller does not answer
+#   scripts/slurm_local.sh stop DIR     cancel its jobs, stop its daemons
 #
 # Exit 2 on an error, 3 when Slurm cannot be had here (not root, apt-get failed): tests skip on 3.
 # Everything lives under DIR: slurm.conf, a private munged (own key, socket and pid file), the
@@ -29,7 +29,7 @@ unavailable() {
 }
 
 usage() {
-    die "usage: tools/slurm_local.sh start|stop|status DIR"
+    die "usage: scripts/slurm_local.sh start|stop|status DIR"
 }
 
 [[ $# -eq 2 ]] || usage
@@ -88,7 +88,7 @@ write_conf() {
     real_mb=$((mem_mb / 2 > 16000 ? 16000 : mem_mb / 2))
     mkdir -p "$DIR/state" "$DIR/log"
     {
-        echo "# Written by tools/slurm_local.sh: two nodes on loopback, for tests."
+        echo "# Written by scripts/slurm_local.sh: two nodes on loopback, for tests."
         echo "ClusterName=mrf8local"
         echo "SlurmctldHost=$host(127.0.0.1)"
         echo "SlurmctldPort=$port"

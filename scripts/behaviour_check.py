@@ -1,8 +1,8 @@
 """Does a refactor change what the trainer does? Run one fixed tiny full-FP8 job and compare its
 metrics with the same job run on another commit, bit for bit.
 
-    python tools/behaviour_check.py run OUT            # the job, into OUT (removed first)
-    python tools/behaviour_check.py compare OUT_A OUT_B   # exit 1 and the first differences
+    python scripts/behaviour_check.py run OUT            # the job, into OUT (removed first)
+    python scripts/behaviour_check.py compare OUT_A OUT_B   # exit 1 and the first differences
 
 The job (examples/tiny_cpu_fp8.yaml, shortened): blockwise FP8 training and rollout, calibrated
 clipping every 3 optimizer steps, DAPO dynamic sampling and overlong shaping, a guard action

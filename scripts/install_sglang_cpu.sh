@@ -2,7 +2,7 @@
 # Install SGLang's CPU engine into its own venv (default .venv-sglang), for the SGLang rollout
 # engine on CPU boxes (CI, laptops). Idempotent: a stamp file records what was installed.
 #
-#   tools/install_sglang_cpu.sh [VENV_DIR]
+#   scripts/install_sglang_cpu.sh [VENV_DIR]
 #
 # Why a separate venv: `pip install sglang` pins torch 2.14.1 (a multi-GB CUDA build on this kind
 # of box), transformers 5.19.0 and CUDA-only kernels. The trainer's venv must keep its own
@@ -64,7 +64,7 @@ write_standin() {  # $1 = package name, $2 = why it is missing
   local pkg="$1" why="$2"
   mkdir -p "$SITE/$pkg"
   cat > "$SITE/$pkg/__init__.py" <<EOF
-"""Import-time stand-in for \`$pkg\` written by megatron-rl-fp8's tools/install_sglang_cpu.sh.
+"""Import-time stand-in for \`$pkg\` written by megatron-rl-fp8's scripts/install_sglang_cpu.sh.
 
 $why Importing works (SGLang imports it at module top on every device); calling anything raises.
 """

@@ -2,8 +2,8 @@
 CPU engine pinned to one core and the trainer pinned to another, both ``train.pipeline`` settings
 in one run, wall seconds per step side by side and their ratio.
 
-    python tools/bench_pipeline.py                      # needs .venv-sglang (make install-sglang)
-    python tools/bench_pipeline.py --steps 8 --rounds 2 --json pipeline.json
+    python benchmarks/bench_pipeline.py                      # needs .venv-sglang (make install-sglang)
+    python benchmarks/bench_pipeline.py --steps 8 --rounds 2 --json pipeline.json
 
 Each job is ``megatron-rl-fp8 train examples/tiny_cpu_fp8.yaml`` (``--config``: the full FP8
 pipeline with calibrated clipping) with ``rollout.engine=sglang``

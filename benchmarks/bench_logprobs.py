@@ -18,7 +18,7 @@ is both timed and measured.
 
 Usage::
 
-    python tools/bench_logprobs.py [--tokens 8192] [--vocab 32768] [--chunk 4096] \\
+    python benchmarks/bench_logprobs.py [--tokens 8192] [--vocab 32768] [--chunk 4096] \\
         [--temperature 1.0] [--padding 0] [--rounds 2] [--threads 2]
 """
 

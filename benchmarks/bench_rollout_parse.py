@@ -11,7 +11,7 @@ answers of ``--tokens`` tokens back to back, and with those answers parsed the w
 that sends back each completion as two packed arrays, which a thread here turns into lists
 (``rollout/sglang/answers.py``). In one run, alternating, best of ``--reps``:
 
-    python tools/bench_rollout_parse.py [--tokens 8192] [--answers 64] [--device cuda]
+    python benchmarks/bench_rollout_parse.py [--tokens 8192] [--answers 64] [--device cuda]
 
 The ratio "with parse / alone" above 1 is the update's slowdown; the parsers' own rates are
 printed too. On a CPU both threads also compete for cores (``--threads`` pins torch's), so the
@@ -24,17 +24,13 @@ import argparse
 import concurrent.futures
 import json
 import multiprocessing as mp
-import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_rl_fp8.rollout.sglang.answers import pack, unpack  # noqa: E402
-from megatron_rl_fp8.rollout.sglang.http import parse_completion  # noqa: E402
+from megatron_rl_fp8.rollout.sglang.answers import pack, unpack
+from megatron_rl_fp8.rollout.sglang.http import parse_completion
 
 
 def canned_answer(tokens: int) -> str:

@@ -11,9 +11,9 @@ to end), the one-step-off pipelined step on dedicated engine nodes against the s
 (:func:`dedicated_config`), and the validation against the measured H200 actor steps of
 docs/gpu.md.
 
-    python tools/scaling_model.py                    # rewrites the tables in docs/scaling.md
-    python tools/scaling_model.py --print            # prints them instead
-    python tools/scaling_model.py --no-plots
+    python scripts/scaling_model.py                    # rewrites the tables in docs/scaling.md
+    python scripts/scaling_model.py --print            # prints them instead
+    python scripts/scaling_model.py --no-plots
 """
 
 from __future__ import annotations
@@ -27,18 +27,16 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from megatron_rl_fp8.config import EXAMPLES_DIR, load_config  # noqa: E402
-from megatron_rl_fp8.config_utils import ConfigError  # noqa: E402
-from megatron_rl_fp8.fp8.recipes import RECIPES  # noqa: E402
-from megatron_rl_fp8.plan.hardware import GPUS  # noqa: E402
-from megatron_rl_fp8.plan.layouts import alternatives  # noqa: E402
-from megatron_rl_fp8.plan.memory import GB, Layout, World  # noqa: E402
-from megatron_rl_fp8.plan.model_bytes import CHUNKED_LOGPROBS, stage_params  # noqa: E402
-from megatron_rl_fp8.plan.presets import PRESETS, preset_overrides  # noqa: E402
-from megatron_rl_fp8.plan.time import (  # noqa: E402
+from megatron_rl_fp8.config import EXAMPLES_DIR, load_config
+from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.fp8.recipes import RECIPES
+from megatron_rl_fp8.plan.hardware import GPUS
+from megatron_rl_fp8.plan.layouts import alternatives
+from megatron_rl_fp8.plan.measure import preset_model
+from megatron_rl_fp8.plan.memory import GB, Layout, World
+from megatron_rl_fp8.plan.model_bytes import CHUNKED_LOGPROBS, stage_params
+from megatron_rl_fp8.plan.presets import PRESETS, preset_overrides
+from megatron_rl_fp8.plan.time import (
     EFFICIENCY,
     PHASES,
     PRECISIONS,
@@ -49,8 +47,9 @@ from megatron_rl_fp8.plan.time import (  # noqa: E402
     train_flops_per_token,
     trainer_pass_seconds,
 )
-from megatron_rl_fp8.utils.engine_placement import colocated_engines  # noqa: E402
+from megatron_rl_fp8.utils.engine_placement import colocated_engines
 
+ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = EXAMPLES_DIR / "qwen3_8b_grpo_math_fp8.yaml"
 WORKLOAD = [
     "model.hf_checkpoint=null",
@@ -377,10 +376,7 @@ def efficiency_variants() -> dict:
 
 def validation_table() -> str:
     """The trainer part of the model against the measured H200 actor steps of docs/gpu.md."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    from bench_actor import model_config
-
-    m = model_config(False, 2048)
+    m = preset_model("2b", 2048)
     opt = optimizer_seconds(stage_params(m, 1, 1, 0), REFERENCE_GPU, EFFICIENCY)
 
     def step(tokens, forwards=3):
@@ -494,7 +490,7 @@ def main(argv=None) -> int:
     text = "\n\n".join(
         [
             "## Tables (generated)",
-            f"Printed by `python tools/scaling_model.py` on {datetime.now(timezone.utc):%Y-%m-%d} "
+            f"Printed by `python scripts/scaling_model.py` on {datetime.now(timezone.utc):%Y-%m-%d} "
             f"({os.cpu_count()} CPU cores, no GPU, Python {platform.python_version()}; pure "
             "arithmetic, the same on any machine). Seconds per step, amortised phases included; "
             "tokens/s = prompt + response tokens per step / step time; GB/GPU = the planner's "

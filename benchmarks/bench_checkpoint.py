@@ -13,8 +13,8 @@ Every read is from the page cache (the checkpoint was just written), so hashing 
 CPU-bound here; on a cold parallel file system both are bounded by read bandwidth instead, and the
 full/load ratio moves towards 1 (both read every byte once).
 
-    python tools/bench_checkpoint.py              # 256 MB
-    python tools/bench_checkpoint.py --mb 64      # quick
+    python benchmarks/bench_checkpoint.py              # 256 MB
+    python benchmarks/bench_checkpoint.py --mb 64      # quick
 """
 
 from __future__ import annotations

@@ -8,26 +8,23 @@ Writes, under megatron_rl_fp8/data/assets/ (or --out-dir):
 The same seed gives the same bytes; tests/unit/test_data_assets.py checks the shipped files
 against a fresh run, so rerun this script after changing the vocabulary or the task mix.
 
-    python tools/make_tiny_task.py [--out-dir DIR] [--seed N] [--num-train N] [--num-val N]
+    python scripts/make_tiny_task.py [--out-dir DIR] [--seed N] [--num-train N] [--num-val N]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 # Runnable from a source checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_rl_fp8.data.arithmetic import (  # noqa: E402
+from megatron_rl_fp8.data.arithmetic import (
     DEFAULT_NUM_TRAIN,
     DEFAULT_NUM_VAL,
     DEFAULT_SEED,
     write_task_files,
 )
-from megatron_rl_fp8.data.chain import write_chain_files  # noqa: E402
-from megatron_rl_fp8.data.tokenizer import VOCAB_SIZE, write_tokenizer_files  # noqa: E402
+from megatron_rl_fp8.data.chain import write_chain_files
+from megatron_rl_fp8.data.tokenizer import VOCAB_SIZE, write_tokenizer_files
 
 ASSETS = Path(__file__).resolve().parents[1] / "megatron_rl_fp8" / "data" / "assets"
 

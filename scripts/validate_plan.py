@@ -19,8 +19,8 @@ reference point of 82.4 GB is), and nothing else. Peak RSS (``VmHWM`` after a re
 for the first time and thread stacks: tens of MB of noise, more than the tiny model's whole
 footprint (a few MB).
 
-    python tools/validate_plan.py                  # all configurations, ~2 minutes on 2 cores
-    python tools/validate_plan.py --only tiny      # the ones whose name starts with "tiny"
+    python scripts/validate_plan.py                  # all configurations, ~2 minutes on 2 cores
+    python scripts/validate_plan.py --only tiny      # the ones whose name starts with "tiny"
 """
 
 from __future__ import annotations
@@ -30,17 +30,10 @@ import time
 
 import torch
 
+from megatron_rl_fp8.plan.measure import SHAPE_20M, FirstLayerSaved, peak_bytes
+
 TINY = "examples/tiny_cpu.yaml"
-# ~21M parameters: 4 layers of width 512 (8 query / 4 KV heads of 64, SwiGLU 1536), vocab 8192
-# (untied), 4 rows of 256 tokens per micro-batch.
-SHAPE_20M = [
-    "model.num_layers=4",
-    "model.hidden_size=512",
-    "model.ffn_hidden_size=1536",
-    "model.num_attention_heads=8",
-    "model.num_query_groups=4",
-    "model.vocab_size=8192",
-]
+# The ~21M shape (plan/measure.py), 4 rows of 256 tokens per micro-batch.
 MODEL_20M = [
     *SHAPE_20M,
     "model.max_position_embeddings=256",
@@ -62,56 +55,6 @@ CONFIGS = {
     "20M, full recompute": MODEL_20M + FULL,
 }
 MICRO_BATCHES = 2  # per training step
-
-
-def peak_bytes(prof, windows: list[str]) -> dict[str, int]:
-    """Peak live tensor bytes inside each ``record_function`` window, from the profiler's
-    allocation (+) and free (-) events; live bytes count from the start of the profile."""
-    events = list(prof.profiler.kineto_results.events())
-    spans = {e.name(): (e.start_ns(), e.end_ns()) for e in events if e.name() in windows}
-    memory = sorted(
-        ((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"),
-        key=lambda x: x[0],
-    )
-    peaks = dict.fromkeys(windows, 0)
-    live = 0
-    for t, nbytes in memory:
-        live += nbytes
-        for name, (start, end) in spans.items():
-            if start <= t <= end:
-                peaks[name] = max(peaks[name], live)
-    return peaks
-
-
-class FirstLayerSaved:
-    """Bytes the first transformer layer saves for its backward in its first forward: every
-    tensor autograd packs while the layer runs, once per storage (a view keeps its whole base
-    alive), parameters excluded. Use ``pack`` as a ``saved_tensors_hooks`` pack hook."""
-
-    def __init__(self, module):
-        self.params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self.seen: dict[int, int] = {}
-        self.active = self.done = False
-        layer = module.decoder.layers[0]
-        layer.register_forward_pre_hook(self._start)
-        layer.register_forward_hook(self._stop)
-
-    def _start(self, *_):
-        self.active = not self.done
-
-    def _stop(self, *_):
-        self.active, self.done = False, True
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self.active:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in self.params:
-                self.seen.setdefault(storage.data_ptr(), storage.nbytes())
-        return t
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.seen.values())
 
 
 def measure(cfg) -> dict[str, int]:

@@ -26,9 +26,9 @@ predicted rollout scales with weight bytes and FLOPs while the measured one scal
 layers: the error says how far the CPU rollout is from the SGLang model, not how good the model
 is on a GPU.
 
-    python tools/validate_step_model.py                       # both runs, ~1 min on 2 idle cores
-    python tools/validate_step_model.py --steps 4 --json
-    python tools/validate_step_model.py --reuse --write-doc   # re-read the runs, update the doc
+    python scripts/validate_step_model.py                       # both runs, ~1 min on 2 idle cores
+    python scripts/validate_step_model.py --steps 4 --json
+    python scripts/validate_step_model.py --reuse --write-doc   # re-read the runs, update the doc
 """
 
 from __future__ import annotations
@@ -46,22 +46,11 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "tools") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tools"))
-from validate_plan import SHAPE_20M  # noqa: E402  (the ~21M shape of the memory validation)
+from megatron_rl_fp8.plan.measure import TIMING_20M as MODEL_20M
+from megatron_rl_fp8.plan.measure import TIMING_RUN as COMMON
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "tiny_cpu.yaml")
-# Every run: no SFT warm start (timing only), no checkpoint; the evaluation still runs before the
-# first and after the last step (on few prompts) and is left out of the comparison (its own key).
-COMMON = ["sft.steps=0", "train.save_interval=0", "train.eval_interval=0", "train.eval_prompts=16"]
-# ~21M parameters: 4 layers of width 512 (8 query / 4 KV heads of 64, SwiGLU 1536), vocab 8192
-# (untied; as tools/validate_plan.py), on 16 prompts x 8 samples instead of 32 x 8.
-MODEL_20M = [
-    *SHAPE_20M,
-    "train.prompts_per_step=16",
-    "train.micro_batch_size=16",
-]
 DOC = ROOT / "docs" / "scaling.md"
 BEGIN, END = "<!-- validate_step_model.py: begin -->", "<!-- validate_step_model.py: end -->"
 
@@ -329,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 2:
         p.error("--steps must be >= 2 (step 1 is a warm-up and is skipped)")
 
-    command = "python tools/validate_step_model.py " + shlex.join(
+    command = "python scripts/validate_step_model.py " + shlex.join(
         sys.argv[1:] if argv is None else argv
     )
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")

@@ -22,17 +22,17 @@ groups (``torch.distributed``: gloo on the CPU, NCCL with ``--device cuda``): th
 histogram path (``calibrated_clip_bounds`` with ``group=``: build the packed float64 histogram,
 one all-reduce of ``8 * (4 * bins + 7)`` bytes, read the bounds) against the exact alternative
 (all-gather every rank's FP8 and BF16 log ratios, advantages and mask, then exact quantiles and
-cumulative sums over all tokens on every rank: ``tests/calib_reference.py``), for several token
+cumulative sums over all tokens on every rank: ``megatron_rl_fp8/loss/exact.py``), for several token
 counts per rank and rank counts. Times are the slowest rank's, medians of interleaved repeats;
 bytes are what each rank sends; ``|d bound|`` is the largest difference between the two paths'
 bounds (the histogram's resolution is ``4 / bins`` in log ratio).
 
 Usage::
 
-    python tools/bench_calibration.py                         # both, defaults below
-    python tools/bench_calibration.py --no-share --ranks 2 4 --tokens 16384 131072 1048576
-    python tools/bench_calibration.py --no-collective --models tiny 20m --steps 9
-    python tools/bench_calibration.py --no-share --device cuda --ranks 2 4 8   # on a GPU node
+    python benchmarks/bench_calibration.py                         # both, defaults below
+    python benchmarks/bench_calibration.py --no-share --ranks 2 4 --tokens 16384 131072 1048576
+    python benchmarks/bench_calibration.py --no-collective --models tiny 20m --steps 9
+    python benchmarks/bench_calibration.py --no-share --device cuda --ranks 2 4 8   # on a GPU node
 """
 
 from __future__ import annotations
@@ -50,13 +50,10 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "tools"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+from megatron_rl_fp8.plan.measure import TIMING_20M as MODEL_20M
+from megatron_rl_fp8.plan.measure import TIMING_RUN as COMMON
 
-# The timing runs and the ~21M model of the per-phase validation.
-from validate_step_model import COMMON, MODEL_20M  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 FP8_CONFIG = str(ROOT / "examples" / "tiny_cpu_fp8.yaml")
 MODELS = {"tiny": [], "20m": MODEL_20M}
@@ -155,7 +152,7 @@ def share_table(rows: dict[str, dict]) -> str:
 
 def make_batch(tokens: int, seed: int, device: str):
     """Synthetic calibration inputs of ``tokens`` tokens (rows of ``SEQ``): FP8 log ratios biased
-    low for negative advantages, as tools/bench_loss.py."""
+    low for negative advantages, as benchmarks/bench_loss.py."""
     import torch
 
     rows = max(1, tokens // SEQ)
@@ -173,7 +170,7 @@ def _exact_bounds(batch, group):
     import torch
     import torch.distributed as dist
 
-    from tests.calib_reference import exact_calibrated_clip_bounds
+    from megatron_rl_fp8.loss.exact import exact_calibrated_clip_bounds
 
     world = dist.get_world_size(group)
     gathered = []

@@ -16,7 +16,7 @@ exact all-gather of the tokens would move.
 
 Usage::
 
-    python tools/bench_loss.py [--batch 1024] [--seq 1024] [--repeats 9] [--interval 20] \\
+    python benchmarks/bench_loss.py [--batch 1024] [--seq 1024] [--repeats 9] [--interval 20] \\
         [--bins 4096] [--threads 1]
 """
 

@@ -1,7 +1,7 @@
 """Write a tiny Hugging Face model folder and a chat-format task, to try ``model.hf_checkpoint``
 on a CPU (megatron_rl_fp8/data/tiny_hf.py says what is in it; its weights are random).
 
-    python tools/make_tiny_hf_model.py [--out-dir runs/tiny_hf]
+    python scripts/make_tiny_hf_model.py [--out-dir runs/tiny_hf]
     python -m megatron_rl_fp8 train examples/tiny_cpu_hf.yaml
 
 writes <out-dir>/model (config.json, model.safetensors, tokenizer, chat template,
@@ -12,13 +12,10 @@ the answer at reward_model.ground_truth).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 # Runnable from a source checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_rl_fp8.data.tiny_hf import make_hf_model, write_chat_task  # noqa: E402
+from megatron_rl_fp8.data.tiny_hf import make_hf_model, write_chat_task
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,8 +13,8 @@ of memory-mapped files is not counted), which shows that streaming keeps memory 
 The source is in the page cache for every row (it was just written), so these are warm-cache
 numbers; on a cold parallel filesystem all rows are bounded by the read bandwidth instead.
 
-    python tools/bench_convert.py                          # ~1 GB checkpoint
-    python tools/bench_convert.py --hidden 1024 --layers 4 # quick
+    python benchmarks/bench_convert.py                          # ~1 GB checkpoint
+    python benchmarks/bench_convert.py --hidden 1024 --layers 4 # quick
 """
 
 from __future__ import annotations

@@ -32,10 +32,10 @@ FP8 needs a CUDA GPU with compute capability 8.9+ (blockwise: 9.0). ``--cpu-smok
 shapes on the CPU instead (bf16 and fp32 rows only, FP8 rows marked unavailable) so the script
 itself can be tested anywhere.
 
-    python tools/bench_gemm.py                    # on a GPU node
-    python tools/bench_gemm.py --json out.json    # also write the rows as JSON
-    python tools/bench_gemm.py --tokens 1024,2048,8192
-    python tools/bench_gemm.py --cpu-smoke
+    python benchmarks/bench_gemm.py                    # on a GPU node
+    python benchmarks/bench_gemm.py --json out.json    # also write the rows as JSON
+    python benchmarks/bench_gemm.py --tokens 1024,2048,8192
+    python benchmarks/bench_gemm.py --cpu-smoke
 """
 
 from __future__ import annotations

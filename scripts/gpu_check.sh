@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gpu_check.sh: does megatron-rl-fp8 work on this GPU node, and how fast is it?
 #
-#   tools/gpu_check.sh [--out DIR]          (or: make gpu-check)
+#   scripts/gpu_check.sh [--out DIR]          (or: make gpu-check)
 #
 # Steps, most important first (each logged to DIR/<step>.log; a failed step does not stop the
 # others; the steps past the time budget are reported as not run):
@@ -28,10 +28,10 @@
 #   6. attention    bench_actor's 2.0B bf16 step with torch's SDPA (model.attention_backend: auto)
 #                   and with Megatron's unfused attention: step time and peak memory
 #   7. tiny_bf16    the tiny job in full precision (examples/tiny_cpu.yaml), checked as tiny_fp8
-#   8. calib_share  tools/bench_calibration.py --no-collective --models tiny: the whole calibration
+#   8. calib_share  benchmarks/bench_calibration.py --no-collective --models tiny: the whole calibration
 #                   cost (BF16 shadow forwards included) as a share of the full-FP8 step at
 #                   intervals 1 / 5 / 20, and where a plain step's time goes (the trainer's timers)
-#   9. rollout_parse tools/bench_rollout_parse.py: a launch-bound update alone and beside a thread
+#   9. rollout_parse benchmarks/bench_rollout_parse.py: a launch-bound update alone and beside a thread
 #                   parsing SGLang answers (the pipelined rollout's), the slowdown ratio
 #  10. sglang_gpu   tests/gpu/test_sglang_gpu.py: one colocated SGLang engine (memory saver, the
 #                   trainer on expandable segments): logprobs after syncs with changed weights and
@@ -192,7 +192,7 @@ FP8_ENTRIES=bf16,torch:tensorwise_current,torch:tensorwise_current+compile
 if "$PYTHON" -c "import torchao" >/dev/null 2>&1; then  # torchao's own float8 path beside ours
     FP8_ENTRIES=$FP8_ENTRIES,torchao:tensorwise_current+compile
 fi
-step bench_actor 330 "$PYTHON" tools/bench_actor.py --profile 12 --fp8 "$FP8_ENTRIES" \
+step bench_actor 330 "$PYTHON" benchmarks/bench_actor.py --profile 12 --fp8 "$FP8_ENTRIES" \
     --json "$OUT_DIR/bench_actor.json"
 detail=$("$PYTHON" - "$OUT_DIR/bench_actor.json" <<'PY' 2>/dev/null
 import json, sys
@@ -279,7 +279,7 @@ pytest_step gpu_tests 240 '^_scaled_mm(' tests/gpu --ignore=tests/gpu/test_train
     --ignore=tests/gpu/test_gpu_contracts_gpu.py --ignore=tests/gpu/test_sglang_gpu.py
 
 # -- 5. GEMM table --------------------------------------------------------------------------
-step bench_gemm 120 "$PYTHON" tools/bench_gemm.py --tokens 1024,8192 \
+step bench_gemm 120 "$PYTHON" benchmarks/bench_gemm.py --tokens 1024,8192 \
     --json "$OUT_DIR/bench_gemm.json"
 detail=$("$PYTHON" - "$OUT_DIR/bench_gemm.json" <<'PY' 2>/dev/null
 import json, sys
@@ -305,7 +305,7 @@ record bench_gemm "${detail:-$(last_line "$STEP_LOG")}"
 grep '^|' "$STEP_LOG" >"$OUT_DIR/bench_gemm.md" 2>/dev/null
 
 # -- 6. attention: torch's SDPA (the local spec's GPU default) against Megatron's unfused ---------
-step attention 200 "$PYTHON" tools/bench_actor.py --configs base,unfused --fp8 bf16 \
+step attention 200 "$PYTHON" benchmarks/bench_actor.py --configs base,unfused --fp8 bf16 \
     --profile 12 --json "$OUT_DIR/bench_attention.json"
 detail=$("$PYTHON" - "$OUT_DIR/bench_attention.json" <<'PY' 2>/dev/null
 import json, sys
@@ -328,7 +328,7 @@ detail=$(summarize_run "$OUT_DIR/runs/tiny_bf16" "$STEP_LOG" 5) || [ "$STEP_RC" 
 record tiny_bf16 "$detail"
 
 # -- 8. calibration's share of the step, per-phase timers -------------------------------------------
-step calib_share 150 "$PYTHON" tools/bench_calibration.py --no-collective --models tiny --steps 7 \
+step calib_share 150 "$PYTHON" benchmarks/bench_calibration.py --no-collective --models tiny --steps 7 \
     --json "$OUT_DIR/bench_calibration.json"
 detail=$("$PYTHON" - "$OUT_DIR/bench_calibration.json" <<'PY' 2>/dev/null
 import json, sys
@@ -346,7 +346,7 @@ record calib_share "${detail:-$(last_line "$STEP_LOG")}"
 # -- 9. the pipelined rollout's answer parsing beside the update (issue 43 #6) -----------------------
 # 5 steps, not the default 50: on the 2-core CPU the parse thread slowed each step ~377x (4.6 s),
 # docs/benchmarks.md; at that rate 50 steps x 3 reps would not fit the step's 60 s.
-step rollout_parse 60 "$PYTHON" tools/bench_rollout_parse.py --device cuda --steps 5 --reps 2
+step rollout_parse 60 "$PYTHON" benchmarks/bench_rollout_parse.py --device cuda --steps 5 --reps 2
 detail=$(grep -F '| with a thread' "$STEP_LOG" | awk -F'|' '{gsub(/ /, "", $4); print "update slowed x" $4 " by a thread parsing 8192-token answers"}')
 record rollout_parse "${detail:-$(last_line "$STEP_LOG")}"
 

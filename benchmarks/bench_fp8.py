@@ -14,8 +14,8 @@ On CPU, FP8 is emulated (quantize-dequantize in float32 around float32 GEMMs), s
 than BF16 here and the ratios measure the emulation's overhead, not FP8 speedups; on GPU the same
 config runs Transformer Engine's FP8 GEMMs instead.
 
-    python tools/bench_fp8.py                       # tiny + small model, CPU
-    python tools/bench_fp8.py --models tiny --quant-sizes 1024 --iters 3
+    python benchmarks/bench_fp8.py                       # tiny + small model, CPU
+    python benchmarks/bench_fp8.py --models tiny --quant-sizes 1024 --iters 3
 """
 
 from __future__ import annotations

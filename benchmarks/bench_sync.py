@@ -1,11 +1,11 @@
 """Weight-sync cost: the export path (HF rename/split -> FP8 quantize -> buckets -> shared-memory
 bucket copy) against a plain memory copy of the same bytes, and the whole sync into SGLang engines.
 
-    python tools/bench_sync.py                       # export rows for 10M / 100M / 1B params
-    python tools/bench_sync.py --fleet 1 2 4          # the sync into 1, 2, 4 engines (.venv-sglang)
-    python tools/bench_sync.py --fleet 1 --transports distributed tensor   # both transports
-    python tools/bench_sync.py --quantizers           # rollout.fp8.quantizer: builtin vs modelopt
-    python tools/bench_sync.py --per-node             # per-node sync beside the broadcast
+    python benchmarks/bench_sync.py                       # export rows for 10M / 100M / 1B params
+    python benchmarks/bench_sync.py --fleet 1 2 4          # the sync into 1, 2, 4 engines (.venv-sglang)
+    python benchmarks/bench_sync.py --fleet 1 --transports distributed tensor   # both transports
+    python benchmarks/bench_sync.py --quantizers           # rollout.fp8.quantizer: builtin vs modelopt
+    python benchmarks/bench_sync.py --per-node             # per-node sync beside the broadcast
 
 Weights are random BF16, Qwen3-shaped, given as the *full* Megatron state dict (what
 ``sync.gather.iter_full_params`` yields on the driver at TP=1, where it hands out the parameters
@@ -25,7 +25,7 @@ same shapes / 8, plus a ragged one) in bf16 (what the trainer holds) and float32
 (cuda when available). GB/s = input bytes / seconds (median on CUDA, best on a CPU); "codes
 identical" compares the two quantizers' e4m3 codes bit for bit (and the scales, in the JSON):
 
-    python tools/bench_sync.py --quantizers --device cpu --threads 2 --small --json q.json
+    python benchmarks/bench_sync.py --quantizers --device cpu --threads 2 --small --json q.json
 """
 
 from __future__ import annotations

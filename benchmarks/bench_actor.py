@@ -34,7 +34,8 @@ Model: the Qwen3-1.7B block (28 layers, hidden 2048, 16 query / 8 KV heads of 12
 vocab 151936) with an untied output layer, 2.03B parameters; ``--shape`` takes a larger model's
 layers instead (``megatron_rl_fp8/plan/presets.py``: qwen3-8b, qwen3-14b, qwen2.5-32b, qwen3-32b),
 ``--layers`` fewer of them, so that its GEMM shapes run on one GPU. Throughput in model FLOPs
-(PaLM's convention, no recompute, causal attention counted in full):
+(PaLM's convention, no recompute, causal attention counted in full; ``plan/measure.py:
+flops_per_token``, the step-time model's count):
 
     FLOPs per token = 6 * (linear weights, output layer included)
                       + 12 * layers * seq * heads * head_dim
@@ -45,14 +46,14 @@ dense number; other GPUs need the flag; under torchrun it is per GPU). Peak memo
 included), the largest over ranks, in GB of 10^9 bytes; on the CPU, the peak of live tensor
 bytes in the second step from PyTorch's profiler (allocations since the build: the same things).
 
-    python tools/bench_actor.py                          # on a GPU node
-    python tools/bench_actor.py --peak-tflops 2250 --json out.json
-    python tools/bench_actor.py --cpu-smoke              # 2 layers on the CPU: tests the script
-    python tools/bench_actor.py --varlen --configs base,selective,recompute,budget
-    python tools/bench_actor.py --fp8 bf16,torch:tensorwise_current,torch:rowwise,torch:blockwise
-    python tools/bench_actor.py --shape qwen3-8b --layers 8 --fp8 bf16,torch:tensorwise_current
-    python tools/bench_actor.py --configs base,unfused --profile 15
-    torchrun --nproc-per-node 8 tools/bench_actor.py --rows 64 --configs base,distopt,all --varlen
+    python benchmarks/bench_actor.py                          # on a GPU node
+    python benchmarks/bench_actor.py --peak-tflops 2250 --json out.json
+    python benchmarks/bench_actor.py --cpu-smoke              # 2 layers on the CPU: tests the script
+    python benchmarks/bench_actor.py --varlen --configs base,selective,recompute,budget
+    python benchmarks/bench_actor.py --fp8 bf16,torch:tensorwise_current,torch:rowwise,torch:blockwise
+    python benchmarks/bench_actor.py --shape qwen3-8b --layers 8 --fp8 bf16,torch:tensorwise_current
+    python benchmarks/bench_actor.py --configs base,unfused --profile 15
+    torchrun --nproc-per-node 8 benchmarks/bench_actor.py --rows 64 --configs base,distopt,all --varlen
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from megatron_rl_fp8.models.config import ModelConfig
+from megatron_rl_fp8.plan.measure import flops_per_token, peak_bytes, preset_model
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
 """Dense BF16 tensor-core peak by GPU name fragment (NVIDIA datasheets, SXM, without sparsity)."""
@@ -92,9 +96,6 @@ def model_config(
 ):
     """The benchmarked model: ``shape`` '2b' (``BENCH_ACTOR_2B``) or a ``plan.presets`` name,
     ``layers`` (0: the shape's own) deep; ``cpu_small`` / ``cpu_smoke`` models of their own."""
-    from megatron_rl_fp8.models.config import ModelConfig
-    from megatron_rl_fp8.plan.presets import BENCH_ACTOR_2B, PRESETS
-
     if cpu_small:  # ~19M parameters: big enough on the CPU for the configurations to differ
         return ModelConfig(
             arch="qwen3",
@@ -119,24 +120,7 @@ def model_config(
             vocab_size=128,
             max_position_embeddings=seq,
         )
-    fields = dict(BENCH_ACTOR_2B if shape == "2b" else PRESETS[shape])
-    if layers:
-        fields["num_layers"] = layers
-    return ModelConfig(**fields, max_position_embeddings=seq, params_dtype="bfloat16")
-
-
-def flops_per_token(mc, seq: int) -> tuple[float, int]:
-    """(training model FLOPs per token, parameter count) of a Qwen3-shaped ``ModelConfig``."""
-    d, f, layers = mc.hidden_size, mc.ffn_hidden_size, mc.num_layers
-    q_width = mc.num_attention_heads * mc.kv_channels
-    kv_width = mc.num_query_groups * mc.kv_channels
-    vocab = mc.padded_vocab_size()
-    per_layer = d * (q_width + 2 * kv_width) + q_width * d + d * 2 * f + f * d
-    linear = layers * per_layer + d * vocab  # + the output layer (a GEMM, unlike the embedding)
-    norms = layers * (2 * d + 2 * mc.kv_channels) + d  # RMSNorm weights incl. QK-norm
-    params = linear + norms + (0 if mc.tie_word_embeddings else d * vocab)
-    attention = 12 * layers * seq * q_width
-    return 6.0 * linear + attention, params
+    return preset_model(shape, seq, layers=layers)
 
 
 def peak_tflops(arg: float | None) -> float | None:
@@ -187,7 +171,6 @@ def make_batch(args, vocab: int) -> dict[str, torch.Tensor]:
 
 def run(args) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile, record_function
-    from validate_plan import peak_bytes  # this script's folder is on sys.path
 
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.fp8.backend import resolve_backend
@@ -237,7 +220,7 @@ def run(args) -> list[dict]:
             parallel_cfg = parallel.ParallelConfig(**spec.get("parallel", {}))
             parallel.init_model_parallel(parallel_cfg, seed=1)  # same weights for every config
             # On the CPU the profiler's allocation trace stands in for the allocator's peak
-            # (tools/validate_plan.py): from before the build, so weights and Adam count.
+            # (scripts/validate_plan.py): from before the build, so weights and Adam count.
             profiler = (
                 contextlib.nullcontext()
                 if on_gpu
