@@ -27,15 +27,22 @@ import sys
 import traceback
 from pathlib import Path
 
+from megatron_rl_fp8.launch import REQUEUE_EXIT_CODE
+
+# The commands import their modules inside their functions ("lazy: start-up"): `megatron-rl-fp8
+# --help` loads none of them (torch takes ~3 s; even config_utils ~20 ms of a ~70 ms start).
+
 
 def _train(args) -> int:
+    # lazy: start-up (the config's modules import torch)
+    from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.config import load_config
-    from megatron_rl_fp8.parallel import world_from_env
 
     cfg = load_config(args.config, args.overrides)
     # Validate the layout before any process group, model or engine exists.
-    cfg.validate(world_from_env()[1])
-    from megatron_rl_fp8 import parallel
+    cfg.validate(parallel.world_from_env()[1])
+    # lazy: start-up; and after the checks above, so a config error is not held up by the
+    # trainer's imports (Megatron-Core, ~6 s)
     from megatron_rl_fp8.config_utils import ConfigError
     from megatron_rl_fp8.rollout.errors import RolloutEngineError
     from megatron_rl_fp8.trainer.guard import GuardStop
@@ -46,8 +53,6 @@ def _train(args) -> int:
     try:
         trainer = Trainer(cfg)
         if trainer.run():
-            from megatron_rl_fp8.launch import REQUEUE_EXIT_CODE
-
             return REQUEUE_EXIT_CODE  # checkpointed on a preemption signal: requeue me
     except GuardStop as e:
         if int(os.environ.get("RANK", "0")) == 0:
@@ -111,6 +116,7 @@ def _keep_traceback(output_dir: str) -> str | None:
 
 
 def _show_config(args) -> int:
+    # lazy: start-up (the config's modules import torch)
     from megatron_rl_fp8.config import load_config
     from megatron_rl_fp8.config_utils import describe_fields
 
@@ -134,7 +140,7 @@ def _show_config(args) -> int:
 
 
 def _report(args) -> int:
-    from megatron_rl_fp8.metrics.report import write_report
+    from megatron_rl_fp8.metrics.report import write_report  # lazy: start-up (~70 ms)
 
     path = write_report(args.runs, args.out, args.label)
     print(f"report: {path}")
@@ -213,23 +219,23 @@ def _main(argv: list[str]) -> int:
         "(`megatron-rl-fp8 launch -h`).",
     )
     if argv[:1] == ["convert"]:  # its own parser owns every argument after the word
-        from megatron_rl_fp8.convert.cli import main as convert_main
+        from megatron_rl_fp8.convert.cli import main as convert_main  # lazy: start-up
 
         return convert_main(argv[1:], prog="megatron-rl-fp8 convert")
     if argv[:1] == ["plan"]:  # its own parser: overrides may follow the flags
-        from megatron_rl_fp8.plan.cli import main as plan_main
+        from megatron_rl_fp8.plan.cli import main as plan_main  # lazy: start-up
 
         return plan_main(argv[1:], prog="megatron-rl-fp8 plan")
     if argv[:1] == ["study"]:  # its own parser, as plan's
-        from megatron_rl_fp8.study.cli import main as study_main
+        from megatron_rl_fp8.study.cli import main as study_main  # lazy: start-up
 
         return study_main(argv[1:], prog="megatron-rl-fp8 study")
     if argv[:1] == ["launch"]:  # its own parser, as plan's
-        from megatron_rl_fp8.launch.cli import main as launch_main
+        from megatron_rl_fp8.launch.cli import main as launch_main  # lazy: start-up
 
         return launch_main(argv[1:], prog="megatron-rl-fp8 launch")
     args = parser.parse_args(argv)
-    from megatron_rl_fp8.config_utils import ConfigError
+    from megatron_rl_fp8.config_utils import ConfigError  # lazy: start-up (after --help exits)
 
     try:
         if args.command == "train":
@@ -239,6 +245,7 @@ def _main(argv: list[str]) -> int:
         if args.command == "report":
             return _report(args)
     except ConfigError as e:
+        # lazy: start-up; only on this error path (data imports torch)
         from megatron_rl_fp8.data import DataError
         from megatron_rl_fp8.utils.fs import StorageError
 

@@ -11,12 +11,15 @@ import dataclasses
 import json
 from pathlib import Path
 
+import torch
 import yaml
 
 from megatron_rl_fp8.config_utils import ConfigError, field, from_dict, set_dotted, to_dict
 from megatron_rl_fp8.data.prompts import TokenizerConfig
 from megatron_rl_fp8.data.task import TaskConfig
+from megatron_rl_fp8.fp8.backend import resolve_backend
 from megatron_rl_fp8.fp8.config import FP8Config
+from megatron_rl_fp8.fp8.te import fp8_weight_shapes, have_te, te_fp8_dims_problem
 from megatron_rl_fp8.loss.config import PolicyLossConfig
 from megatron_rl_fp8.metrics.config import LoggingConfig
 from megatron_rl_fp8.metrics.logger import require_packages
@@ -28,8 +31,9 @@ from megatron_rl_fp8.models.pretrained import (
     fill_model_section,
 )
 from megatron_rl_fp8.parallel import ParallelConfig, check_context_parallel
-from megatron_rl_fp8.reward.verifiers import RewardConfig
+from megatron_rl_fp8.reward.verifiers import VERIFIERS, RewardConfig
 from megatron_rl_fp8.rollout.config import RolloutConfig
+from megatron_rl_fp8.rollout.sglang.config import block_quant_shape_problem
 from megatron_rl_fp8.trainer.config import GuardConfig, OptimConfig, SFTConfig, TrainConfig
 from megatron_rl_fp8.utils.yaml_unique import safe_load as safe_load_unique
 from megatron_rl_fp8.utils.yaml_unique import yaml_problem
@@ -218,11 +222,6 @@ class RunConfig:
                 self._check_fp8_weight_shapes("te")
             return
         # What the actor will build on this machine (as Actor.__init__ decides it).
-        import torch
-
-        from megatron_rl_fp8.fp8.backend import resolve_backend
-        from megatron_rl_fp8.fp8.te import have_te
-
         try:
             backend = resolve_backend(self.fp8)
         except ValueError as e:
@@ -242,8 +241,6 @@ class RunConfig:
         torchao's, which pads only the contraction dim while ATen's ``_scaled_mm`` wants both dims
         of its second operand (the weight, in fprop and dgrad) multiples of 16. The model's
         widths cannot be padded."""
-        from megatron_rl_fp8.fp8.te import fp8_weight_shapes, te_fp8_dims_problem
-
         tp = self.parallel.tensor_model_parallel_size
         for name, shape in fp8_weight_shapes(self.model, tp).items():
             if backend == "te":
@@ -269,13 +266,8 @@ class RunConfig:
         r = self.rollout
         if r.engine != "sglang" or r.fp8.weight_quant != "blockwise" or r.sglang.device == "cpu":
             return
-        if this_machine and r.sglang.device == "auto":
-            import torch
-
-            if not torch.cuda.is_available():
-                return  # SGLang's CPU engine: the FP8-rounded weights are served unquantized
-        from megatron_rl_fp8.rollout.sglang.config import block_quant_shape_problem
-
+        if this_machine and r.sglang.device == "auto" and not torch.cuda.is_available():
+            return  # SGLang's CPU engine: the FP8-rounded weights are served unquantized
         tp = r.sglang.tp_size
         problem = block_quant_shape_problem(self.model, tp, r.fp8.weight_block)
         if problem:
@@ -286,8 +278,6 @@ class RunConfig:
             )
 
     def _check_reward(self) -> None:
-        from megatron_rl_fp8.reward.verifiers import VERIFIERS
-
         if getattr(self.reward, "function", None) is None and self.task.name not in VERIFIERS:
             raise ConfigError(
                 f"task.name={self.task.name!r} has no verifier; known: {sorted(VERIFIERS)}. "

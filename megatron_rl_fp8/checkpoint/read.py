@@ -222,6 +222,8 @@ def load(path: str | Path, sharded_state_dict: dict) -> tuple[dict, dict]:
     """(loaded state dict, trainer state). Collective over all ranks. Any failure to read is a
     :class:`CheckpointError` naming the checkpoint and the underlying error. The loaded dict
     has this rank's :func:`save` ``rank_state`` under :data:`RANK_STATE` where it has one."""
+    # lazy: Megatron-Core (~6 s) and torch.distributed.checkpoint (~1 s) only to load; manifests,
+    # verification and `study` import this package without them
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -39,8 +40,8 @@ def save_sharded(sharded_state_dict: dict, path: str | Path) -> None:
     forked per-file workers are joined inside the call.) Megatron creates its queue only while the
     module global is None, so setting it first is all it takes.
     """
-    import queue
-
+    # lazy: Megatron-Core (~6 s) only to save; manifests, verification and `study` import this
+    # package without it
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -74,6 +75,7 @@ def save(
     :class:`StorageError` on every rank, naming the path and what ran out, with the partial
     ``.tmp`` removed and ``latest`` unchanged; any other failure is re-raised after the same
     clean-up."""
+    # lazy: torch.distributed.checkpoint (~1 s) only to save (as in save_sharded above)
     from torch.distributed.checkpoint.api import CheckpointException
 
     root = Path(ckpt_root)

@@ -72,6 +72,7 @@ def build_parser(prog: str = "megatron-rl-fp8 convert") -> argparse.ArgumentPars
 
 
 def run(args) -> dict:
+    # lazy: start-up (`convert -h` parses without torch)
     from megatron_rl_fp8.convert import export_fp8, hf_to_mcore, mcore_to_hf
 
     show = not args.no_progress
@@ -109,7 +110,7 @@ def run(args) -> dict:
 
 def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 convert") -> int:
     args = build_parser(prog).parse_args(argv)
-    from megatron_rl_fp8.convert.errors import ConvertError
+    from megatron_rl_fp8.convert.errors import ConvertError  # lazy: start-up, as in run()
 
     try:
         stats = run(args)

@@ -24,6 +24,7 @@ from megatron_rl_fp8.convert.mcore_to_hf import parse_size, write_hf
 from megatron_rl_fp8.convert.progress import Meter, summary_line
 from megatron_rl_fp8.convert.sources import HFSource, McoreSource
 from megatron_rl_fp8.convert.staging import check_output, staged_output
+from megatron_rl_fp8.fp8.quantize import quantize_blockwise
 
 BLOCK = (128, 128)
 _LINEAR = re.compile(
@@ -88,8 +89,6 @@ class _Quantize:
         ]
 
     def __call__(self, name: str, tensor: torch.Tensor):
-        from megatron_rl_fp8.fp8.quantize import quantize_blockwise
-
         if not self._quantized(name):
             return [(name, tensor.to(torch.bfloat16))]
         codes, scale_inv = quantize_blockwise(tensor, BLOCK)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors import safe_open
 
 from megatron_rl_fp8.convert.errors import ConvertError
 
@@ -83,8 +84,6 @@ class HFCheckpoint:
     """The tensors of an HF model directory, opened lazily. Use as a context manager."""
 
     def __init__(self, hf_dir: str | Path):
-        from safetensors import safe_open
-
         self.dir = Path(hf_dir)
         self.config = read_config(self.dir)
         index = self.dir / INDEX

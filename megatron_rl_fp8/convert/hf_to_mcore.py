@@ -15,6 +15,7 @@ import dataclasses
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl_fp8.convert import mcore_io
 from megatron_rl_fp8.convert.assembly import hf_to_mcore_plan
@@ -128,8 +129,6 @@ def hf_to_mcore(
             if rank == 0:
                 ckpt_dir.mkdir()
             if world > 1:
-                import torch.distributed as dist
-
                 dist.barrier()
             if progress and rank == 0:
                 # The bar above covers mapping; the write itself is one collective save call.

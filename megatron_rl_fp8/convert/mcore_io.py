@@ -28,8 +28,15 @@ import re
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron_rl_fp8.checkpoint import save_sharded
 from megatron_rl_fp8.convert.errors import ConvertError
+from megatron_rl_fp8.parallel import cpu_compat, free_port
 
 # local-spec suffix -> checkpoint suffix (Megatron stores TE names for the fused norms)
 CKPT_SUFFIX = {
@@ -76,10 +83,6 @@ def process_group():
     ``torch.cuda.synchronize``), and turns it off again on exit if it was off before, so that
     calling the converter from Python leaves the process as it was.
     """
-    import torch.distributed as dist
-
-    from megatron_rl_fp8.parallel import cpu_compat
-
     compat_was_active = cpu_compat.is_active()
     cpu_compat.enable()
     created = False
@@ -88,8 +91,6 @@ def process_group():
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
                 dist.init_process_group("gloo")
             else:
-                from megatron_rl_fp8.parallel import free_port
-
                 dist.init_process_group(
                     "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
                 )
@@ -122,6 +123,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def sharded_state_dict(items, *, num_layers: int, extra_state: bool) -> dict:
     """ShardedTensors for ``items`` = [(local name, [row-block tensors])] (+ extra-state objects)."""
+    # lazy: Megatron-Core (~6 s) only to write; mcore-to-hf and export-fp8 read without it
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
     sd = {}
@@ -146,8 +148,6 @@ def sharded_state_dict(items, *, num_layers: int, extra_state: bool) -> dict:
 
 
 def save(sd: dict, ckpt_dir: Path) -> None:
-    from megatron_rl_fp8.checkpoint import save_sharded
-
     save_sharded(sd, ckpt_dir)
 
 
@@ -185,9 +185,6 @@ class DistCheckpointReader:
     """
 
     def __init__(self, ckpt: str | Path):
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         self.dir = resolve_checkpoint(ckpt)
         self._reader = FileSystemReader(str(self.dir))
         try:
@@ -238,10 +235,6 @@ class DistCheckpointReader:
 
     def load(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Full tensors for local-spec ``names`` (for a stacked key: just that layer's slice)."""
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
         out = {}
         for name in names:
             key, layer = self._locate(name)

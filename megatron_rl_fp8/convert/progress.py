@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 
+from tqdm.auto import tqdm
+
 
 class Meter:
     """Counts tensors and bytes; shows a tqdm bar (rank 0, if ``show``) and formats the summary."""
 
     def __init__(self, desc: str, total_bytes: int, *, show: bool = True):
-        from tqdm.auto import tqdm
-
         self.desc = desc
         self.tensors = 0
         self.bytes = 0

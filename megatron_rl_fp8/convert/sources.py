@@ -14,6 +14,8 @@ import torch
 from megatron_rl_fp8.convert.assembly import hf_to_mcore_plan
 from megatron_rl_fp8.convert.errors import ConvertError
 from megatron_rl_fp8.convert.hf_io import HFCheckpoint, OutTensor, read_config
+from megatron_rl_fp8.convert.hf_to_mcore import check_hf_tensors
+from megatron_rl_fp8.convert.mcore_io import DistCheckpointReader
 from megatron_rl_fp8.models.hf_mapping import (
     MappingError,
     expected_hf_names,
@@ -34,8 +36,6 @@ class HFSource:
     """Tensors of an HF checkpoint directory, validated against its config.json."""
 
     def __init__(self, hf_dir: str | Path):
-        from megatron_rl_fp8.convert.hf_to_mcore import check_hf_tensors
-
         self.dir = Path(hf_dir)
         self.ckpt = HFCheckpoint(hf_dir)
         self.config = self.ckpt.config
@@ -60,8 +60,6 @@ class McoreSource:
     """HF tensors of a Megatron dist checkpoint; the model shape comes from ``hf_config_dir``."""
 
     def __init__(self, ckpt: str | Path, hf_config_dir: str | Path):
-        from megatron_rl_fp8.convert.mcore_io import DistCheckpointReader
-
         self.dir = Path(hf_config_dir)
         self.config = read_config(hf_config_dir)
         self.model, self.notes = _model(self.config, self.dir)

@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch.distributed as dist
+
 from megatron_rl_fp8.convert.errors import ConvertError
 from megatron_rl_fp8.utils.fs import fsync_dir, storage_refusal
 
@@ -93,8 +95,6 @@ def _check_creatable(out: Path) -> None:
 
 def _barrier(world: int) -> None:
     if world > 1:
-        import torch.distributed as dist
-
         dist.barrier()
 
 

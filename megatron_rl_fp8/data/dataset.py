@@ -109,8 +109,8 @@ def _read_jsonl(path: Path, prompt_field: str, answer_field: str) -> list[dict[s
 def _read_parquet_rows(path: Path) -> list[Any]:
     # Optional dependency: pyarrow (preferred) or pandas with a Parquet engine.
     try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+        import pyarrow as pa  # lazy: optional dependency (pyarrow)
+        import pyarrow.parquet as pq  # lazy: optional dependency (pyarrow)
     except ImportError:
         pq = None
     if pq is not None:
@@ -119,7 +119,7 @@ def _read_parquet_rows(path: Path) -> list[Any]:
         except (pa.ArrowException, OSError) as e:
             raise DataError(_parquet_problem(path, e)) from None
     try:
-        import pandas as pd
+        import pandas as pd  # lazy: optional dependency (pandas)
 
         return pd.read_parquet(path).to_dict(orient="records")
     except ImportError:  # no pandas, or pandas without a Parquet engine

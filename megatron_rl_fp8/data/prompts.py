@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl_fp8.config_utils import ConfigError, field
+from megatron_rl_fp8.data.tokenizer import load_tokenizer
 
 Prompt = str | list[dict[str, str]]
 ROLES = ("system", "user", "assistant", "tool")
@@ -167,8 +168,6 @@ class PromptEncoder:
 
 def load_prompt_encoder(tok: TokenizerConfig, *, hf_checkpoint: str | None) -> PromptEncoder:
     """Load the tokenizer the config names and wrap it; errors are one line (ConfigError)."""
-    from megatron_rl_fp8.data.tokenizer import load_tokenizer
-
     folder = resolve_tokenizer_path(tok, hf_checkpoint=hf_checkpoint)
     source = "tokenizer.path" if tok.path is not None else "model.hf_checkpoint"
     if folder is not None and not folder.is_dir():

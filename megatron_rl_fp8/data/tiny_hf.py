@@ -5,7 +5,7 @@ ends answers on two ids (as Qwen's chat models do), plus a chat-format math task
 
 Its weights are random: it exercises loading, templating, EOS handling and rewards exactly as a
 real checkpoint would, but it knows no arithmetic (rewards stay near 0). ``make_hf_model(dir)``
-writes it (deterministic for a seed); tests and ``tools/make_tiny_hf_model.py`` use it.
+writes it (deterministic for a seed); tests and ``scripts/make_tiny_hf_model.py`` use it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,11 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 # Qwen's ChatML layout: no BOS, each turn is <|im_start|>role\ncontent<|im_end|>\n.
 CHAT_TEMPLATE = (
@@ -35,9 +40,6 @@ def _corpus(n: int = 3000, seed: int = 0):
 
 def make_tokenizer(out_dir: Path, vocab_size: int = 360):
     """Train and save the tokenizer; returns the transformers tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -60,9 +62,6 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 360):
 
 def make_hf_model(out_dir: str | Path, *, seed: int = 0, tie: bool = False) -> dict:
     """Write a tiny Qwen3 + tokenizer folder; returns {"dir", "eos_ids", "vocab_size", ...}."""
-    import torch
-    import transformers
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(out)

@@ -18,7 +18,7 @@ How it is built (with the ``tokenizers`` library, so transformers and SGLang bot
   ``"<bos>"``, which the tokenizer reads as the special token).
 
 Special ids are fixed: ``<pad>`` = 0, ``<bos>`` = 1, ``<eos>`` = 2, ``<unk>`` = 3.
-``tools/make_tiny_task.py`` regenerates the folder byte for byte from :func:`write_tokenizer_files`.
+``scripts/make_tiny_task.py`` regenerates the folder byte for byte from :func:`write_tokenizer_files`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 if TYPE_CHECKING:  # transformers is imported at the point of use only
     from transformers import PreTrainedTokenizerBase
@@ -58,8 +60,6 @@ DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tokenizer"
 
 def build_tokenizer() -> Any:
     """Build the character tokenizer as a ``tokenizers.Tokenizer`` (the raw fast tokenizer)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
     vocab = {token: i for i, token in enumerate(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
@@ -123,14 +123,14 @@ def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerBase:
     pad are optional, and where answers end is decided with its generation config
     (``data.prompts.PromptEncoder``).
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers (~1.5 s), not for config loading
 
     folder = DEFAULT_TOKENIZER_DIR if path is None else Path(path)
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise FileNotFoundError(
             f"tokenizer folder {str(folder)!r} has no tokenizer.json or tokenizer_config.json; "
             "pass an HF tokenizer folder, or None for the shipped one "
-            "(regenerate it with `python tools/make_tiny_task.py`)"
+            "(regenerate it with `python scripts/make_tiny_task.py`)"
         )
     # local_files_only: never reach for a model hub, even if `path` looks like a hub repo id.
     tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
@@ -140,7 +140,7 @@ def load_tokenizer(path: str | Path | None = None) -> PreTrainedTokenizerBase:
         if got != want:
             raise RuntimeError(
                 f"shipped tokenizer has (pad, bos, eos, vocab size) = {got}, expected {want}; "
-                "the assets are stale: run `python tools/make_tiny_task.py`"
+                "the assets are stale: run `python scripts/make_tiny_task.py`"
             )
     return tok
 
@@ -160,7 +160,7 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
         raise ValueError(
             f"text {text!r} has characters outside the tokenizer vocabulary: {bad}; "
             "change the data or add them to CHARACTERS in megatron_rl_fp8/data/tokenizer.py "
-            "and rerun tools/make_tiny_task.py"
+            "and rerun scripts/make_tiny_task.py"
         )
     return ids
 

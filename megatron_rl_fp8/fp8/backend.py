@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rl_fp8.fp8 import torchao_backend
 from megatron_rl_fp8.fp8.config import HYBRID_BLOCKWISE, FP8Config
 from megatron_rl_fp8.fp8.recipes import (
     BACKEND_RECIPES,
@@ -131,11 +132,8 @@ def backend_problem(
                 "recipe 'tensorwise_current' on this GPU"
             )
     if backend == "torchao":
-        from megatron_rl_fp8.fp8.torchao_backend import INSTALL_HINT as AO_HINT
-        from megatron_rl_fp8.fp8.torchao_backend import have_torchao
-
-        if not have_torchao():
-            return f"torchao is not installed (`{AO_HINT}`)"
+        if not torchao_backend.have_torchao():
+            return f"torchao is not installed (`{torchao_backend.INSTALL_HINT}`)"
     if backend == "torch" and spec.granularity == "block":
         return _blockwise_scaled_mm_problem(capability, fmt)
     return None

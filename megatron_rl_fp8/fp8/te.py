@@ -116,7 +116,7 @@ def te_recipe(config: FP8Config) -> Any:
     """
     _require_te_mappable(config, "Transformer Engine recipe")
     try:
-        from transformer_engine.common import recipe as te_recipes
+        from transformer_engine.common import recipe as te_recipes  # lazy: optional dependency
     except (ImportError, OSError) as e:  # OSError: TE installed but its CUDA libraries absent
         raise ImportError(
             f"FP8Config.recipe={config.recipe!r} on the Transformer Engine path needs "
@@ -136,6 +136,8 @@ def te_recipe(config: FP8Config) -> Any:
 
 
 def _transformer_config_fields() -> set[str]:
+    # lazy: fp8/ imports no Megatron at module top (docs/architecture.md: its CPU tests and the
+    # config checks load without Megatron-Core, ~6 s)
     from megatron.core.transformer import TransformerConfig
 
     return {f.name for f in dataclasses.fields(TransformerConfig)}

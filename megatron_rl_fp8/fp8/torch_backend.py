@@ -174,7 +174,7 @@ hybrid format alone needs 6 to 12."""
 def compiled_quantize():
     """:func:`quantize_gemm_operand` compiled once per process (``fp8.compile_casts``); raises
     Dynamo's per-function graph limit to :data:`COMPILED_GRAPHS` where it is lower."""
-    import torch._dynamo
+    import torch._dynamo  # lazy: ~2 s to import; only fp8.compile_casts needs it
 
     limit = torch._dynamo.config.recompile_limit
     torch._dynamo.config.recompile_limit = max(limit, COMPILED_GRAPHS)
@@ -247,7 +247,7 @@ def fp8_mm(
 def _gather_rows(t: torch.Tensor, group, rows: int | None = None, fill: float = 0) -> torch.Tensor:
     """Every rank's ``t`` stacked along dim 0 in rank order (the sequence-parallel all-gather),
     rows of ``fill`` appended up to ``rows``; FP8 codes travel as bytes (a zero byte is FP8 +0)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: docs/architecture.md keeps fp8/ module tops free of it
 
     src = t.contiguous()
     wire = src.view(torch.uint8) if src.element_size() == 1 else src
@@ -265,7 +265,7 @@ def _gathered_input(
     ``group`` first; per row or 1x128 group: their own) and every rank's codes and scales are
     all-gathered: 1 byte per element on the wire instead of the input's 2 or 4, and the operand
     the whole-sequence linear makes, bit for bit. Returns it and this rank's codes."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: docs/architecture.md keeps fp8/ module tops free of it
 
     recipe, spec = linear.config.recipe, linear.config.spec
     sx = None
@@ -289,7 +289,7 @@ def _gathered_input(
 def _reduce_scatter_rows(t: torch.Tensor, group) -> torch.Tensor:
     """This rank's block of dim 0 of the sum of every rank's ``t`` (the sequence-parallel
     reduce-scatter of the input gradient)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: docs/architecture.md keeps fp8/ module tops free of it
 
     out = t.new_empty((t.shape[0] // dist.get_world_size(group), *t.shape[1:]))
     dist.reduce_scatter_tensor(out, t.contiguous(), group=group)

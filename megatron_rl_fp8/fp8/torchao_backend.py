@@ -55,7 +55,7 @@ def have_torchao() -> bool:
 
 
 def _import():
-    try:
+    try:  # lazy: optional dependency (torchao, the `gpu` extra)
         from torchao.float8.config import Float8LinearConfig
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
         from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
@@ -66,6 +66,7 @@ def _import():
 
 def _cast_weight_t(weight: torch.Tensor, mm, ao):
     """``weight.t()`` as torchao's forward casts it (``cast_config_weight``), without autograd."""
+    # lazy: optional dependency (torchao; _import() above checked it is there)
     from torchao.float8.float8_scaling_utils import (
         get_maybe_axiswise_dim,
         hp_tensor_to_float8_dynamic,

@@ -20,7 +20,12 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from megatron_rl_fp8.config import load_config
 from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.launch.layout import check_run, plan_layout
+from megatron_rl_fp8.launch.render import RenderOptions, render, trainer_overrides
+from megatron_rl_fp8.launch.rollout_role import serve_node
+from megatron_rl_fp8.launch.slurm import read_env, read_node_addrs
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -91,10 +96,6 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 def _plan(args: argparse.Namespace, environ: Mapping[str, str]):
     """(the run's config, the job's layout): the same for the dry-run and every role."""
-    from megatron_rl_fp8.config import load_config
-    from megatron_rl_fp8.launch.layout import plan_layout
-    from megatron_rl_fp8.launch.slurm import read_env, read_node_addrs
-
     env = read_env(
         environ,
         nodelist=args.nodelist,
@@ -108,10 +109,6 @@ def _plan(args: argparse.Namespace, environ: Mapping[str, str]):
 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from megatron_rl_fp8.config import load_config
-    from megatron_rl_fp8.launch.layout import check_run
-    from megatron_rl_fp8.launch.render import trainer_overrides
-
     _, layout = _plan(args, environ)
     # Check the config exactly as the trainer will load it: with the engines' URLs.
     trainer_cfg = load_config(args.config, [*args.overrides, *trainer_overrides(layout)])
@@ -145,8 +142,6 @@ def record_dir(cfg, layout) -> str:
 
 def run_rollout(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     """Node K's rollout role, in the foreground (``launch/rollout_role.py``)."""
-    from megatron_rl_fp8.launch.rollout_role import serve_node
-
     cfg, layout = _plan(args, environ)
     k = node_index(args.node_index, layout.env.nodes, environ)
     return serve_node(cfg, layout, k, log_dir=Path(args.log_dir) if args.log_dir else None)
@@ -179,8 +174,6 @@ def _train_nodes(args: argparse.Namespace, environ: Mapping[str, str]) -> int | 
 
 
 def _render_options(args: argparse.Namespace, log_dir: str | None):
-    from megatron_rl_fp8.launch.render import RenderOptions
-
     python = args.python or ("python" if args.container_image else sys.executable)
     sibling = Path(python).with_name("torchrun")
     torchrun = str(sibling) if os.sep in python and sibling.exists() else "torchrun"
@@ -198,8 +191,6 @@ def _render_options(args: argparse.Namespace, log_dir: str | None):
 
 def _selected(args: argparse.Namespace, layout, opts) -> list:
     """Every role's command, or the one --role / --node-index ask for."""
-    from megatron_rl_fp8.launch.render import render
-
     commands = render(layout, opts)
     if args.role is None:
         return commands

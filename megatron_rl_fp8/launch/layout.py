@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Literal
 
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.launch.slurm import SlurmEnv
+from megatron_rl_fp8.plan.memory import Estimate, World, estimate
+from megatron_rl_fp8.rollout.sglang.process import resolve_python
 from megatron_rl_fp8.rollout.sglang.sender import Senders, engine_gpus_on_node, free_engine_blocks
 from megatron_rl_fp8.utils.engine_placement import (
     EVERY_TP_GROUP,
@@ -43,7 +45,6 @@ from megatron_rl_fp8.utils.engine_placement import (
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.config import RunConfig
-    from megatron_rl_fp8.plan.memory import Estimate
     from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
 
 Placement = Literal["dedicated", "colocated", "local"]
@@ -429,8 +430,6 @@ def check_paths(cfg: RunConfig, *, needs_sglang: bool) -> None:
                 "filesystem), relative to the directory you submit from"
             )
     if needs_sglang:
-        from megatron_rl_fp8.rollout.sglang.process import resolve_python
-
         try:
             resolve_python(cfg.rollout.sglang)
         except FileNotFoundError as e:
@@ -440,8 +439,6 @@ def check_paths(cfg: RunConfig, *, needs_sglang: bool) -> None:
 def _check_memory(
     cfg: RunConfig, layout: Layout, config_name: str, gpu_memory_gb: float, spec: str
 ) -> Estimate:
-    from megatron_rl_fp8.plan.memory import World, estimate
-
     nodes, g = len(layout.train_nodes), layout.env.gpus_per_node
     world = World(gpus_per_node=g, nodes=nodes, gpu_memory_gb=gpu_memory_gb)
     est = estimate(cfg, world, spec=spec)

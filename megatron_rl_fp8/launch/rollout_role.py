@@ -43,7 +43,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.data import load_prompt_encoder
 from megatron_rl_fp8.launch.layout import Engine, Layout, url_host
+from megatron_rl_fp8.models.hf_mapping import hf_config_with_tokens
+from megatron_rl_fp8.rollout.errors import RolloutEngineError, first_line
+from megatron_rl_fp8.rollout.sglang.http import Http
+from megatron_rl_fp8.rollout.sglang.process import (
+    MEMORY_SAVER_FLAG,
+    kill_group,
+    launch_logged,
+    log_tail,
+    resolve_python,
+    router_command,
+    server_command,
+    server_env,
+    serving,
+    wait_healthy,
+)
+from megatron_rl_fp8.rollout.sglang.transports import write_model_config
 
 if TYPE_CHECKING:
     import subprocess
@@ -96,10 +113,10 @@ def node_role(layout: Layout, k: int) -> NodeRole:
     engines = tuple(e for e in layout.engines if e.node == node)
     router = layout.router_node == node
     if not engines and not router:
-        serving = sorted({e.node_index for e in layout.engines}) or ["none"]
+        engine_nodes = sorted({e.node_index for e in layout.engines}) or ["none"]
         raise ConfigError(
             f"node {k} ({node}) runs no rollout role in this layout (placement "
-            f"{layout.placement}; rollout nodes: {', '.join(map(str, serving))}); check "
+            f"{layout.placement}; rollout nodes: {', '.join(map(str, engine_nodes))}); check "
             "--node-index and --train-nodes"
         )
     return NodeRole(
@@ -142,8 +159,6 @@ def role_commands(
     ``model_dir``, ``--load-format dummy``, ``--enable-metrics``; the layout's port and first
     GPU), then the router in front of every engine of the job when the node runs it. ``sg`` is
     ``rollout.sglang``; the arguments after it are :func:`~...process.serving`'s (pure)."""
-    from megatron_rl_fp8.rollout.sglang.process import router_command, server_command
-
     sg = node_sglang(sg, role, colocated=colocated, device=device)
     out = [
         Launch(
@@ -183,8 +198,6 @@ def node_sglang(sg: SGLangConfig, role: NodeRole, *, colocated: bool, device: st
     """``rollout.sglang`` as the node's engines run it: :func:`listening`, and colocated on GPUs
     ``--enable-memory-saver`` (the trainer releases their memory while it trains), which also
     keeps ``expandable_segments`` out of their environment (``process.server_env``)."""
-    from megatron_rl_fp8.rollout.sglang.process import MEMORY_SAVER_FLAG
-
     sg = listening(sg, role)
     if colocated and device == "cuda":
         sg = dataclasses.replace(sg, extra_args=[*sg.extra_args, MEMORY_SAVER_FLAG])
@@ -216,14 +229,6 @@ def serve_node(cfg: RunConfig, layout: Layout, k: int, *, log_dir: Path | None =
     """Start node ``k``'s engines and router, wait for /health, then stay until a signal (exit 0)
     or until one of them exits (exit 1). A start that fails is one line on stderr and exit 2;
     a config that cannot start raises ConfigError (the CLI prints it)."""
-    from megatron_rl_fp8.rollout.sglang.process import (
-        kill_group,
-        launch_logged,
-        resolve_python,
-        server_env,
-        serving,
-    )
-
     role = node_role(layout, k)
     sg = cfg.rollout.sglang
     _check_local(role)
@@ -311,10 +316,6 @@ def _check_local(role: NodeRole) -> None:
 
 def _write_model(cfg: RunConfig, model_dir: Path, *, dtype: str, fp8_checkpoint: bool) -> None:
     """``config.json`` of the run's model, with the tokenizer's ids, as the trainer writes it."""
-    from megatron_rl_fp8.data import load_prompt_encoder
-    from megatron_rl_fp8.models.hf_mapping import hf_config_with_tokens
-    from megatron_rl_fp8.rollout.sglang.transports import write_model_config
-
     tok = load_prompt_encoder(cfg.tokenizer, hf_checkpoint=cfg.model.hf_checkpoint)
     config = hf_config_with_tokens(cfg.model, tok)
     fp8 = cfg.rollout.fp8 if fp8_checkpoint else None
@@ -324,10 +325,6 @@ def _write_model(cfg: RunConfig, model_dir: Path, *, dtype: str, fp8_checkpoint:
 def _wait_ready(launches, procs, logs, timeout_s: float) -> str | None:
     """Wait (one deadline for all) until every engine and the router answer /health; None, or
     the first failure in one line."""
-    from megatron_rl_fp8.rollout.errors import RolloutEngineError, first_line
-    from megatron_rl_fp8.rollout.sglang.http import Http
-    from megatron_rl_fp8.rollout.sglang.process import wait_healthy
-
     deadline = time.monotonic() + timeout_s
     for p in launches:
         port = int(p.url.rsplit(":", 1)[1])
@@ -355,8 +352,6 @@ def _watch(k: int, launches, procs, logs, *, relaunch, max_restarts: int) -> int
     placeholder weights (``relaunch(launch, n)``, at most ``max_restarts`` times each), and the
     trainer re-syncs it when it answers again; the router exiting, or an engine past its
     relaunches, ends the role (exit 1 with its log)."""
-    from megatron_rl_fp8.rollout.sglang.process import kill_group, log_tail
-
     restarts = {p.name: 0 for p in launches}
     while True:
         for p in launches:

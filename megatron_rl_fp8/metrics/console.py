@@ -3,11 +3,11 @@ rank only; everything else goes to ``metrics.jsonl``)."""
 
 from __future__ import annotations
 
+from tqdm.auto import tqdm
+
 
 def progress_bar(enabled: bool, total: int, initial: int):
     """The RL steps' progress bar (tqdm; disabled off the driver rank)."""
-    from tqdm.auto import tqdm
-
     return tqdm(
         total=total,
         initial=initial,

@@ -147,7 +147,7 @@ def _ppo_bounds(runs: list[Run]) -> list[float]:
 
 
 def _draw_panel(ax, panel: Panel, runs: list[Run], colours: list[str]) -> None:
-    from matplotlib.lines import Line2D
+    from matplotlib.lines import Line2D  # lazy: matplotlib (~1 s) only when a figure is drawn
 
     window = _smoothing_window(panel, runs) if panel.smooth else 1
     keys_shown = []
@@ -191,6 +191,7 @@ def _draw_panel(ax, panel: Panel, runs: list[Run], colours: list[str]) -> None:
 def render_figure(title: str, panels: list[Panel], runs: list[Run], colours: list[str]) -> bytes:
     """One figure as PNG bytes: ``panels`` in a grid of up to 3 columns, ``runs`` in ``colours``
     (one each) and one legend of the runs under it."""
+    # lazy: matplotlib (~1 s) only when a figure is drawn; `study` imports this module for DPI
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.fp8.recipes import fp8_training
 from megatron_rl_fp8.metrics.logger import EVENTS_FILE, METRICS_FILE, read_metrics
@@ -77,8 +79,6 @@ def read_run_config(run_dir: Path) -> dict:
     path = run_dir / "config.yaml"
     if not path.is_file():
         return {}
-    import yaml
-
     try:
         cfg = yaml.safe_load(path.read_text())
     except yaml.YAMLError:

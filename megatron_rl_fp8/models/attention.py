@@ -25,13 +25,13 @@ import math
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import AttnMaskType
 
 
 def _tp_size(pg_collection) -> int:
     if pg_collection is not None:
         return pg_collection.tp.size()
-    from megatron.core import parallel_state
-
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
@@ -49,8 +49,6 @@ class SDPAttention(torch.nn.Module):
         cp_comm_type: str | None = None,
         pg_collection=None,
     ):
-        from megatron.core.transformer.enums import AttnMaskType
-
         super().__init__()
         if config.context_parallel_size != 1:
             raise ValueError(

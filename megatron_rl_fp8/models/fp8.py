@@ -23,9 +23,13 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel import mappings
+from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.fp8.emulation import FP8LinearEmulator, quantization_error
+from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
+from megatron_rl_fp8.fp8.torchao_backend import FP8LinearTorchAO
 
 _LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
@@ -34,12 +38,8 @@ def _make_linear(fp8: FP8Config, backend: str):
     if backend == "emulate":
         return FP8LinearEmulator(fp8)
     if backend == "torch":
-        from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
-
         return FP8LinearTorch(fp8)
     if backend == "torchao":
-        from megatron_rl_fp8.fp8.torchao_backend import FP8LinearTorchAO
-
         return FP8LinearTorchAO(fp8)
     raise ValueError(
         f"backend={backend!r} has no FP8 linears to install (Transformer Engine's come with its "
@@ -91,9 +91,6 @@ class _EmulatedGemm:
                 tp_group=tp_group,
                 **kwargs,
             )
-        if sequence_parallel or allreduce_dgrad:  # TP > 1 only: TP = 1 imports nothing here
-            from megatron.core.tensor_parallel import mappings
-            from megatron.core.utils import get_tensor_model_parallel_group_if_none
         if sequence_parallel:  # Megatron never sets allreduce_dgrad with it
             group = get_tensor_model_parallel_group_if_none(tp_group)
             if self.emulator.gathers_sequence:  # keeps only this rank's part for the backward

@@ -9,6 +9,14 @@ FP8 linears (``megatron_rl_fp8.fp8``) without touching the structure.
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt import gpt_layer_specs as specs
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from megatron_rl_fp8.fp8.te import have_te
 from megatron_rl_fp8.models.attention import SDPAttention
@@ -48,8 +56,6 @@ def layer_spec(
     """The transformer-layer ModuleSpec: TE spec when TE + CUDA exist, local spec otherwise (with
     the sequence-parallel norms above when ``sequence_parallel``, and :class:`SDPAttention` as
     its core attention where ``model.uses_sdpa``)."""
-    from megatron.core.models.gpt import gpt_layer_specs as specs
-
     if on_cpu is None:
         on_cpu = not torch.cuda.is_available()
     if use_te is None:
@@ -126,8 +132,6 @@ def transformer_config(
 ):
     """Megatron TransformerConfig for ``model``: dtype and fusions chosen for the device (see
     :func:`params_dtype`, :func:`megatron_fusions`); ``overrides`` win."""
-    from megatron.core.transformer import TransformerConfig
-
     if on_cpu is None:
         on_cpu = not torch.cuda.is_available()
     if use_te is None:
@@ -173,9 +177,6 @@ def build_gpt_model(
     post_process: bool | None = None,
 ):
     """Instantiate this rank's pipeline stage of the GPTModel (parallel_state must be set up)."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
@@ -183,11 +184,6 @@ def build_gpt_model(
     spec = layer_spec(model, use_te=use_te, sequence_parallel=config.sequence_parallel)
     if config.sequence_parallel and spec.submodules.input_layernorm is SequenceParallelRMSNorm:
         # The block's final norm too (Megatron would pick WrappedTorchNorm for it).
-        from megatron.core.transformer.transformer_block import (
-            TransformerBlockSubmodules,
-            get_num_layers_to_build,
-        )
-
         spec = TransformerBlockSubmodules(
             layer_specs=[spec] * get_num_layers_to_build(config),
             layer_norm=SequenceParallelRMSNorm,

@@ -55,7 +55,7 @@ def hf_config(
     pad_token_id: int | None = None,
 ):
     """A transformers config object equivalent to ``model``."""
-    import transformers
+    import transformers  # lazy: ~1.5 s to import; config loading reaches this module
 
     cls = {
         "llama": transformers.LlamaConfig,

@@ -24,6 +24,7 @@ from typing import Any
 
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.models.config import ModelConfig
+from megatron_rl_fp8.models.hf_mapping import MappingError, model_config_from_hf
 
 # ModelConfig fields a checkpoint determines, with the config.json key a user would look up.
 ARCH_FIELDS: dict[str, str] = {
@@ -70,8 +71,6 @@ def source_model(*, hf_checkpoint: str | None, load: str | None) -> tuple[ModelC
     ``model.load`` wins when both are set (its weights are the ones loaded); a plain trainer
     checkpoint (no conversion record) has no architecture to read, and gives None.
     """
-    from megatron_rl_fp8.models.hf_mapping import MappingError, model_config_from_hf
-
     if load is not None:
         ckpt = converted_dir(load)
         record = ckpt / CONVERSION_RECORD

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from datetime import timedelta
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl_fp8.config_utils import field
 
@@ -135,7 +137,6 @@ def check_context_parallel(cp_size: int, *, use_te: bool) -> None:
 
 
 def free_port() -> int:
-    import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -146,7 +147,6 @@ def node_name() -> str:
     """The node this process runs on, as the launcher names the nodes it places engines on:
     Slurm's node name (``SLURMD_NODENAME``, set in every job step; two nodes may share a host,
     as on the local test cluster), else the host name."""
-    import socket
 
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
@@ -174,11 +174,10 @@ _OWN_ENV: list[str] = []  # variables initialize() set for a single-process grou
 
 def initialize(cfg: ParallelConfig, *, seed: int) -> Groups:
     """Init torch.distributed (from torchrun env or single process) and Megatron parallel_state."""
-    import torch.distributed as dist
 
     use_cuda = torch.cuda.is_available()
     if not use_cuda:
-        from megatron_rl_fp8.parallel import cpu_compat
+        from megatron_rl_fp8.parallel import cpu_compat  # lazy: it imports Megatron-Core
 
         cpu_compat.enable()
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if use_cuda else "gloo")
@@ -202,7 +201,7 @@ def initialize(cfg: ParallelConfig, *, seed: int) -> Groups:
 
 def init_model_parallel(cfg: ParallelConfig, *, seed: int) -> Groups:
     """Megatron parallel_state + RNG tracker on an already initialised torch.distributed."""
-    import torch.distributed as dist
+    # lazy: Megatron-Core takes ~1 s to import and loading a config (ParallelConfig) needs none
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -224,8 +223,7 @@ def init_model_parallel(cfg: ParallelConfig, *, seed: int) -> Groups:
 
 
 def current_groups() -> Groups:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: Megatron-Core, as above
 
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_size = ps.get_pipeline_model_parallel_world_size()
@@ -262,8 +260,7 @@ def current_device() -> torch.device:
 
 
 def destroy() -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # lazy: Megatron-Core, as above
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()

@@ -151,6 +151,8 @@ def enable(*, force: bool = False) -> bool:
     if torch.cuda.is_available() and not force:
         return False
 
+    # lazy: Megatron-Core (~6 s) only once the layer is switched on: convert's mcore_io imports
+    # this module, and reading a checkpoint there needs no Megatron
     import megatron.core.tensor_parallel.random as mrandom
 
     cuda = torch.cuda
@@ -180,7 +182,7 @@ def enable(*, force: bool = False) -> bool:
     # torch.autograd.backward through it: code that activation recomputation re-runs in the
     # backward pass sees no redirect. The one CUDA allocation on that path is the local spec's
     # causal mask (fused_softmax imported it by name).
-    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.fusions.fused_softmax as fused_softmax  # lazy: as mrandom above
 
     _patch(fused_softmax, "get_default_causal_mask", _cpu_causal_mask)
 

@@ -49,14 +49,15 @@ from typing import TYPE_CHECKING, Literal
 
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.fp8.recipes import RECIPES, planned_recipe
+from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.plan.hardware import GPU, GPUS
 from megatron_rl_fp8.plan.memory import Estimate, Layout, World, estimate
 from megatron_rl_fp8.plan.model_bytes import Spec, layer_linear_weights, stage_params
+from megatron_rl_fp8.plan.presets import BENCH_ACTOR_2B
 from megatron_rl_fp8.utils.engine_placement import engine_count
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.config import RunConfig
-    from megatron_rl_fp8.models.config import ModelConfig
 
 Precision = Literal["bf16", "fp8-rollout", "fp8"]
 PRECISIONS: tuple[Precision, ...] = ("bf16", "fp8-rollout", "fp8")
@@ -173,9 +174,6 @@ def optimizer_seconds(params: float, gpu: GPU, eff: Efficiency) -> float:
 def _rest_seconds_per_flop(eff: Efficiency) -> float:
     """The non-GEMM cost per model FLOP, fitted so that the reference step (bench_actor's 2.03B
     shape, 16384 tokens of 2048) takes ``eff.actor_step_s`` on the reference GPU."""
-    from megatron_rl_fp8.models.config import ModelConfig
-    from megatron_rl_fp8.plan.presets import BENCH_ACTOR_2B
-
     m = ModelConfig(**BENCH_ACTOR_2B)
     tokens = 8 * 2048
     lin, attn = train_flops_per_token(m, 2048)

@@ -172,7 +172,7 @@ def _math_verify_timeout() -> int | None:
 
 def parse_boxed(expression: str) -> list:
     """``math_verify.parse`` of ``\\boxed{expression}``: the parsed forms Math-Verify compares."""
-    from math_verify import parse  # imported here: it pulls in sympy (~1 s)
+    from math_verify import parse  # lazy: it pulls in sympy (~1 s); config loading reaches here
 
     return parse("\\boxed{" + expression + "}", parsing_timeout=_math_verify_timeout())
 
@@ -203,7 +203,7 @@ def math_boxed(response_text: str, answer: str | int | float) -> float:
     solution containing a box. A response without a closed box scores 0. A reference Math-Verify
     cannot parse raises (a data bug); any response does not.
     """
-    from math_verify import verify
+    from math_verify import verify  # lazy: sympy (~1 s), as parse above
 
     if isinstance(answer, numbers.Real) and not isinstance(answer, bool):  # numpy too (Parquet)
         answer = str(answer)

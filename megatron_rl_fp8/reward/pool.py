@@ -353,6 +353,7 @@ class Rewarder:
         them. Stats: ``reward/timeouts`` and ``reward/errors`` (samples scored 0 for that reason
         in this call) and ``perf/reward_time_s``.
         """
+        # lazy: the spawned scoring workers import this module and must start without torch
         import torch
 
         if self._closed:

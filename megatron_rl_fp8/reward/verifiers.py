@@ -384,6 +384,7 @@ def compute_rewards(
     :class:`~megatron_rl_fp8.reward.pool.Rewarder` there is no timeout, and an exception in a
     verifier propagates (a quick check or eval on trusted data wants to see it).
     """
+    # lazy: the spawned scoring workers import this module and must start without torch
     import torch
 
     if len(responses) != len(answers):

@@ -46,6 +46,7 @@ def build_engine(
     runs); a server engine chooses its own. ``pipeline_model_parallel_size``: the trainer's, whose
     stages' sending ranks (this torchrun job's) a colocated SGLang fleet keeps its engines off."""
     if cfg.engine == "local":
+        # lazy: torch and transformers (the package imports no torch: see the docstring)
         from megatron_rl_fp8.rollout.local import LocalEngine
 
         kw = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
@@ -54,7 +55,8 @@ def build_engine(
         )
     if cfg.engine == "sglang":
         # No sglang import here: the server runs in its own interpreter (rollout.sglang.python).
-        from megatron_rl_fp8.rollout.sglang import SGLangFleet
+        # lazy: torch (the package imports no torch: see the docstring)
+        from megatron_rl_fp8.rollout.sglang.fleet import SGLangFleet
         from megatron_rl_fp8.rollout.sglang.sender import Senders
 
         return SGLangFleet(

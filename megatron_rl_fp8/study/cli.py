@@ -8,6 +8,18 @@ import argparse
 import sys
 
 from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.study.dose import write_dose_response
+from megatron_rl_fp8.study.evidence import evidence_table
+from megatron_rl_fp8.study.report import write_study_report
+from megatron_rl_fp8.study.runner import (
+    REPORT_DIR,
+    hold_study_dir,
+    load_study,
+    run_study,
+    usable_cores,
+)
+from megatron_rl_fp8.study.slurm import submit_study
+from megatron_rl_fp8.trainer.run_dir import check_writable
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -75,16 +87,6 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> int:
     args = build_parser(prog).parse_args(argv)
-    from megatron_rl_fp8.study.report import write_study_report
-    from megatron_rl_fp8.study.runner import (
-        REPORT_DIR,
-        hold_study_dir,
-        load_study,
-        run_study,
-        usable_cores,
-    )
-    from megatron_rl_fp8.trainer.run_dir import check_writable
-
     try:
         if args.dose_response:
             if args.evidence or args.jobs or args.report_only or args.slurm:
@@ -92,8 +94,6 @@ def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> 
                     "--dose-response reads the studies' existing runs and runs nothing; "
                     "drop --evidence, --jobs, --report-only and --slurm"
                 )
-            from megatron_rl_fp8.study.dose import write_dose_response
-
             print(f"dose response: {write_dose_response(args.study, args.out)}")
             return 0
         if args.evidence:
@@ -102,8 +102,6 @@ def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> 
                     "--evidence reads each study's own directory and runs nothing; "
                     "drop --out, --jobs and --report-only"
                 )
-            from megatron_rl_fp8.study.evidence import evidence_table
-
             print(evidence_table(args.study, args.nominal), end="")
             return 0
         if len(args.study) > 1:
@@ -123,8 +121,6 @@ def main(argv: list[str] | None = None, prog: str = "megatron-rl-fp8 study") -> 
         if args.slurm:
             if args.report_only or args.jobs:
                 raise ConfigError("--slurm submits jobs: drop --report-only and --jobs")
-            from megatron_rl_fp8.study.slurm import submit_study
-
             counts = submit_study(study, args.sbatch)
             print("study: " + ", ".join(f"{n} {state}" for state, n in sorted(counts.items())))
             print(

@@ -87,7 +87,7 @@ def _errors(iv: dict) -> tuple[float, float] | None:
 
 def render(points: list[dict], title: str) -> bytes:
     """The four panels as a PNG: per mode, each point with its x and y intervals."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # lazy: matplotlib (~1 s) only when a figure is drawn
 
     modes = sorted({p["mode"] for p in points})
     colours = {m: f"C{i % 10}" for i, m in enumerate(modes)}

@@ -332,6 +332,7 @@ def seed_band(runs: list[Run], key: str) -> tuple[list[int], list[float], list[f
 
 
 def _render(title: str, keys: list[str], loaded: dict[str, dict[int, Run]]) -> bytes:
+    # lazy: matplotlib (~1 s) only when a figure is drawn
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
@@ -365,7 +366,7 @@ def _render(title: str, keys: list[str], loaded: dict[str, dict[int, Run]]) -> b
 def palette_png(fig) -> bytes:
     """``fig`` as a 64-colour palette PNG: noisy curves under seed bands make an RGBA PNG of
     ~300 KB; a palette keeps them under ~100 KB and loses nothing a plot needs."""
-    from PIL import Image  # matplotlib's own dependency
+    from PIL import Image  # lazy: matplotlib's own dependency, only when a figure is saved
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI)

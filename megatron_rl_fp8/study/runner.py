@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from tqdm.auto import tqdm
 
 from megatron_rl_fp8 import checkpoint
 from megatron_rl_fp8.checkpoint.layout import complete_names
@@ -368,8 +369,6 @@ def run_study(study: Study, jobs: int, *, echo=print) -> dict[str, int]:
     if skipped:
         echo(f"study: {skipped} of {len(study.runs)} runs already finished; skipping them")
     threads = max(1, usable_cores() // max(1, jobs))
-    from tqdm.auto import tqdm
-
     total = sum(r.config.train.steps for r in study.runs)
     bar = tqdm(total=total, desc=f"study {study.name}", dynamic_ncols=True, leave=False)
     running: dict[int, tuple[StudyRun, subprocess.Popen, float, int]] = {}

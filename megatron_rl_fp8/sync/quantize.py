@@ -96,7 +96,7 @@ def modelopt_quantize(t: torch.Tensor, cfg: RolloutFP8Config) -> tuple[torch.Ten
       its scales are rounded up to powers of two (the builtin's rounding of the same float32
       value) and the weight is quantized again with them: exact, at the cost of a second pass.
     """
-    try:
+    try:  # lazy: optional dependency (nvidia-modelopt); its absence is the error below
         from modelopt.torch.quantization.qtensor import FP8QTensor
     except ImportError as e:
         raise ImportError(MODELOPT_MISSING) from e

@@ -21,6 +21,12 @@ import math
 from collections.abc import Callable
 
 import torch
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import get_megatron_optimizer
 
 from megatron_rl_fp8.fp8.backend import resolve_backend
 from megatron_rl_fp8.fp8.config import FP8Config
@@ -87,12 +93,6 @@ class Actor:
         train.updates_per_step``), the decay horizon when ``optim.lr_decay_steps`` is null.
         ``parallel``: the scale features (sequence parallelism, the distributed optimizer,
         overlapped communication); TP / PP / CP sizes come from ``groups``."""
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-
         self.model_cfg = model_cfg
         self.optim_cfg = self.base_optim_cfg = optim_cfg
         self.lr_decay_steps = optim_cfg.resolved_lr_decay_steps(total_steps)
@@ -181,8 +181,6 @@ class Actor:
     def reset_optimizer(self) -> None:
         """Fresh Adam state and the lr schedule at its step 0 (after the SFT warm start, so
         fresh, cached and skipped warm starts all begin RL alike)."""
-        from megatron.core.optimizer import get_megatron_optimizer
-
         if hasattr(self, "optimizer"):
             self.finish_param_gather()  # the new optimizer's main weights copy these
         self.optimizer = get_megatron_optimizer(self.optimizer_config, [self.model])

@@ -25,6 +25,7 @@ count, sequence-level importance weights) are not split: the config refuses them
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 def cp_positions(seq: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -60,8 +61,6 @@ def split_for_cp(mb: dict[str, torch.Tensor], cp_size: int, cp_rank: int) -> dic
 def gather_from_cp(local: torch.Tensor, cp_group, cp_size: int) -> torch.Tensor:
     """The inverse of ``split_for_cp`` for one per-token output: every CP rank's [B, S / CP]
     share all-gathered (collective over ``cp_group``) into [B, S], each at its positions."""
-    import torch.distributed as dist
-
     rows, share = local.shape[:2]
     seq = share * cp_size
     parts = [torch.empty_like(local) for _ in range(cp_size)]

@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_rl_fp8.trainer.config import OptimConfig
 
@@ -25,8 +27,6 @@ def megatron_optimizer_config(
     """Megatron's ``OptimizerConfig``: Adam with ``optim_cfg``'s settings, for a model built with
     the Megatron ``config`` (its bf16 flag and parameter dtype), with ``parallel``'s distributed
     optimizer and ``memory``'s optimizer offload."""
-    from megatron.core.optimizer import OptimizerConfig
-
     return OptimizerConfig(
         optimizer="adam",
         lr=optim_cfg.lr,
@@ -50,8 +50,6 @@ def build_opt_param_scheduler(optimizer, optim_cfg: OptimConfig, lr_decay_steps:
     ``optimizer`` is anything with ``param_groups``; a group's own ``max_lr`` / ``min_lr`` (Megatron's
     param groups carry them) take precedence over the scheduler's.
     """
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,  # Megatron's warmup starts at 0

@@ -14,6 +14,9 @@ import math
 from collections.abc import Callable
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
 from megatron_rl_fp8.fp8.te import te_fp8_align
 from megatron_rl_fp8.parallel import Groups
@@ -116,10 +119,6 @@ def run_schedule(
     """Megatron's forward(/backward) schedule over ``micro_batches`` (PP=1 and PP>1 alike);
     returns the per-micro-batch dicts of ``loss_fn`` (last pipeline stage only). The actor and
     the frozen KL reference both run their passes through it."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.utils import get_model_config
-
     if micro_batches.variable_shapes:
         # Micro-batches differ in rows and length (token budget): the pipeline's p2p then sends
         # each activation's [S, rows, hidden] shape ahead of it (both dims may vary), and the

@@ -50,21 +50,23 @@ from __future__ import annotations
 import importlib
 
 from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
+from megatron_rl_fp8.rollout.sglang.faults import (
+    FAULT_ENV,
+    FAULT_POINTS,
+    KillServerAt,
+    parse_fault_spec,
+)
+from megatron_rl_fp8.rollout.sglang.http import parse_completion, sampling_params
 
-# Everything but the config loads on first use: ``rollout.config`` imports the config from here
-# (which runs this file), and loading the run's config must not load the engines' code.
+# lazy: these modules import torch (and are the engines' code, which loading a run's config does
+# not need), and this file runs in the answer process (``answers.py``: a spawned helper that
+# imports ``http`` through this package and starts without torch); they load on first use.
 _LAZY = {
     "SGLangFleet": "fleet",
     "ServerPool": "pool",
     "SGLangServer": "server",
     "SGLangSyncPlan": "sender",
     "WeightSender": "sender",
-    "FAULT_ENV": "faults",
-    "FAULT_POINTS": "faults",
-    "KillServerAt": "faults",
-    "parse_fault_spec": "faults",
-    "parse_completion": "http",
-    "sampling_params": "http",
     "pick_port": "process",
     "resolve_python": "process",
     "server_command": "process",
@@ -74,7 +76,16 @@ _LAZY = {
     "new_sender_group": "transports",
 }
 
-__all__ = ["SGLangConfig", *_LAZY]
+__all__ = [
+    "FAULT_ENV",
+    "FAULT_POINTS",
+    "KillServerAt",
+    "SGLangConfig",
+    "parse_completion",
+    "parse_fault_spec",
+    "sampling_params",
+    *_LAZY,
+]
 
 
 def __getattr__(name: str):

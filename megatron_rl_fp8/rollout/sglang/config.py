@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Literal
+from urllib.parse import urlparse
 
 from megatron_rl_fp8.config_utils import check_literals, field
 
@@ -15,7 +16,7 @@ class SGLangConfig:
     python: str = field(
         ".venv-sglang/bin/python",
         help="Python that runs `sglang.launch_server` (relative paths: from the repository root). "
-        "The default is the venv made by tools/install_sglang_cpu.sh; empty = the trainer's "
+        "The default is the venv made by scripts/install_sglang_cpu.sh; empty = the trainer's "
         "own interpreter (SGLang installed next to the trainer, e.g. on GPU clusters).",
     )
     transport: Literal["distributed", "tensor"] = field(
@@ -191,8 +192,6 @@ class SGLangConfig:
 
 
 def _is_http_url(url: str) -> bool:
-    from urllib.parse import urlparse
-
     parsed = urlparse(url)
     return parsed.scheme in ("http", "https") and bool(parsed.hostname) and parsed.port is not None
 

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
+
 from megatron_rl_fp8.parallel import node_name
 from megatron_rl_fp8.rollout.errors import RolloutEngineError, first_line
 from megatron_rl_fp8.rollout.sglang.faults import fault_hook_from_env
@@ -34,6 +36,7 @@ from megatron_rl_fp8.rollout.sglang.router import Router
 from megatron_rl_fp8.rollout.sglang.sender import Senders, on_this_host
 from megatron_rl_fp8.rollout.sglang.server import SGLangServer, server_gpus
 from megatron_rl_fp8.rollout.sglang.transports import write_model_config
+from megatron_rl_fp8.utils.engine_placement import engines_per_node
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.rollout.config import RolloutConfig
@@ -110,10 +113,6 @@ class ServerPool:
         every TP group of this node's GPUs (``utils/engine_placement.py``); one on a CPU."""
         if self.device != "cuda":
             return 1
-        import torch
-
-        from megatron_rl_fp8.utils.engine_placement import engines_per_node
-
         return engines_per_node(gpus_per_node=torch.cuda.device_count(), engine_tp=self.cfg.tp_size)
 
     # -- what the fleet asks for -----------------------------------------------------------------

@@ -7,7 +7,9 @@ own, so it can never outlive the trainer (see the guard's comment below).
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl_fp8.parallel import free_port
 from megatron_rl_fp8.rollout.errors import RolloutEngineError, ServerGone
 from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
 from megatron_rl_fp8.sync.ipc import ALLOC_CONF_VARS
@@ -135,9 +138,6 @@ def pick_port(low: int = 15000, high: int = 22000) -> int:
     its startup in testing (the server then hung instead of exiting). Not SGLang's own range
     either (22000-29999, where it picks its NCCL port). Random with a private generator: the
     trainer seeds the global one, and two runs on one host must not pick alike."""
-    import random
-    import socket
-
     for port in random.Random().sample(range(low, high), 64):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -145,8 +145,6 @@ def pick_port(low: int = 15000, high: int = 22000) -> int:
             except OSError:
                 continue
             return port
-    from megatron_rl_fp8.parallel import free_port
-
     return free_port()
 
 
@@ -160,7 +158,7 @@ def resolve_python(cfg: SGLangConfig) -> str:
     if not path.exists():
         raise FileNotFoundError(
             f"rollout.sglang.python={cfg.python!r}: {path} does not exist. Install SGLang's CPU "
-            "engine with `tools/install_sglang_cpu.sh` (creates .venv-sglang), or point "
+            "engine with `scripts/install_sglang_cpu.sh` (creates .venv-sglang), or point "
             "rollout.sglang.python at a python that has sglang (empty = this interpreter)"
         )
     return str(path)

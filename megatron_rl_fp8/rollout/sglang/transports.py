@@ -4,14 +4,21 @@
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
+import datetime
+import inspect
+import io
 import json
 import threading
 import time
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed import distributed_c10d as c10d
+from torch.multiprocessing import reductions  # importing it registers the tensor reductions
 
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.rollout.errors import RolloutEngineError, ServerGone
@@ -66,11 +73,6 @@ def serialize_per_rank(named: list[tuple[str, torch.Tensor]], tp_size: int) -> l
 
     A CUDA tensor's handle names its GPU by device UUID, not ordinal (:func:`reduce_by_uuid`), as
     SGLang's own senders do: the server may number the GPUs differently (per-task GPU binding)."""
-    import base64
-    import io
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
 
     def one() -> str:
         buf = io.BytesIO()
@@ -92,8 +94,6 @@ CUDA_DEVICE_ARG = 6
 def with_device_uuid(rebuild, args: tuple, uuid_of) -> tuple:
     """``(rebuild, args)`` of a tensor reduction with a CUDA tensor's device ordinal replaced by
     ``uuid_of(ordinal)``; any other reduction (shared memory on CPU) unchanged."""
-    from torch.multiprocessing import reductions
-
     if rebuild is not reductions.rebuild_cuda_tensor:
         return rebuild, args
     device = args[CUDA_DEVICE_ARG]
@@ -107,8 +107,6 @@ def reduce_by_uuid(tensor: torch.Tensor):
     monkey_patch_torch_reductions``) so that a UUID there is looked up among its own GPUs
     (``_device_from_maybe_uuid``); a bare ordinal is read in the server's numbering, which under
     per-task GPU binding (``srun --gpus-per-task``, ``--gpu-bind``) is another GPU."""
-    from torch.multiprocessing import reductions
-
     rebuild, args = reductions.reduce_tensor(tensor)
     return with_device_uuid(rebuild, args, lambda d: str(torch.cuda.get_device_properties(d).uuid))
 
@@ -241,11 +239,6 @@ def new_sender_group(
     rendezvous store prefixed with the group name, then c10d's group factory), so the two sides
     agree on store keys; it is *not* the default group, so the trainer's collectives are untouched.
     """
-    import datetime
-    import inspect
-
-    from torch.distributed import distributed_c10d as c10d
-
     timeout = datetime.timedelta(seconds=timeout_s)
     # This process hosts the store (not c10d.rendezvous: under torchrun, with
     # TORCHELASTIC_USE_AGENT_STORE set, rank 0 of a tcp:// rendezvous only connects to a store it
