@@ -45,6 +45,7 @@ def _train(args) -> int:
     # trainer's imports (Megatron-Core, ~6 s)
     from megatron_rl_fp8.config_utils import ConfigError
     from megatron_rl_fp8.rollout.errors import RolloutEngineError
+    from megatron_rl_fp8.rollout.registry import engine_spec
     from megatron_rl_fp8.trainer.guard import GuardStop
     from megatron_rl_fp8.trainer.loop import Trainer
     from megatron_rl_fp8.utils.fs import storage_refusal
@@ -66,7 +67,8 @@ def _train(args) -> int:
         # the run directory all the same.
         log = _keep_traceback(cfg.train.output_dir)
         where = f" (traceback: {log})" if log else ""
-        print(f"sglang error: {e}{where}", file=sys.stderr)
+        label = engine_spec(cfg.rollout.engine).error_label  # the engine's word for its errors
+        print(f"{label}: {e}{where}", file=sys.stderr)
         return 1
     except OSError as e:
         # A write the storage refused (a full disk, a quota) outside a checkpoint save, which

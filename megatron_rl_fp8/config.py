@@ -33,7 +33,7 @@ from megatron_rl_fp8.models.pretrained import (
 from megatron_rl_fp8.parallel import ParallelConfig, check_context_parallel
 from megatron_rl_fp8.reward.verifiers import VERIFIERS, RewardConfig
 from megatron_rl_fp8.rollout.config import RolloutConfig
-from megatron_rl_fp8.rollout.sglang.config import block_quant_shape_problem
+from megatron_rl_fp8.rollout.registry import engine_spec
 from megatron_rl_fp8.trainer.config import GuardConfig, OptimConfig, SFTConfig, TrainConfig
 from megatron_rl_fp8.utils.yaml_unique import safe_load as safe_load_unique
 from megatron_rl_fp8.utils.yaml_unique import yaml_problem
@@ -117,7 +117,9 @@ class RunConfig:
                 f"parallel.pipeline_model_parallel_size={pp}"
             )
         self._check_scale_features(this_machine)
-        self._check_sglang_fp8(this_machine)
+        spec = engine_spec(self.rollout.engine)
+        if spec.check_run is not None:
+            spec.check_run(self, this_machine)
         problem = self.memory.check_layers(m.num_layers // pp)
         if problem:
             raise ConfigError(problem)
@@ -259,23 +261,6 @@ class RunConfig:
                     "head_dim or parallel.tensor_model_parallel_size, or use fp8.backend=torch "
                     "(which pads)"
                 )
-
-    def _check_sglang_fp8(self, this_machine: bool) -> None:
-        """SGLang engines that load FP8 checkpoints (on GPUs: on this machine when it has one,
-        else wherever the run is planned for) refuse weight blocks their shards cannot hold."""
-        r = self.rollout
-        if r.engine != "sglang" or r.fp8.weight_quant != "blockwise" or r.sglang.device == "cpu":
-            return
-        if this_machine and r.sglang.device == "auto" and not torch.cuda.is_available():
-            return  # SGLang's CPU engine: the FP8-rounded weights are served unquantized
-        tp = r.sglang.tp_size
-        problem = block_quant_shape_problem(self.model, tp, r.fp8.weight_block)
-        if problem:
-            raise ConfigError(
-                f"rollout.fp8.weight_block={list(r.fp8.weight_block)} with "
-                f"rollout.sglang.tp_size={tp}: {problem}, which SGLang refuses at start-up; "
-                "choose a block that divides it, another tp_size, or rollout.fp8.weight_quant=bf16"
-            )
 
     def _check_reward(self) -> None:
         if getattr(self.reward, "function", None) is None and self.task.name not in VERIFIERS:

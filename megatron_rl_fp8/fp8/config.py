@@ -307,9 +307,10 @@ class RolloutFP8Config:
     weight_quant: RolloutWeightQuant = field(
         default="bf16",
         help="'bf16': no FP8 rollout (default). 'blockwise': one float32 scale per "
-        "weight_block tile (what SGLang/vLLM read as 'weight_scale_inv') and 1 x act_group "
-        "dynamic activation scales; 'per_tensor': one scale per weight (the in-process "
-        "engine only: SGLang cannot take per-tensor FP8 hot updates, docs/gpu_contracts.md SG-4).",
+        "weight_block tile (what block-FP8 serving engines read as 'weight_scale_inv') and "
+        "1 x act_group dynamic activation scales; 'per_tensor': one scale per weight (engines "
+        "that take per-tensor FP8 hot updates only: the in-process one; docs/gpu_contracts.md "
+        "SG-4).",
     )
     weight_block: tuple[int, int] = field(
         default=(128, 128),

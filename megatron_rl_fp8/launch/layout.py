@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Literal
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.launch.slurm import SlurmEnv
 from megatron_rl_fp8.plan.memory import Estimate, World, estimate
+from megatron_rl_fp8.rollout.registry import engine_spec
 from megatron_rl_fp8.rollout.sglang.process import resolve_python
 from megatron_rl_fp8.rollout.sglang.sender import Senders, engine_gpus_on_node, free_engine_blocks
 from megatron_rl_fp8.utils.engine_placement import (
@@ -194,7 +195,7 @@ def plan_layout(
 
 def _placement(cfg: RunConfig, env: SlurmEnv) -> Placement:
     r = cfg.rollout
-    if r.engine == "local":
+    if engine_spec(r.engine).in_process:
         return "local"
     if r.sglang.engine_urls or r.sglang.router_url:
         raise ConfigError(
@@ -215,7 +216,7 @@ def _train_node_count(
         raise ConfigError(f"TRAIN_NODES={train_nodes}: the trainer needs at least one node")
     if placement != "dedicated":
         why = {
-            "local": "rollout.engine=local samples inside the trainer",
+            "local": f"rollout.engine={cfg.rollout.engine} samples inside the trainer",
             "colocated": "rollout.placement=colocated runs trainer and engines on every node",
         }[placement]
         if train_nodes not in (None, n):

@@ -72,6 +72,12 @@ class SyncPlan:
         """The plan for ``node``'s engines alone (a per-node sync's part of one node)."""
         return self
 
+    @property
+    def reach_every_node(self) -> str:
+        """The setting that makes the senders reach every engine without a per-node sync (for
+        the error that a node's engines have no trainer rank to hand them their weights)."""
+        return "a transport that reaches every node"
+
 
 class SyncSender(Protocol):
     """One sending rank's side of a sync: pushes its buckets into the engines of a plan."""

@@ -8,6 +8,7 @@ from typing import Literal
 
 from megatron_rl_fp8.config_utils import check_literals, field
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
+from megatron_rl_fp8.rollout.registry import ENGINES, choices, engine_spec
 from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
 
 
@@ -15,19 +16,17 @@ from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
 class RolloutConfig:
     """How completions are sampled."""
 
-    engine: Literal["local", "sglang"] = field(
+    engine: str = field(
         "local",
-        help="local = in-process transformers engine on the driver rank (CPU boxes); "
-        "sglang = SGLang engines (one or a fleet behind sglang-router) launched by the driver "
-        "rank or attached to, synced from the ranks holding the weights "
-        "(rollout.sglang; install: scripts/install_sglang_cpu.sh on CPU).",
+        help=f"The rollout engine, by its registered name ({choices()}), or package.module:SPEC "
+        "for an engine of your own (an EngineSpec, rollout/registry.py).",
     )
     sglang: SGLangConfig = field(
         default_factory=SGLangConfig, help="The SGLang engines (used when engine is sglang)."
     )
     placement: Literal["dedicated", "colocated"] = field(
         "dedicated",
-        help="Where SGLang engines run: dedicated = GPUs of their own (other nodes, or GPUs of "
+        help="Where server engines run: dedicated = GPUs of their own (other nodes, or GPUs of "
         "this node after the trainer's); colocated = on the trainer's GPUs, releasing their "
         "memory while the trainer trains and resuming it for the sync and the rollout.",
     )
@@ -67,23 +66,13 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.placement == "colocated" and self.engine != "sglang":
+        spec = engine_spec(self.engine)
+        if self.placement not in spec.placements:
+            others = {s.name: 0 for s in ENGINES.values() if self.placement in s.placements}
             raise ValueError(
-                "rollout.placement=colocated applies to SGLang engines; the local engine "
-                "always runs inside the trainer (set rollout.engine=sglang or placement=dedicated)"
+                f"rollout.placement={self.placement} is not a placement rollout.engine="
+                f"{self.engine} runs with (it runs {', '.join(spec.placements)}); set "
+                f"rollout.placement={spec.placements[0]} or an engine that does ({', '.join(others)})"
             )
-        if self.engine == "sglang" and self.fp8.weight_quant == "per_tensor":
-            # SGLang 0.5.23 (layers/quantization/fp8.py, Fp8LinearMethod.
-            # process_weights_after_loading), run at start-up on the placeholder weights: a
-            # per-tensor FP8 linear's weight becomes a transposed Parameter without weight_loader
-            # (its scale a per-channel one on SM89+), so no hot update can land in it: fused
-            # qkv / gate_up loads fail and a square o_proj would take its codes untransposed.
-            # Block-quantized layers keep their loadable parameters. Checked against SGLang's
-            # code in tests/unit/test_sglang_contracts.py.
-            raise ValueError(
-                "rollout.fp8.weight_quant=per_tensor is not supported with rollout.engine=sglang: "
-                "SGLang's per-tensor FP8 layers replace their weight by a transposed Parameter "
-                "without a weight_loader at start-up, so synced weights cannot be loaded into "
-                "them; use rollout.fp8.weight_quant=blockwise (or rollout.engine=local for "
-                "per-tensor numerics)"
-            )
+        if spec.check is not None:
+            spec.check(self)

@@ -46,6 +46,7 @@ from megatron_rl_fp8.checkpoint.layout import complete_names
 from megatron_rl_fp8.config import RunConfig, load_config
 from megatron_rl_fp8.config_utils import ConfigError, describe_fields, to_dict
 from megatron_rl_fp8.metrics.logger import EVENTS_FILE
+from megatron_rl_fp8.rollout.registry import error_labels
 from megatron_rl_fp8.trainer.run_dir import changed_settings
 from megatron_rl_fp8.utils.fs import FileLock, atomic_write_text
 from megatron_rl_fp8.utils.yaml_unique import safe_load, yaml_problem
@@ -333,7 +334,8 @@ def _last_line(path: Path) -> str:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return ""
-    kinds = ("config error:", "data error:", "storage error:", "guard:", "error:", "sglang error:")
+    kinds = ("config error:", "data error:", "storage error:", "guard:", "error:")
+    kinds += tuple(f"{label}:" for label in error_labels())  # each engine's error word
     mine = [x.strip() for x in lines if x.strip().startswith(kinds)]
     return (mine or [x for x in lines if x.strip()] or [""])[-1][:300]
 

@@ -27,6 +27,7 @@ from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.rollout.base import RolloutEngine, SyncPlan, SyncSender
 from megatron_rl_fp8.rollout.errors import RolloutLost, SyncFailed
+from megatron_rl_fp8.rollout.registry import engine_spec
 from megatron_rl_fp8.sync.buckets import export_for_rollout
 from megatron_rl_fp8.sync.gather import iter_full_params
 from megatron_rl_fp8.sync.timing import SyncTimes, timed
@@ -58,6 +59,8 @@ class EngineLink:
         self.offload = offload
         self.is_driver = groups.is_driver
         self.colocated = cfg.rollout.placement == "colocated"
+        # How often a sync or a lost rollout is run again: the engine's restart policy.
+        self.max_restarts = engine_spec(cfg.rollout.engine).max_restarts(cfg.rollout)
         # A non-driver sending rank's side of the syncs (the driver's is its engine's ``sender``),
         # made from the first plan that has this rank send.
         self.weight_sender: SyncSender | None = None
@@ -82,7 +85,7 @@ class EngineLink:
         self.times = times = SyncTimes()
         if self.colocated and self.is_driver:
             self.engine.resume_memory(("weights",))
-        for attempt in range(1, self.cfg.rollout.sglang.max_restarts + 2):
+        for attempt in range(1, self.max_restarts + 2):
             failure = self._sync_once(version, times)
             failure = broadcast_object(failure, self.groups.driver_rank)  # also the barrier
             if failure is None:
@@ -194,7 +197,7 @@ class EngineLink:
         next generation) and the trainer's state returns. When the engines lost the synced weights during it
         (``RolloutLost``, raised on every rank alike: engines died and were relaunched on
         placeholders), the engines are synced again and ``phase`` runs again."""
-        for attempt in range(1, self.cfg.rollout.sglang.max_restarts + 2):
+        for attempt in range(1, self.max_restarts + 2):
             self._engines_turn()
             try:
                 result = phase()
@@ -211,7 +214,7 @@ class EngineLink:
             return result
         raise RolloutLost(
             f"the engines lost the synced weights in {attempt} attempts "
-            f"(rollout.sglang.max_restarts={self.cfg.rollout.sglang.max_restarts})"
+            f"({self.max_restarts} restart(s) allowed: rollout.engine={self.cfg.rollout.engine})"
         )
 
     def _engines_turn(self) -> None:

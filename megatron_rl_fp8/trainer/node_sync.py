@@ -42,10 +42,13 @@ class RankPlace:
     gathers: bool  # in the replica that gathers the weights (DP rank 0, CP rank 0)
 
 
-def relay_ranks(places: list[RankPlace], nodes: Iterable[str]) -> dict[str, int]:
+def relay_ranks(
+    places: list[RankPlace], nodes: Iterable[str], fix: str = "a transport that reaches every node"
+) -> dict[str, int]:
     """Each of ``nodes``' relay rank (global ranks index ``places``): its lowest stage sender,
     else its lowest rank outside the gathering replica. Raises RolloutEngineError, one line, for
-    a node without such a rank (no trainer rank there, or only ranks busy in a stage's gather)."""
+    a node without such a rank (no trainer rank there, or only ranks busy in a stage's gather);
+    ``fix``: the engine's setting that avoids the per-node sync (``SyncPlan.reach_every_node``)."""
     out = {}
     for node in nodes:
         ranks = [r for r, p in enumerate(places) if p.node == node]
@@ -57,7 +60,7 @@ def relay_ranks(places: list[RankPlace], nodes: Iterable[str]) -> dict[str, int]
             raise RolloutEngineError(
                 f"per-node weight sync: engines on node {node} but {why}, so none can hand them "
                 "the weights over shared memory / CUDA IPC: colocate them with trainer ranks "
-                "(rollout.placement=colocated) or use rollout.sglang.transport=distributed"
+                f"(rollout.placement=colocated) or use {fix}"
             )
         out[node] = pick[0]
     return out
@@ -135,7 +138,7 @@ class NodeSync:
         ``sender()``: this rank's sending side, called on relay ranks."""
         g = self.groups
         places = self.places()
-        relays = relay_ranks(places, plan.nodes)
+        relays = relay_ranks(places, plan.nodes, plan.reach_every_node)
         senders = stage_senders(places)
         me = places[g.rank]
         relaying = relays.get(me.node) == g.rank

@@ -1,4 +1,4 @@
-"""Moving the trainer's GPU state to the host while colocated SGLang engines generate.
+"""Moving the trainer's GPU state to the host while colocated engines generate.
 
 With ``rollout.placement=colocated`` the engines and the trainer share each GPU. The trainer
 needs its memory only outside the rollout, so during it that memory goes to the host:

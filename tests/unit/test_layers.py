@@ -293,3 +293,79 @@ def test_the_sys_path_finder_finds_them(tmp_path):
         "print(sys.path.index('x'))\n"
     )
     assert sorted(sys_path_edits(src)) == ["m.py:3", "m.py:4", "m.py:5"]
+
+
+# Modules that still reach the SGLang engines by name (issue 45 item 2: the planner's engine memory
+# and time, the launcher's server placement, the rollout section's own ``rollout.sglang``). The
+# list only shrinks: the rest of the package reaches an engine through rollout/registry.py.
+NAMES_SGLANG_STILL = {
+    "launch.cli",
+    "launch.layout",
+    "launch.render",
+    "launch.rollout_role",
+    "plan.cli",
+    "plan.memory",
+    "plan.time",
+    "rollout",
+    "rollout.config",
+    "utils.engine_placement",
+}
+
+
+def engine_name_uses(path: Path, word: str = "sglang") -> list[str]:
+    """``file:line`` of code in ``path`` that names ``word`` (case-insensitive): an import, a
+    name, an attribute or a string. Docstrings and comments may describe it (the FP8 checkpoint
+    format SGLang reads, say)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            text = " ".join(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            text = " ".join([node.module or "", *(a.name for a in node.names)])
+        elif isinstance(node, ast.Name):
+            text = node.id
+        elif isinstance(node, ast.Attribute):
+            text = node.attr
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = "" if id(node) in docstrings else node.value
+        else:
+            continue
+        if word in text.lower():
+            found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_only_the_engines_own_folder_names_sglang():
+    """The trainer, the CLI, the study and the config reach an engine through its registered
+    spec (rollout/registry.py); SGLang's settings and words live in rollout/sglang/."""
+    found = [
+        hit
+        for name, path in MODULES.items()
+        if not name.startswith(f"{PACKAGE}.rollout.sglang")
+        and name.removeprefix(f"{PACKAGE}.") not in NAMES_SGLANG_STILL
+        for hit in engine_name_uses(path)
+    ]
+    assert not found, "\n".join(found)
+    still = [m for m in NAMES_SGLANG_STILL if not engine_name_uses(MODULES[f"{PACKAGE}.{m}"])]
+    assert not still, f"these no longer name SGLang: drop them from NAMES_SGLANG_STILL: {still}"
+
+
+def test_the_engine_name_finder_finds_code_not_prose(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        '"""SGLang reads weight_scale_inv."""\n'
+        "from x.sglang import y  # SGLang\n"
+        "def f(cfg):\n"
+        '    """Like SGLang does."""\n'
+        "    return cfg.rollout.sglang, 'use rollout.sglang.x', SGLangFleet\n"
+    )
+    assert engine_name_uses(src) == ["m.py:2", "m.py:5", "m.py:5", "m.py:5"]

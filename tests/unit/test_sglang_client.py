@@ -471,7 +471,7 @@ def test_export_options_tell_the_export_path_how_to_send_weights(tmp_path):
             "rollout.sglang.engine_urls=[http://a:1,http://b:2]",
             None,  # with num_engines=3 below
         ),
-        ("rollout.placement=colocated", "colocated applies to SGLang"),
+        ("rollout.placement=colocated", "is not a placement rollout.engine=local runs with"),
         ("rollout.placement=everywhere", "rollout.placement"),
         ("rollout.sglang.router_policy=nearest", "router_policy"),
     ],

@@ -74,6 +74,10 @@ class SGLangSyncPlan(SyncPlan):
         not all on the sending ranks' node); otherwise ``[]``."""
         return list(dict.fromkeys(self.engine_nodes)) if self.transport == "tensor" else []
 
+    @property
+    def reach_every_node(self) -> str:
+        return "rollout.sglang.transport=distributed"
+
     def on_node(self, node: str) -> SGLangSyncPlan:
         if not self.engine_nodes:
             return self

@@ -1,0 +1,183 @@
+"""Rollout engines by name: everything the config, the trainer and the commands know of an engine.
+
+An engine is its ``RolloutEngine`` class (``rollout/base.py``) plus one :class:`EngineSpec`: how to
+build it, the placements it supports, how often the trainer retries a sync or a rollout it lost,
+the word its errors are reported under, and the settings it cannot run with. ``rollout.engine``
+names a registered spec; nothing outside an engine's own folder branches on its name.
+
+Where specs come from:
+* the in-process engine, ``local``, is registered here;
+* every subpackage of ``rollout/`` with a ``spec`` module registers its own when this module is
+  imported (``rollout/sglang/spec.py``), so a new built-in engine is a new folder;
+* a user's or a test's engine: ``rollout.engine: package.module:SPEC``, an :class:`EngineSpec` that
+  loading the config imports and registers under its ``name`` (the trainer's ranks and the
+  launcher import it the same way), as ``reward.function`` takes a user's reward.
+
+Importing this module imports no torch: a spec's ``build`` imports its engine's code when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_rl_fp8.rollout.base import RolloutEngine
+
+# ``RolloutConfig`` (rollout/config.py, which reads this registry) in the signatures below.
+RolloutConfig = Any
+
+PLACEMENTS = ("dedicated", "colocated")
+"""``rollout.placement``'s values: GPUs of the engines' own, or the trainer's GPUs shared."""
+
+
+def _no_restarts(cfg: RolloutConfig) -> int:
+    return 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """One rollout engine, as the rest of the package sees it."""
+
+    name: str
+    """What ``rollout.engine`` says to pick it."""
+    help: str
+    """One line for ``rollout.engine``'s help: what it is and what it needs."""
+    build: Callable[..., RolloutEngine]
+    """``build(cfg, hf_cfg, *, pad_token_id, eos_token_id, output_dir, device, dtype,
+    pipeline_model_parallel_size)``: the engine, ready for its first ``update_weights``
+    (``rollout.build_engine`` documents the arguments)."""
+    placements: tuple[str, ...] = ("dedicated",)
+    """The ``rollout.placement`` values it runs with (``colocated``: it releases and resumes its
+    GPU memory around each training phase)."""
+    max_restarts: Callable[[RolloutConfig], int] = _no_restarts
+    """How many more times the trainer runs a sync that did not reach every engine, or a rollout
+    whose engines lost the synced weights, before it gives up (0: once only)."""
+    in_process: bool = False
+    """It runs inside the trainer's driver process: the launcher places no server for it and
+    every node trains."""
+    error_label: str = "rollout error"
+    """The word the CLI prints its ``RolloutEngineError`` under (``<label>: <one line>``)."""
+    check: Callable[[RolloutConfig], None] | None = None
+    """Rollout settings it cannot run with: raises ``ValueError`` naming the setting and the fix
+    (run while ``rollout.*`` is checked, before anything starts)."""
+    check_run: Callable[[Any, bool], None] | None = None
+    """Settings of other sections it cannot run with: ``check_run(run_config, this_machine)``
+    raises ``ConfigError`` (run by ``RunConfig.validate``; ``this_machine``: the run starts
+    here, so this machine's GPUs count)."""
+
+    def __post_init__(self):
+        if not re.fullmatch(r"[A-Za-z_][\w-]*", self.name):
+            raise ValueError(f"EngineSpec.name={self.name!r}: a word (letters, digits, _ or -)")
+        for p in self.placements:
+            if p not in PLACEMENTS:
+                raise ValueError(
+                    f"EngineSpec {self.name!r}: placement {p!r} is not one of {PLACEMENTS}"
+                )
+
+
+ENGINES: dict[str, EngineSpec] = {}
+"""Registered engines by name, built-in ones first."""
+
+
+def register_engine(spec: EngineSpec) -> EngineSpec:
+    """Add ``spec`` under its name (registering the same spec again is a no-op)."""
+    if not isinstance(spec, EngineSpec):
+        raise TypeError(f"register_engine takes an EngineSpec, got {type(spec).__name__}")
+    old = ENGINES.get(spec.name)
+    if old is not None and old is not spec:
+        raise ValueError(f"a rollout engine named {spec.name!r} is already registered")
+    ENGINES[spec.name] = spec
+    return spec
+
+
+_PLUGIN = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def engine_spec(engine: str) -> EngineSpec:
+    """The spec ``rollout.engine`` names: a registered name, or ``package.module:SPEC`` (imported
+    and registered). Raises ``ValueError`` naming the setting, the value and the choices."""
+    if not isinstance(engine, str):
+        raise ValueError(f"rollout.engine={engine!r} must be a string: one of {names()}")
+    if engine in ENGINES:
+        return ENGINES[engine]
+    if not _PLUGIN.fullmatch(engine):
+        raise ValueError(
+            f"rollout.engine={engine!r} is not a registered engine ({names()}); name one, or "
+            "write package.module:SPEC for an EngineSpec of your own"
+        )
+    module_name, attr_path = engine.split(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or whatever the module raises while importing
+        raise ValueError(
+            f"rollout.engine={engine!r} cannot be loaded: importing {module_name!r} failed "
+            f"({type(e).__name__}: {e}); install it or put its folder on PYTHONPATH"
+        ) from None
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(
+                f"rollout.engine={engine!r} cannot be loaded: {module_name!r} has no attribute "
+                f"{part!r}; check the name after the colon"
+            )
+        obj = getattr(obj, part)
+    if not isinstance(obj, EngineSpec):
+        raise ValueError(
+            f"rollout.engine={engine!r} is a {type(obj).__name__}, not an EngineSpec "
+            "(megatron_rl_fp8.rollout.registry.EngineSpec)"
+        )
+    register_engine(obj)
+    ENGINES[engine] = obj  # the config keeps the dotted value; later lookups find it here
+    return obj
+
+
+def choices() -> str:
+    """The registered engines with their help, for ``rollout.engine``'s help."""
+    return "; ".join(f"{s.name} = {s.help}" for name, s in ENGINES.items() if name == s.name)
+
+
+def names() -> str:
+    """The registered engines' names, for errors."""
+    return ", ".join(name for name, s in ENGINES.items() if name == s.name)
+
+
+def error_labels() -> tuple[str, ...]:
+    """Every registered engine's error word (the study reads runs' last error lines by them)."""
+    return tuple(dict.fromkeys(s.error_label for s in ENGINES.values()))
+
+
+def _build_local(cfg, hf_cfg, *, pad_token_id, eos_token_id, device=None, dtype=None, **_):
+    # lazy: torch and transformers (importing the registry loads no engine code)
+    from megatron_rl_fp8.rollout.local import LocalEngine
+
+    kw = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
+    return LocalEngine(
+        hf_cfg, pad_token_id=pad_token_id, eos_token_id=eos_token_id, fp8=cfg.fp8, **kw
+    )
+
+
+LOCAL = register_engine(
+    EngineSpec(
+        name="local",
+        help="the in-process transformers engine on the trainer's driver rank (CPU and small "
+        "GPU runs; always dedicated: it runs inside the trainer)",
+        build=_build_local,
+        in_process=True,
+    )
+)
+
+
+def _register_builtin() -> None:
+    """Import the ``spec`` module of every engine folder of ``rollout/`` (each registers its own)."""
+    package = __name__.rsplit(".", 1)[0]
+    for found in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if found.ispkg and (Path(__file__).parent / found.name / "spec.py").exists():
+            importlib.import_module(f"{package}.{found.name}.spec")
+
+
+_register_builtin()
