@@ -42,6 +42,7 @@ import datetime
 import json
 import os
 import platform
+import runpy
 import statistics
 import subprocess
 import sys
@@ -49,6 +50,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from queue import Empty
 
 from megatron_rl_fp8.plan.measure import TIMING_20M as MODEL_20M
 from megatron_rl_fp8.plan.measure import TIMING_RUN as COMMON
@@ -274,14 +276,29 @@ def collective_rows(
         "threads": threads,
     }
     port = free_port()
+    # Each rank runs this file by its path (runpy), not a function pickled by module name: a
+    # test loads this script from its file, under a name a spawned process cannot import.
     procs = [
-        ctx.Process(target=_collective_worker, args=(r, world, port, args, queue))
+        ctx.Process(
+            target=runpy.run_path,
+            args=(__file__,),
+            kwargs={
+                "init_globals": {"RANK_ARGS": (r, world, port, args, queue)},
+                "run_name": RANK_RUN,
+            },
+        )
         for r in range(world)
     ]
     for p in procs:
         p.start()
     try:
-        rows = queue.get(timeout=1800)
+        while True:  # a rank that died (a failed import, a broken group) ends the wait
+            try:
+                rows = queue.get(timeout=5)
+                break
+            except Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -291,6 +308,9 @@ def collective_rows(
     if bad:
         raise RuntimeError(f"collective benchmark: ranks exited with {bad}")
     return rows
+
+
+RANK_RUN = "__bench_calibration_rank__"  # the run name a rank of collective_rows runs this file by
 
 
 def collective_table(rows: list[dict]) -> str:
@@ -383,3 +403,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+elif __name__ == RANK_RUN:  # a rank of collective_rows
+    _collective_worker(*RANK_ARGS)  # noqa: F821 (runpy's init_globals)

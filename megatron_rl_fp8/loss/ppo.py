@@ -128,7 +128,8 @@ def policy_loss(
             carrying the gradient (calibrated clipping's oracle: the BF16 shadow's ratio decides,
             the FP8 ratio trains). A token is clipped (zero gradient) when its deciding ratio is
             past the bound on its advantage's side; otherwise its loss is ``-A * r``. The clip
-            metrics then count the deciding ratio's clips.
+            metrics then count the deciding ratio's clips, and ``pg_clipfrac_neg_lower_carrying``
+            / ``pg_clipfrac_pos_upper_carrying`` what the carrying ratio alone would clip.
 
     Returns:
         ``(loss, metrics)``: ``loss`` is a 0-d tensor; ``metrics`` maps names to detached 0-d
@@ -230,4 +231,11 @@ def policy_loss(
         )
         if clip_c is not None:
             metrics["pg_clipfrac_dual"] = masked_mean((neg & (r > clip_c)).to(mask_f.dtype), mask_f)
+        if clip_log_ratio is not None:
+            # What the gradient-carrying ratio alone would have clipped at these bounds (the
+            # oracle's FP8 shares beside its BF16-decided ones, step by step).
+            own_lower = (neg & (r < clip_low)).to(mask_f.dtype)
+            own_upper = (pos & (r > clip_high)).to(mask_f.dtype)
+            metrics["pg_clipfrac_neg_lower_carrying"] = masked_mean(own_lower, mask_f * neg)
+            metrics["pg_clipfrac_pos_upper_carrying"] = masked_mean(own_upper, mask_f * pos)
     return loss, metrics

@@ -27,6 +27,14 @@ NEGATIVE_SHARE, POSITIVE_SHARE = "pg_clipfrac_neg_lower", "pg_clipfrac_pos_upper
 # The accumulator's token counts: every response token, and those of each advantage sign.
 TOKENS, NEG_TOKENS, POS_TOKENS = "pg_tokens", "pg_tokens_neg", "pg_tokens_pos"
 _SIDE = {NEGATIVE_SHARE: NEG_TOKENS, POSITIVE_SHARE: POS_TOKENS}
+
+
+def share_side(key: str) -> str | None:
+    """The share ``key`` is of one advantage sign's tokens (``NEGATIVE_SHARE``, its variants
+    such as ``..._carrying``, or the positive ones), or None (a mean over every token)."""
+    return next((side for side in _SIDE if key.startswith(side)), None)
+
+
 # The rollout-vs-train mismatch of the rows of one policy-version lag: "<BY_LAG><lag>/<name>",
 # over "<BY_LAG><lag>/tokens"; reported as fp8/<name>_lag<lag> for the lags present.
 BY_LAG = "by_lag/"
@@ -53,7 +61,7 @@ class TokenStats:
         adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
         tokens = mask.sum()
         neg, pos = (mask * adv.lt(0)).sum(), (mask * adv.gt(0)).sum()
-        weight = {NEGATIVE_SHARE: neg, POSITIVE_SHARE: pos}
+        weight = {NEGATIVE_SHARE: neg, POSITIVE_SHARE: pos, None: tokens}
         return cls(
             pg_loss=pg_loss.detach(),
             tokens=tokens,
@@ -61,7 +69,7 @@ class TokenStats:
             pos_tokens=pos,
             useful=(mask * adv.ne(0)).sum(),
             ratio_hist=hist,
-            weighted={k: v.detach() * weight.get(k, tokens) for k, v in means.items()},
+            weighted={k: v.detach() * weight[share_side(k)] for k, v in means.items()},
         )
 
 
@@ -129,7 +137,7 @@ def reduce(acc: MetricAccumulator, groups: Groups, updates_per_step: int) -> dic
             if k in ("train/loss", "train/pg_loss"):  # per update, summed over micro-batches
                 result[k] = v / updates_per_step
             elif k.startswith("pg/"):
-                result["train/" + k[3:]] = v / side_n.get(k[3:], pg_n)
+                result["train/" + k[3:]] = v / side_n.get(share_side(k[3:]), pg_n)
             else:
                 result[k] = v / n
         # A step without response tokens keeps the identities; report the on-policy ratio 1, as

@@ -298,6 +298,13 @@ def test_clip_decided_by_another_ratio_keeps_the_gradient_of_the_training_ratio(
     want_lower = ((rd < LOW) & neg).sum().item() / neg.sum().item()
     assert m["pg_clipfrac_neg_lower"].item() == pytest.approx(want_lower, rel=1e-12)
     assert m["pg_clipfrac"].item() == pytest.approx((clipped & mask).sum().item() / n.item())
+    # Beside them, what the training ratio alone would have clipped, per advantage sign.
+    pos = mask & (a > 0)
+    own_lower = ((r < LOW) & neg).sum().item() / neg.sum().item()
+    own_upper = ((r > HIGH) & pos).sum().item() / pos.sum().item()
+    assert m["pg_clipfrac_neg_lower_carrying"].item() == pytest.approx(own_lower, rel=1e-12)
+    assert m["pg_clipfrac_pos_upper_carrying"].item() == pytest.approx(own_upper, rel=1e-12)
+    assert not torch.equal((r < LOW) & neg, (rd < LOW) & neg)  # they clip other tokens here
     # Deciding with its own log ratio is the plain PPO clip, value and gradient.
     lp2 = log_prob.clone().requires_grad_(True)
     own, _ = policy_loss(
