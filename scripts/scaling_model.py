@@ -43,11 +43,12 @@ from megatron_rl_fp8.plan.time import (
     REFERENCE_GPU,
     Fleet,
     optimizer_seconds,
+    planned_fleet,
     predict,
     train_flops_per_token,
     trainer_pass_seconds,
 )
-from megatron_rl_fp8.utils.engine_placement import colocated_engines
+from megatron_rl_fp8.rollout.sglang.placement import colocated_engines
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = EXAMPLES_DIR / "qwen3_8b_grpo_math_fp8.yaml"
@@ -65,7 +66,9 @@ WORKLOAD = [
 ]
 FILL = 0.5  # mean response = half of max_new_tokens (ASSUMPTION; docs/scaling.md)
 MEM_FRACTION = 0.35  # the engines' share of each GPU (the 32B example's)
-DEDICATED_MEM_FRACTION = 0.85  # a dedicated engine's share: Fleet.from_config's default there
+DEDICATED_MEM_FRACTION = (
+    0.85  # a dedicated engine's share: SGLang's default in the planner (sizing.py)
+)
 TRAINER_START = [  # the planner picks the layout (plan.alternatives); these start its search
     "parallel.tensor_model_parallel_size=1",
     "parallel.sequence_parallel=false",
@@ -110,7 +113,7 @@ def make_case(preset: str, gpu_name: str, nodes: int, extra: list[str] = ()) -> 
         return Case(preset, gpu_name, nodes, None, None, {}, "no layout fits")
     lay = fits[0].layout  # the planner's pick (memory-ranked: fewest model-parallel ranks)
     check_engines(cfg, lay, nodes)
-    fleet = Fleet.from_config(cfg, w)
+    fleet = planned_fleet(cfg, w)[0]
     preds = {p: predict(cfg, w, gpu, p, layout=lay, fleet=fleet, fill=FILL) for p in PRECISIONS}
     return Case(preset, gpu_name, nodes, lay, fleet, preds)
 
@@ -265,7 +268,7 @@ def make_pipelined_case(preset: str, gpu_name: str, nodes: int, engine_nodes: in
     if not fits:
         return Case(preset, gpu_name, nodes, None, None, {}, "no layout fits")
     lay = fits[0].layout
-    fleet = Fleet.from_config(cfg, w)
+    fleet = planned_fleet(cfg, w)[0]
     preds = {p: predict(cfg, w, gpu, p, layout=lay, fleet=fleet, fill=FILL) for p in PRECISIONS}
     return Case(preset, gpu_name, nodes, lay, fleet, preds)
 
@@ -299,7 +302,7 @@ def pipeline_table(cases: list[tuple[int, Case]]) -> str:
 
 
 def engine_overrides(cfg, gpu, nodes: int) -> list[str]:
-    """Colocated engines on every TP group of GPUs of every node (``utils/engine_placement.py``:
+    """Colocated engines on every TP group of GPUs of every node (``rollout/sglang/placement.py``:
     ``colocated_engines``, ``rollout.sglang.num_engines=0`` in a run's config), synced over
     ``transport=tensor``: CUDA IPC from the sending ranks on one node, and on several the
     per-node sync (``trainer/node_sync.py``: each node's trainer ranks hand their own node's

@@ -233,7 +233,7 @@ def summary(layout, cfg, est, gpu_memory_gb: float) -> list[str]:
             n = len(layout.rollout_nodes)
             lines.append(
                 f"  rollout.sglang.num_engines=0: an engine on every TP group of every node, "
-                f"{len(layout.engines) // n} per node x {n} node(s) (utils/engine_placement.py)"
+                f"{len(layout.engines) // n} per node x {n} node(s) (rollout/sglang/placement.py)"
             )
         for e in layout.engines:
             gpus = ",".join(map(str, e.gpus))

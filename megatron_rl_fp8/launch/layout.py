@@ -10,7 +10,7 @@ Roles (``rollout.placement``):
   memory while the trainer trains), off the GPUs of the weight sync's sending ranks with the
   distributed transport (``rollout/sglang/sender.py``: ``Senders``); the router runs on the
   first node. ``rollout.sglang.num_engines: 0`` puts an engine on every TP group of GPUs of
-  every node (``utils/engine_placement.py``: ``colocated_engines``).
+  every node (``rollout/sglang/placement.py``: ``colocated_engines``).
 * ``rollout.engine=local`` samples inside the trainer: every node trains, nothing else runs.
 
 Engines are dealt round-robin over their nodes (engine e on rollout node e % R), so a colocated
@@ -35,14 +35,14 @@ from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.launch.slurm import SlurmEnv
 from megatron_rl_fp8.plan.memory import Estimate, World, estimate
 from megatron_rl_fp8.rollout.registry import engine_spec
-from megatron_rl_fp8.rollout.sglang.process import resolve_python
-from megatron_rl_fp8.rollout.sglang.sender import Senders, engine_gpus_on_node, free_engine_blocks
-from megatron_rl_fp8.utils.engine_placement import (
+from megatron_rl_fp8.rollout.sglang.placement import (
     EVERY_TP_GROUP,
     check_transport,
     colocated_engines,
     engine_count,
 )
+from megatron_rl_fp8.rollout.sglang.process import resolve_python
+from megatron_rl_fp8.rollout.sglang.sender import Senders, engine_gpus_on_node, free_engine_blocks
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.config import RunConfig
@@ -310,7 +310,7 @@ def _place_engines(
 def _every_tp_group(
     sg: SGLangConfig, env: SlurmEnv, nodes: tuple[str, ...], senders: Senders | None
 ) -> dict[int, tuple[int, ...]]:
-    """``num_engines=0``: ``utils/engine_placement.colocated_engines``' GPUs per
+    """``num_engines=0``: ``rollout/sglang/placement.colocated_engines``' GPUs per
     engine; refused where ``base_gpu_id`` moves them or an engine would share a GPU with a
     sending rank of the distributed transport (the tensor transport may share one)."""
     g, tp = env.gpus_per_node, sg.tp_size

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from megatron_rl_fp8.config_utils import ConfigError
-from megatron_rl_fp8.utils.engine_placement import MAX_GPUS_PER_NODE, MAX_NODES
+from megatron_rl_fp8.utils.cluster import MAX_GPUS_PER_NODE, MAX_NODES
 
 # One bracket group: "[1-3,7]"; what is between groups is literal text.
 _GROUP = re.compile(r"\[([^\[\]]*)\]")

@@ -26,10 +26,11 @@ from megatron_rl_fp8.plan.time import (
     PRECISIONS,
     ROLLOUT_SIDE,
     TRAINER_SIDE,
-    Fleet,
+    planned_fleet,
     predict,
 )
 from megatron_rl_fp8.plan.time import PHASES as TIME_PHASES
+from megatron_rl_fp8.rollout.registry import engine_spec
 
 # The model fields the planner needs when the start checkpoint, which would supply them, is not
 # on this machine (a plan is often made before the download).
@@ -231,7 +232,8 @@ def _shadow_schedule(cfg) -> str:
 
 def run_time(cfg, world: World, gpu, fill: float, spec: str) -> str:
 
-    preds = [predict(cfg, world, gpu, p, fill=fill, spec=spec) for p in PRECISIONS]
+    fleet, stand_in = planned_fleet(cfg, world)
+    preds = [predict(cfg, world, gpu, p, fill=fill, spec=spec, fleet=fleet) for p in PRECISIONS]
     recipe = planned_recipe(cfg.fp8.recipe)
     d = preds[-1].detail
     notes = [
@@ -239,11 +241,12 @@ def run_time(cfg, world: World, gpu, fill: float, spec: str) -> str:
         f"x {cfg.rollout.n_samples_per_prompt} samples, {cfg.task.max_prompt_len} + "
         f"{cfg.rollout.max_new_tokens} tokens, fill {fill:g}; fp8 training recipe {recipe}; "
         f"shadow {_shadow_schedule(cfg)}",
-        f"rollout: {_engines(cfg, Fleet.from_config(cfg, world))} x TP "
-        f"{cfg.rollout.sglang.tp_size}, {cfg.rollout.placement}; decode "
+        f"rollout: {_engines(fleet)} x TP {fleet.tp}, {fleet.placement}; decode "
         f"{d['rollout/decode_steps']:.0f} steps at {d['rollout/concurrent_per_engine']:.0f} "
         "sequences per engine (fp8)",
     ]
+    if stand_in:
+        notes.append(stand_in)
     if cfg.train.pipeline == "one_step_off":
         notes.append(
             "train.pipeline=one_step_off: the engines generate the next step's rollout while the "
@@ -261,28 +264,19 @@ def run_time(cfg, world: World, gpu, fill: float, spec: str) -> str:
     return "\n".join([format_time(preds, gpu.name), *(f"  note: {n}" for n in notes)])
 
 
-def _engines(cfg, fleet) -> str:
-    """The engine count, and where it comes from when ``num_engines=0`` asked for it."""
-    if cfg.rollout.sglang.num_engines:
-        return f"{fleet.engines} engine(s)"
-    return (
-        f"{fleet.engines} engine(s) (rollout.sglang.num_engines=0: one per TP group of every node)"
-    )
+def _engines(fleet) -> str:
+    """The engine count, and where it comes from when the engine derived it."""
+    return f"{fleet.engines} engine(s)" + (f" ({fleet.count_note})" if fleet.count_note else "")
 
 
 def launcher_note(cfg, world: World) -> str | None:
-    """What ``megatron-rl-fp8 launch`` says of a colocated run's engines on these nodes, when it
-    refuses them: the plan counts the engines as the launcher does (``num_engines``, or with 0
-    one per TP group of every node: ``utils/engine_placement.py``), and the launcher also
-    checks that the weight sync reaches them (with the distributed transport, off every GPU a
-    pipeline stage's sending rank runs on; the tensor transport on one node, until the per-node sync
-    lands; ``launch/layout.py``), so the two agree or the plan says why not. Dedicated engines
-    run on nodes of their own, outside the planned trainer GPUs."""
-
-    r = cfg.rollout
-    if r.engine != "sglang" or r.placement != "colocated" or r.sglang.engine_urls:
-        return None
-    if world.device == "cpu" or r.sglang.device == "cpu":
+    """What ``megatron-rl-fp8 launch`` says of a run's engines on these nodes, when it would
+    start them on the trainer's GPUs (the engine's spec says when: ``launched_beside_trainer``)
+    and refuse them: the plan counts the engines as the launcher does, and the launcher also
+    checks that the weight sync reaches them (``launch/layout.py``), so the two agree or the
+    plan says why not. Dedicated engines run on nodes of their own, outside the planned trainer
+    GPUs."""
+    if not engine_spec(cfg.rollout.engine).launched_beside_trainer(cfg.rollout, world.hosts):
         return None
 
     nodes = tuple(f"node{i + 1}" for i in range(world.nodes))

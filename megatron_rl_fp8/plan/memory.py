@@ -24,14 +24,10 @@ logits         the log-prob path's copies of the [tokens, V/TP] logits (:class:`
 KL reference   the frozen reference's weights (``loss.kl_coef > 0``), sharded like the actor's.
 FP8 weight     the FP8 copies of the FP8 linears' weights (:func:`fp8_weight_copy_bytes`): the
                forward's and the transposed one for the backward, 1 byte per element each.
-SGLang         ``rollout.sglang.mem_fraction_static`` x GPU memory, on a GPU a colocated
-               engine shares with a trainer rank (``rollout.placement=colocated``).
-IPC contexts   ``rollout.sglang.transport=tensor`` (colocated): every engine TP process on the
-               sending rank's node, but the one on its GPU, opens that GPU's memory by CUDA IPC
-               and with it a CUDA context there (torch's ``rebuild_cuda_tensor`` opens the handle
-               under the owner's device guard), kept while the engine lives:
-               ``CUDA_CONTEXT_GB`` each, counted on the sending rank's GPU (rank 0's, or each
-               node's relay rank's in a per-node sync; an estimate, not measured here).
+engines        what the rollout engines' processes hold on a trainer's GPU, as their registered
+               spec says (``EngineSpec.trainer_gpu_share``): SGLang's ``mem_fraction_static``
+               share of a GPU a colocated engine shares with a trainer rank, and the CUDA
+               contexts its TP processes open there (``rollout/sglang/sizing.py``).
 allowance      ``RUNTIME_ALLOWANCE_GB`` (CUDA context, libraries, allocator fragmentation).
 =============  ===============================================================================
 
@@ -74,7 +70,8 @@ from megatron_rl_fp8.plan.model_bytes import (
     stage_fp8_layers,
     stage_params,
 )
-from megatron_rl_fp8.utils.engine_placement import MAX_GPUS_PER_NODE, MAX_NODES, engine_count
+from megatron_rl_fp8.rollout.registry import GpuShare, Hosts, engine_spec
+from megatron_rl_fp8.utils.cluster import MAX_GPUS_PER_NODE, MAX_NODES
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.config import RunConfig
@@ -84,13 +81,8 @@ GB = 1e9  # GB here are 10^9 bytes, as benchmarks/bench_actor.py reports torch.c
 
 Recompute = Literal["none", "selective", "full"]
 PHASES = ("update", "logprobs")
-# Rows that torch.cuda.max_memory_allocated in the trainer does not see.
-OTHER_PROCESSES = ("allowance", "SGLang", "IPC contexts")
 
 RUNTIME_ALLOWANCE_GB = 4.0
-# One CUDA primary context of another process (an SGLang TP rank) on a trainer GPU: a few
-# hundred MB under CUDA 12's lazy module loading, driver- and GPU-dependent; not measured here.
-CUDA_CONTEXT_GB = 0.5
 """Per-GPU memory outside the tensors the planner counts, on a GPU run: the CUDA context (~0.5 GB
 with lazy module loading), cuBLAS / cuDNN / Transformer Engine workspaces and NCCL's buffers for
 the TP, PP, DP and embedding groups (~1.5 GB together at 8 GPUs per node), and what PyTorch's
@@ -126,6 +118,16 @@ class World:
     @property
     def size(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    @property
+    def hosts(self) -> Hosts:
+        """These GPUs as an engine's planning hooks take them (``rollout/registry.py``)."""
+        return Hosts(
+            nodes=self.nodes,
+            gpus_per_node=self.gpus_per_node,
+            gpu_memory_gb=self.gpu_memory_gb,
+            on_gpu=self.device != "cpu",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -194,11 +196,13 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Component:
-    """One row of the table: bytes per GPU in each phase."""
+    """One row of the table: bytes per GPU in each phase; ``outside``: held outside the trainer's
+    tensors (the runtime allowance, other processes), unseen by its ``max_memory_allocated``."""
 
     name: str
     update: float
     logprobs: float
+    outside: bool = False
 
     def __getitem__(self, phase: str) -> float:
         return getattr(self, phase)
@@ -222,8 +226,8 @@ class Estimate:
 
     def allocated(self, phase: str) -> float:
         """What ``torch.cuda.max_memory_allocated`` would see: the total less the runtime
-        allowance and what other processes hold (the SGLang servers, their CUDA contexts)."""
-        return sum(c[phase] for c in self.components if c.name not in OTHER_PROCESSES)
+        allowance and what other processes hold (the rollout engines, their CUDA contexts)."""
+        return sum(c[phase] for c in self.components if not c.outside)
 
     @property
     def peak(self) -> float:
@@ -258,49 +262,9 @@ def _micro_batches(cfg: RunConfig, dp: int) -> int | None:
     return max(1, math.ceil(per_rank / cfg.train.micro_batch_size))
 
 
-def _sglang_share(cfg: RunConfig, world: World) -> tuple[float, str | None]:
-    """(bytes of a colocated SGLang server on the GPU it shares, a note for the table)."""
-    r = cfg.rollout
-    if r.engine != "sglang" or world.device == "cpu" or r.sglang.device == "cpu":
-        return 0.0, None
-    if r.placement == "dedicated":
-        return 0.0, None  # the engines' GPUs are not the trainer's
-    n = engine_count(r.sglang, r.placement, nodes=world.nodes, gpus_per_node=world.gpus_per_node)
-    gpus = f"{n * r.sglang.tp_size} of the {world.size} GPUs"
-    if r.sglang.mem_fraction_static is None:
-        return 0.0, (
-            f"SGLang runs on {gpus} but rollout.sglang.mem_fraction_static is unset (SGLang sizes "
-            "itself, most of a GPU): its share is not counted; set it to plan a colocated run"
-        )
-    share = r.sglang.mem_fraction_static * world.gpu_memory_gb * GB
-    return share, (
-        f"rollout.placement=colocated: the engines use {gpus} (num_engines x tp_size) next to a "
-        "trainer rank; the table is for one of those, counting the engine's share although it "
-        "is released while the trainer trains"
-    )
-
-
-def _ipc_contexts(cfg: RunConfig, world: World) -> tuple[float, str | None]:
-    """(bytes of the engines' CUDA contexts on the GPU that hands them their weights, a note)."""
-    r = cfg.rollout
-    if (
-        r.engine != "sglang"
-        or world.device == "cpu"
-        or r.sglang.device == "cpu"
-        or r.placement != "colocated"
-        or r.sglang.transport != "tensor"
-    ):
-        return 0.0, None
-    n = engine_count(r.sglang, r.placement, nodes=world.nodes, gpus_per_node=world.gpus_per_node)
-    on_node = -(-n // world.nodes)  # engines go round-robin over the nodes: node 0 has the most
-    others = max(on_node * r.sglang.tp_size - 1, 0)
-    if not others:
-        return 0.0, None
-    return others * CUDA_CONTEXT_GB * GB, (
-        f"rollout.sglang.transport=tensor: {others} engine TP processes open a CUDA context "
-        f"(~{CUDA_CONTEXT_GB:g} GB each) on the GPU that hands them the weights (counted here; "
-        "transport=distributed sends over NCCL instead)"
-    )
+def _engine_shares(cfg: RunConfig, world: World) -> tuple[GpuShare, ...]:
+    """What the rollout engines' processes hold on a trainer's GPU, by their registered spec."""
+    return engine_spec(cfg.rollout.engine).trainer_gpu_share(cfg.rollout, world.hosts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,8 +366,7 @@ def estimate(
     if lay.distributed_optimizer:
         optimizer /= lay.dp * lay.cp
     n_micro = _micro_batches(cfg, lay.dp)
-    sglang, sglang_note = _sglang_share(cfg, world)
-    contexts, contexts_note = _ipc_contexts(cfg, world)
+    engines = _engine_shares(cfg, world)
     allowance = 0.0 if cpu else RUNTIME_ALLOWANCE_GB * GB
     fp8_copies = fp8_weight_copy_bytes(cfg.fp8, spec=spec, device=world.device)
     fp8_codes = saves_fp8_inputs(cfg.fp8, spec=spec, device=world.device)
@@ -450,12 +413,11 @@ def estimate(
             Component("logits", update[1], logprobs[1]),
             Component("KL reference", ref, ref),
             Component("FP8 weight copies", fp8_update, fp8_logprobs),
-            Component("SGLang", sglang, sglang),
-            Component("IPC contexts", contexts, contexts),
-            Component("allowance", allowance, allowance),
+            *(Component(e.name, e.bytes, e.bytes, outside=True) for e in engines),
+            Component("allowance", allowance, allowance, outside=True),
         )
         est = Estimate(lay, world, stage, rows, tokens, in_flight)
         if best is None or est.peak > best.peak:
             best = est
-    notes = tuple(n for n in (sglang_note, contexts_note) if n)
+    notes = tuple(e.note for e in engines if e.note)
     return dataclasses.replace(best, notes=notes)

@@ -54,7 +54,8 @@ from megatron_rl_fp8.plan.hardware import GPU, GPUS
 from megatron_rl_fp8.plan.memory import Estimate, Layout, World, estimate
 from megatron_rl_fp8.plan.model_bytes import Spec, layer_linear_weights, stage_params
 from megatron_rl_fp8.plan.presets import BENCH_ACTOR_2B
-from megatron_rl_fp8.utils.engine_placement import engine_count
+from megatron_rl_fp8.rollout import registry
+from megatron_rl_fp8.rollout.registry import Fleet
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.config import RunConfig
@@ -184,30 +185,11 @@ def _rest_seconds_per_flop(eff: Efficiency) -> float:
 
 
 # -- inputs -------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Fleet:
-    """The rollout engines: ``engines`` SGLang servers of ``tp`` GPUs each, sharing the trainer's
-    GPUs (colocated) or on GPUs of their own (dedicated), with ``mem_fraction`` of each GPU for
-    weights + KV cache. ``from_config``: the launcher's count on ``world`` (``num_engines=0``: one
-    per TP group of every node, ``utils/engine_placement.py``)."""
-
-    engines: int
-    tp: int
-    placement: Literal["colocated", "dedicated"]
-    mem_fraction: float
-
-    @classmethod
-    def from_config(cls, cfg: RunConfig, world: World) -> Fleet:
-        s, g = cfg.rollout.sglang, world.gpus_per_node
-        frac = s.mem_fraction_static
-        if frac is None:  # SGLang sizes itself: most of a GPU of its own
-            frac = 0.85 if cfg.rollout.placement == "dedicated" else 0.3
-        return cls(
-            engines=engine_count(s, cfg.rollout.placement, nodes=world.nodes, gpus_per_node=g),
-            tp=s.tp_size,
-            placement=cfg.rollout.placement,
-            mem_fraction=frac,
-        )
+def planned_fleet(cfg: RunConfig, world: World) -> tuple[Fleet, str | None]:
+    """The rollout engines the model plans on ``world``, as their registered spec places them
+    (SGLang's ``num_engines=0``: one per TP group of every node, ``rollout/sglang/placement.py``),
+    and a note where the configured engine runs in the trainer and another engine's stand in."""
+    return registry.planned_fleet(cfg.rollout, world.hosts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,9 +274,9 @@ def _rollout(
     seq = prompt_len + new_tokens
     if pool < kv_per_token * seq:
         raise ConfigError(
-            f"rollout.sglang.mem_fraction_static={fleet.mem_fraction} leaves no KV cache for one "
+            f"{fleet.memory_setting}={fleet.mem_fraction} leaves no KV cache for one "
             f"{seq}-token sequence on a TP {k} engine ({weight_bytes / 1e9:.1f} GB of weights per "
-            "GPU): raise it or rollout.sglang.tp_size"
+            f"GPU): raise it or {fleet.tp_setting}"
         )
     per_engine = math.ceil(rows / fleet.engines)
     concurrent = min(per_engine, int(pool // (kv_per_token * seq)))
@@ -387,15 +369,16 @@ def predict(
         raise ConfigError(f"--fill={fill} must be in (0, 1]")
     m, t, r = cfg.model, cfg.train, cfg.rollout
     lay = layout or Layout.from_config(cfg, world.size)
-    fleet = fleet or Fleet.from_config(cfg, world)
+    fleet = fleet or planned_fleet(cfg, world)[0]
     fp8_rollout = precision != "bf16"
     fp8_train = precision == "fp8"
     recipe = recipe or planned_recipe(cfg.fp8.recipe)
     trainer_fp8 = dataclasses.replace(cfg.fp8, recipe=recipe if fp8_train else "bf16")
     memory = estimate(dataclasses.replace(cfg, fp8=trainer_fp8), world, layout=lay, spec=spec)
     if fleet.placement == "colocated" and fleet.engines * fleet.tp > world.size:
-        raise ConfigError(f"rollout.sglang.num_engines ({fleet.engines}) x tp_size ({fleet.tp}) "
-                          f"colocated engines need more than the {world.size} trainer GPUs")  # fmt: skip
+        raise ConfigError(f"{fleet.count_setting} ({fleet.engines}) x {fleet.tp_setting} "
+                          f"({fleet.tp}) colocated engines need more than the {world.size} "
+                          "trainer GPUs")  # fmt: skip
     if t.pipeline == "one_step_off" and fleet.placement == "colocated":
         # RunConfig.validate refuses the config; this catches a colocated ``fleet`` argument.
         raise ConfigError(

@@ -41,6 +41,53 @@ def _no_restarts(cfg: RolloutConfig) -> int:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Hosts:
+    """The machines a run is planned or launched on, as an engine's planning hooks see them."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80.0
+    on_gpu: bool = True
+    """False: a CPU run (no GPU memory to share)."""
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fleet:
+    """The rollout engines a run starts, as the planner's step-time model sees them: ``engines``
+    servers of ``tp`` GPUs each, sharing the trainer's GPUs (colocated) or on GPUs of their own
+    (dedicated), with ``mem_fraction`` of each GPU for weights + KV cache. The ``*_setting``
+    fields name the settings behind the numbers, for the planner's errors and notes."""
+
+    engines: int
+    tp: int
+    placement: str
+    mem_fraction: float
+    count_setting: str = "the engine count"
+    tp_setting: str = "the engines' TP size"
+    memory_setting: str = "the engines' memory fraction"
+    count_note: str = ""
+    """Where the count comes from, when the engine derived it (``""``: it is the setting's)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuShare:
+    """Memory the engines' processes hold on a trainer's GPU: one row of the planner's table
+    (``plan/memory.py``), which ``torch.cuda.max_memory_allocated`` in the trainer never sees."""
+
+    name: str
+    bytes: float
+    note: str | None = None
+
+
+def _no_share(cfg: RolloutConfig, hosts: Hosts) -> tuple[GpuShare, ...]:
+    return ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineSpec:
     """One rollout engine, as the rest of the package sees it."""
 
@@ -70,6 +117,16 @@ class EngineSpec:
     """Settings of other sections it cannot run with: ``check_run(run_config, this_machine)``
     raises ``ConfigError`` (run by ``RunConfig.validate``; ``this_machine``: the run starts
     here, so this machine's GPUs count)."""
+    fleet: Callable[[RolloutConfig, Hosts], Fleet] | None = None
+    """The servers it starts on ``hosts`` (the planner's step-time model; ConfigError where the
+    settings cannot be placed there). None: it runs in the trainer, and the planner models the
+    first registered engine that has a fleet instead, saying so."""
+    trainer_gpu_share: Callable[[RolloutConfig, Hosts], tuple[GpuShare, ...]] = _no_share
+    """What its processes hold on a trainer's GPU (colocated engines' memory, their CUDA
+    contexts), each with a note for the planner's table; empty where they hold nothing there."""
+    launched_beside_trainer: Callable[[RolloutConfig, Hosts], bool] = lambda cfg, hosts: False
+    """The launcher starts its servers on the trainer's GPUs for this config (the planner then
+    asks the launcher's layout whether it would refuse them)."""
 
     def __post_init__(self):
         if not re.fullmatch(r"[A-Za-z_][\w-]*", self.name):
@@ -144,6 +201,21 @@ def choices() -> str:
 def names() -> str:
     """The registered engines' names, for errors."""
     return ", ".join(name for name, s in ENGINES.items() if name == s.name)
+
+
+def planned_fleet(cfg: RolloutConfig, hosts: Hosts) -> tuple[Fleet, str | None]:
+    """The fleet the planner models for ``cfg``: its engine's, or (an engine that runs in the
+    trainer) the first registered engine's that has one, with a note saying which."""
+    spec = engine_spec(cfg.engine)
+    if spec.fleet is not None:
+        return spec.fleet(cfg, hosts), None
+    stand_in = next((s for s in ENGINES.values() if s.fleet is not None), None)
+    if stand_in is None:
+        raise ValueError(f"no registered engine describes a fleet to plan ({names()})")
+    return stand_in.fleet(cfg, hosts), (
+        f"rollout.engine={cfg.engine} runs inside the trainer; the step-time model plans "
+        f"{stand_in.name}'s engines instead (rollout.engine={stand_in.name})"
+    )
 
 
 def error_labels() -> tuple[str, ...]:

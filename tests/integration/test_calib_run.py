@@ -102,7 +102,9 @@ def _run_with_amax_counts(overrides):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("calib_runs")
-    (got,) = run_distributed(_runs, world_size=1, args=(RUNS, str(tmp)))
+    # Ten short runs in one rank: ~4 min on CI's 2 cores, so the hang guard is wider than the
+    # default 300 s (a loaded machine took 243 s).
+    (got,) = run_distributed(_runs, world_size=1, args=(RUNS, str(tmp)), timeout=900)
     metrics = {name: {r["step"]: r for r in m} for name, (m, _) in got.items()}
     return tmp, metrics, {name: counts for name, (_, counts) in got.items()}
 

@@ -1,6 +1,8 @@
 """The rollout engine registry (rollout/registry.py): built-in engines found by their folders, a
 plugin engine loaded from ``package.module:SPEC``, and the settings each spec answers for."""
 
+import dataclasses
+
 import pytest
 
 from megatron_rl_fp8.config import load_config
@@ -9,6 +11,8 @@ from megatron_rl_fp8.rollout.registry import (
     ENGINES,
     LOCAL,
     EngineSpec,
+    Fleet,
+    GpuShare,
     engine_spec,
     error_labels,
     register_engine,
@@ -74,3 +78,82 @@ def test_placements_the_engine_does_not_run_with_are_refused():
     with pytest.raises(ConfigError, match="rollout.placement=colocated is not a placement"):
         load_config(None, ["rollout.placement=colocated"])
     load_config(None, ["rollout.engine=sglang", "rollout.placement=colocated"])
+
+
+# -- the planner reaches an engine through its spec alone -----------------------------------------
+def _toy_fleet(cfg, hosts):
+    return Fleet(
+        engines=hosts.nodes * 3,
+        tp=2,
+        placement=cfg.placement,
+        mem_fraction=0.25,
+        count_setting="rollout.toy.count",
+        tp_setting="rollout.toy.tp",
+        memory_setting="rollout.toy.memory",
+        count_note="three per node",
+    )
+
+
+def _toy_share(cfg, hosts):
+    gb = 7.0 if hosts.on_gpu and cfg.placement == "colocated" else 0.0
+    return (GpuShare("toy engine", gb * 1e9, f"toy holds {gb:g} GB" if gb else None),)
+
+
+TOY = _spec(
+    "toy",
+    placements=("dedicated", "colocated"),
+    fleet=_toy_fleet,
+    trainer_gpu_share=_toy_share,
+    launched_beside_trainer=lambda cfg, hosts: False,
+)
+
+
+def _toy_config(monkeypatch, *overrides):
+    from megatron_rl_fp8.config import EXAMPLES_DIR
+
+    monkeypatch.setitem(ENGINES, "toy", TOY)
+    return load_config(
+        EXAMPLES_DIR / "qwen3_32b_dapo_math_fp8.yaml",
+        ["model.hf_checkpoint=null", "rollout.engine=toy", "train.pipeline=sync", *overrides],
+    )
+
+
+def test_the_planner_counts_what_an_engines_spec_says_it_holds(monkeypatch):
+    from megatron_rl_fp8.plan.memory import World, estimate
+
+    cfg = _toy_config(monkeypatch, "rollout.placement=colocated")
+    e = estimate(cfg, World(nodes=2))
+    toy = next(c for c in e.components if c.name == "toy engine")
+    assert toy.update == toy.logprobs == 7e9 and toy.outside
+    assert "SGLang" not in {c.name for c in e.components}
+    assert e.allocated("update") == e.total("update") - 7e9 - 4e9  # less the runtime allowance
+    assert "toy holds 7 GB" in e.notes
+    dedicated = estimate(_toy_config(monkeypatch, "rollout.placement=dedicated"), World(nodes=2))
+    assert next(c for c in dedicated.components if c.name == "toy engine").update == 0
+
+
+def test_the_step_time_model_plans_the_engines_fleet_and_names_its_settings(monkeypatch):
+    from megatron_rl_fp8.plan.hardware import GPUS
+    from megatron_rl_fp8.plan.memory import World
+    from megatron_rl_fp8.plan.time import planned_fleet, predict
+
+    cfg = _toy_config(monkeypatch, "rollout.placement=colocated")
+    fleet, note = planned_fleet(cfg, World(nodes=2))
+    assert (fleet.engines, fleet.tp, note) == (6, 2, None)
+    crowded = dataclasses.replace(fleet, engines=9)  # 18 GPUs of engines on 16
+    with pytest.raises(ConfigError, match=r"rollout.toy.count \(9\) x rollout.toy.tp \(2\)"):
+        predict(cfg, World(nodes=2), GPUS["H100"], "bf16", fleet=crowded)
+    starved = dataclasses.replace(fleet, mem_fraction=0.01)
+    with pytest.raises(ConfigError, match="rollout.toy.memory=0.01 leaves no KV cache"):
+        predict(cfg, World(nodes=2), GPUS["H100"], "bf16", fleet=starved)
+
+
+def test_an_in_process_engine_is_planned_as_the_first_engine_with_a_fleet():
+    from megatron_rl_fp8.plan.memory import World
+    from megatron_rl_fp8.plan.time import planned_fleet
+
+    cfg = load_config(None, ["rollout.sglang.num_engines=2"])
+    fleet, note = planned_fleet(cfg, World(nodes=1))
+    assert fleet == ENGINES["sglang"].fleet(cfg.rollout, World(nodes=1).hosts)
+    assert fleet.engines == 2
+    assert "rollout.engine=local runs inside the trainer" in note and "sglang" in note

@@ -518,7 +518,7 @@ def test_colocated_engine_on_the_driver_gpu_is_refused(capsys, paths):
     assert "GPU 0 of node1" in line
 
 
-# -- an engine on every TP group (rollout.sglang.num_engines=0, utils/engine_placement.py) ---
+# -- an engine on every TP group (rollout.sglang.num_engines=0, rollout/sglang/placement.py) ---
 
 
 def test_dry_run_places_an_engine_on_every_tp_group_of_the_8b_example(capsys, paths):

@@ -1,4 +1,4 @@
-"""Colocated placement (megatron_rl_fp8/utils/engine_placement.py): an engine on every TP
+"""Colocated placement (megatron_rl_fp8/rollout/sglang/placement.py): an engine on every TP
 group of GPUs of every node, its refusals, the transport that must reach it, and the planner's
 engine count."""
 
@@ -10,9 +10,9 @@ from megatron_rl_fp8 import cli
 from megatron_rl_fp8.config import EXAMPLES_DIR, load_config
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.plan.memory import World
-from megatron_rl_fp8.plan.time import Fleet
-from megatron_rl_fp8.utils import engine_placement as placement
-from megatron_rl_fp8.utils.engine_placement import (
+from megatron_rl_fp8.plan.time import planned_fleet
+from megatron_rl_fp8.rollout.sglang import placement
+from megatron_rl_fp8.rollout.sglang.placement import (
     check_transport,
     colocated_engines,
     engine_count,
@@ -89,8 +89,8 @@ def test_the_planner_counts_the_launchers_engines():
     """plan --time's fleet: one TP 4 engine per 4 GPUs of the world with num_engines=0."""
     cfg = _sglang(0)
     for nodes, engines in ((1, 2), (2, 4), (4, 8)):
-        assert Fleet.from_config(cfg, World(nodes=nodes)).engines == engines
-    assert Fleet.from_config(_sglang(1), World(nodes=2)).engines == 1
+        assert planned_fleet(cfg, World(nodes=nodes))[0].engines == engines
+    assert planned_fleet(_sglang(1), World(nodes=2))[0].engines == 1
 
 
 def test_plan_time_of_the_32b_example_runs_engines_on_all_16_gpus(capsys):

@@ -445,7 +445,7 @@ def test_fp8_weight_copies_are_what_the_torchao_backend_caches():
 def test_tensor_transport_engines_open_contexts_on_the_sending_gpu():
     # NC-5 (issue 43 #5): with the tensor transport every colocated engine TP process on the
     # sending rank's node, but the one on its own GPU, opens a CUDA context on that GPU.
-    from megatron_rl_fp8.plan.memory import CUDA_CONTEXT_GB
+    from megatron_rl_fp8.rollout.sglang.sizing import CUDA_CONTEXT_GB
 
     def contexts(transport, nodes=1, **sg):
         rollout = {"engine": "sglang", "placement": "colocated"}

@@ -225,7 +225,7 @@ def test_scaling_tables_engines_are_the_launchers_placement(preset, gpu, nodes, 
     node: transport=tensor)."""
     from megatron_rl_fp8.launch.layout import plan_layout
     from megatron_rl_fp8.launch.slurm import SlurmEnv
-    from megatron_rl_fp8.utils import engine_placement as placement
+    from megatron_rl_fp8.rollout.sglang import placement
 
     cfg = _scaling_model().case_config(preset, gpu, nodes)
     sg = cfg.rollout.sglang
@@ -300,10 +300,10 @@ def test_one_step_off_keeps_the_phases_and_overlaps_the_two_sides(precision, eng
 
 def test_one_step_off_with_colocated_engines_is_refused():
     """RunConfig.validate refuses the config; predict refuses a colocated ``fleet`` argument."""
-    from megatron_rl_fp8.plan.time import Fleet
+    from megatron_rl_fp8.plan.time import planned_fleet
 
     cfg = config(1, 64, *DEDICATED, "train.pipeline=one_step_off")
-    fleet = dataclasses.replace(Fleet.from_config(cfg, world()), placement="colocated")
+    fleet = dataclasses.replace(planned_fleet(cfg, world())[0], placement="colocated")
     with pytest.raises(ConfigError, match="train.pipeline=one_step_off"):
         predict(cfg, world(), GPUS["H200"], "bf16", fleet=fleet)
 

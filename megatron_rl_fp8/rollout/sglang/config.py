@@ -35,7 +35,7 @@ class SGLangConfig:
         "replaces; more than one run behind one sglang-router. No weight copy is written to "
         "disk: a relaunched engine is re-synced from the trainer. 0 = one on every TP group "
         "(tp_size GPUs) of every node, nodes x (GPUs per node / tp_size), with "
-        "rollout.placement=colocated (utils/engine_placement.py).",
+        "rollout.placement=colocated (rollout/sglang/placement.py).",
     )
     engine_urls: list[str] = field(
         default_factory=list,

@@ -26,6 +26,7 @@ import torch
 from megatron_rl_fp8.parallel import node_name
 from megatron_rl_fp8.rollout.errors import RolloutEngineError, first_line
 from megatron_rl_fp8.rollout.sglang.faults import fault_hook_from_env
+from megatron_rl_fp8.rollout.sglang.placement import engines_per_node
 from megatron_rl_fp8.rollout.sglang.process import (
     log_tail,
     resolve_python,
@@ -36,7 +37,6 @@ from megatron_rl_fp8.rollout.sglang.router import Router
 from megatron_rl_fp8.rollout.sglang.sender import Senders, on_this_host
 from megatron_rl_fp8.rollout.sglang.server import SGLangServer, server_gpus
 from megatron_rl_fp8.rollout.sglang.transports import write_model_config
-from megatron_rl_fp8.utils.engine_placement import engines_per_node
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.rollout.config import RolloutConfig
@@ -110,7 +110,7 @@ class ServerPool:
 
     def _every_tp_group(self) -> int:
         """``num_engines=0`` when this fleet launches its engines itself (no launcher): one on
-        every TP group of this node's GPUs (``utils/engine_placement.py``); one on a CPU."""
+        every TP group of this node's GPUs (``rollout/sglang/placement.py``); one on a CPU."""
         if self.device != "cuda":
             return 1
         return engines_per_node(gpus_per_node=torch.cuda.device_count(), engine_tp=self.cfg.tp_size)

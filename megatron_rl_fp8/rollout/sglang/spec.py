@@ -1,11 +1,13 @@
 """The SGLang engines as the registry describes them (``rollout/registry.py``): how the fleet is
-built, its placements and restart policy, and the settings SGLang cannot run with. Importing it
+built, its placements and restart policy, the settings SGLang cannot run with, and how the
+planner sizes it (``sizing.py``). Importing it
 imports no torch and no SGLang (the servers run in their own interpreter)."""
 
 from __future__ import annotations
 
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.rollout.registry import EngineSpec, register_engine
+from megatron_rl_fp8.rollout.sglang import sizing
 from megatron_rl_fp8.rollout.sglang.config import block_quant_shape_problem
 
 
@@ -76,5 +78,8 @@ SGLANG = register_engine(
         error_label="sglang error",
         check=_check,
         check_run=_check_run,
+        fleet=sizing.fleet,
+        trainer_gpu_share=sizing.trainer_gpu_share,
+        launched_beside_trainer=sizing.launched_beside_trainer,
     )
 )

@@ -57,12 +57,6 @@ class EngineSlot:
         return tuple(range(self.base_gpu_id, self.base_gpu_id + self.tp_size))
 
 
-# The largest job the planner and the launcher take: beyond any cluster (4096 nodes of 8 GPUs
-# are 32k GPUs), and it keeps every layout search and node list short.
-MAX_NODES = 4096
-MAX_GPUS_PER_NODE = 64
-
-
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
