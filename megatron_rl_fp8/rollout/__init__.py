@@ -3,9 +3,9 @@
 in-process CPU engine (``local``), the server engines (one folder each), and the factory the
 trainer calls so the engine kind is one config value.
 
-Importing the package imports no torch: the SGLang fleet's answer process
-(``sglang/answers.py``) imports ``sglang.http`` through it and starts in a fraction of a second.
-The configs load on first use."""
+Importing the package imports no torch: a server engine's helper processes (the SGLang fleet's
+answer process) import its modules through it and start in a fraction of a second. The config
+loads on first use."""
 
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ from megatron_rl_fp8.rollout.registry import EngineSpec, engine_spec, register_e
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.rollout.config import RolloutConfig
-    from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
 
-_LAZY = {"RolloutConfig": "config", "SGLangConfig": "sglang.config"}
+_LAZY = {"RolloutConfig": "config"}
 
 
 def __getattr__(name: str):
@@ -64,7 +63,6 @@ __all__ = [
     "EngineSpec",
     "RolloutConfig",
     "RolloutEngine",
-    "SGLangConfig",
     "build_engine",
     "engine_spec",
     "register_engine",

@@ -1,5 +1,5 @@
-"""``rollout.*``: how completions are sampled, and by which engine (its own section:
-``rollout.sglang``, the SGLang engines' :class:`~.sglang.config.SGLangConfig`)."""
+"""``rollout.*``: how completions are sampled, and by which engine; each registered engine with
+settings of its own adds its section, ``rollout.<engine name>`` (``EngineSpec.settings``)."""
 
 from __future__ import annotations
 
@@ -8,22 +8,35 @@ from typing import Literal
 
 from megatron_rl_fp8.config_utils import check_literals, field
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
-from megatron_rl_fp8.rollout.registry import ENGINES, choices, engine_spec
-from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
+from megatron_rl_fp8.rollout.registry import ENGINES, choices, engine_spec, sections
 
 
 @dataclasses.dataclass(kw_only=True)
-class RolloutConfig:
-    """How completions are sampled."""
-
+class _Engine:
     engine: str = field(
         "local",
         help=f"The rollout engine, by its registered name ({choices()}), or package.module:SPEC "
         "for an engine of your own (an EngineSpec, rollout/registry.py).",
     )
-    sglang: SGLangConfig = field(
-        default_factory=SGLangConfig, help="The SGLang engines (used when engine is sglang)."
-    )
+
+
+# The engines' own sections, right after ``engine`` (the order ``config`` prints them in).
+_EngineSections = dataclasses.make_dataclass(
+    "_EngineSections",
+    [
+        (name, settings, field(default_factory=settings, help=help))
+        for name, settings, help in sections()
+    ],
+    bases=(_Engine,),
+    kw_only=True,
+)
+_EngineSections.__module__ = __name__
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutConfig(_EngineSections):
+    """How completions are sampled."""
+
     placement: Literal["dedicated", "colocated"] = field(
         "dedicated",
         help="Where server engines run: dedicated = GPUs of their own (other nodes, or GPUs of "

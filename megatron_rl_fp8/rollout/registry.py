@@ -110,6 +110,12 @@ class EngineSpec:
     every node trains."""
     error_label: str = "rollout error"
     """The word the CLI prints its ``RolloutEngineError`` under (``<label>: <one line>``)."""
+    settings: type | None = None
+    """The dataclass of its own section, ``rollout.<name>`` (the config machinery's ``field``s,
+    each with its help). Built-in engines only: the section is part of ``RolloutConfig``, which
+    is made when the registry first loads, before a plugin engine is imported."""
+    settings_help: str = ""
+    """One line for the section's help."""
     check: Callable[[RolloutConfig], None] | None = None
     """Rollout settings it cannot run with: raises ``ValueError`` naming the setting and the fix
     (run while ``rollout.*`` is checked, before anything starts)."""
@@ -129,6 +135,11 @@ class EngineSpec:
     asks the launcher's layout whether it would refuse them)."""
 
     def __post_init__(self):
+        if self.settings is not None and not re.fullmatch(r"[A-Za-z_]\w*", self.name):
+            raise ValueError(
+                f"EngineSpec.name={self.name!r}: an engine with settings names its section "
+                "rollout.<name>, so its name must be an identifier"
+            )
         if not re.fullmatch(r"[A-Za-z_][\w-]*", self.name):
             raise ValueError(f"EngineSpec.name={self.name!r}: a word (letters, digits, _ or -)")
         for p in self.placements:
@@ -191,6 +202,15 @@ def engine_spec(engine: str) -> EngineSpec:
     register_engine(obj)
     ENGINES[engine] = obj  # the config keeps the dotted value; later lookups find it here
     return obj
+
+
+def sections() -> list[tuple[str, type, str]]:
+    """(name, dataclass, help) of every registered engine's own section, ``rollout.<name>``."""
+    return [
+        (spec.name, spec.settings, spec.settings_help)
+        for name, spec in ENGINES.items()
+        if name == spec.name and spec.settings is not None
+    ]
 
 
 def choices() -> str:

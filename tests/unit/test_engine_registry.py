@@ -157,3 +157,17 @@ def test_an_in_process_engine_is_planned_as_the_first_engine_with_a_fleet():
     assert fleet == ENGINES["sglang"].fleet(cfg.rollout, World(nodes=1).hosts)
     assert fleet.engines == 2
     assert "rollout.engine=local runs inside the trainer" in note and "sglang" in note
+
+
+def test_each_engines_settings_are_its_section_of_rollout():
+    from megatron_rl_fp8.rollout.config import RolloutConfig
+
+    names = [f.name for f in dataclasses.fields(RolloutConfig)]
+    assert names[:2] == ["engine", "sglang"]  # each section right after the engine's name
+    sglang = ENGINES["sglang"]
+    assert isinstance(RolloutConfig().sglang, sglang.settings)
+    assert not any(s.settings for s in (LOCAL, RECORDING))
+    cfg = load_config(None, ["rollout.sglang.tp_size=2"])
+    assert cfg.rollout.sglang.tp_size == 2
+    with pytest.raises(ValueError, match="must be an identifier"):
+        _spec("my-engine", settings=sglang.settings)

@@ -303,8 +303,6 @@ NAMES_SGLANG_STILL = {
     "launch.layout",
     "launch.render",
     "launch.rollout_role",
-    "rollout",
-    "rollout.config",
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.rollout.registry import EngineSpec, register_engine
 from megatron_rl_fp8.rollout.sglang import sizing
-from megatron_rl_fp8.rollout.sglang.config import block_quant_shape_problem
+from megatron_rl_fp8.rollout.sglang.config import SGLangConfig, block_quant_shape_problem
 
 
 def _build(
@@ -74,6 +74,8 @@ SGLANG = register_engine(
         "(rollout.sglang; install: scripts/install_sglang_cpu.sh on CPU)",
         build=_build,
         placements=("dedicated", "colocated"),
+        settings=SGLangConfig,
+        settings_help="The SGLang engines (used when engine is sglang).",
         max_restarts=lambda cfg: cfg.sglang.max_restarts,
         error_label="sglang error",
         check=_check,
