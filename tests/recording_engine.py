@@ -86,4 +86,5 @@ RECORDING = EngineSpec(
     build=_build,
     max_restarts=lambda cfg: 2,
     error_label="recording error",
+    in_process=True,  # it runs in the driver, as local does: the launcher places no server
 )

@@ -7,9 +7,9 @@ The job is read from the Slurm environment (SLURM_JOB_NODELIST, SLURM_GPUS_ON_NO
 node before submitting. Exit 0 with the layout and the commands; exit 2 with one line when the run
 cannot start there.
 
-Without --dry-run, ``--role rollout --node-index K`` runs node K's SGLang engines and router in the
-foreground (``launch/rollout_role.py``; the command the dry-run renders for that node). The
-trainer's role is the rendered ``torchrun`` command itself.
+Without --dry-run, ``--role rollout --node-index K`` runs node K's engine servers and router in the
+foreground (the engine's launcher: ``rollout/sglang/role.py`` for SGLang; the command the dry-run
+renders for that node). The trainer's role is the rendered ``torchrun`` command itself.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from pathlib import Path
 
 from megatron_rl_fp8.config import load_config
 from megatron_rl_fp8.config_utils import ConfigError
-from megatron_rl_fp8.launch.layout import check_run, plan_layout
+from megatron_rl_fp8.launch.layout import check_run, node_role, plan_layout
 from megatron_rl_fp8.launch.render import RenderOptions, render, trainer_overrides
-from megatron_rl_fp8.launch.rollout_role import serve_node
 from megatron_rl_fp8.launch.slurm import read_env, read_node_addrs
+from megatron_rl_fp8.rollout.registry import engine_spec
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -74,7 +74,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     out.add_argument(
         "--log-dir",
         help="Without --dry-run: the rollout role's logs, pid files and config-only model "
-        "(default: <rollout.sglang.work_dir or train.output_dir/sglang>/node<K>).",
+        "(default: a node<K> folder of the engine's working directory, under train.output_dir).",
     )
     out.add_argument("--python", help="Python on the compute nodes (default: this one).")
     out.add_argument("--container-image", help="pyxis/enroot image for every srun step.")
@@ -141,10 +141,20 @@ def record_dir(cfg, layout) -> str:
 
 
 def run_rollout(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    """Node K's rollout role, in the foreground (``launch/rollout_role.py``)."""
+    """Node K's rollout role, in the foreground (the engine's launcher: ``serve_node``)."""
     cfg, layout = _plan(args, environ)
-    k = node_index(args.node_index, layout.env.nodes, environ)
-    return serve_node(cfg, layout, k, log_dir=Path(args.log_dir) if args.log_dir else None)
+    role = node_role(layout, node_index(args.node_index, layout.env.nodes, environ))
+    return (
+        engine_spec(cfg.rollout.engine)
+        .launcher()
+        .serve_node(
+            cfg,
+            role,
+            colocated=layout.placement == "colocated",
+            restart_count=layout.env.restart_count,
+            log_dir=Path(args.log_dir) if args.log_dir else None,
+        )
+    )
 
 
 def node_index(flag: int | None, nodes: tuple[str, ...], environ: Mapping[str, str]) -> int:
@@ -223,35 +233,20 @@ def summary(layout, cfg, est, gpu_memory_gb: float) -> list[str]:
         f"(id {env.job_id})",
     ]
     if layout.engines:
-        sg = cfg.rollout.sglang
+        servers = layout.servers
         router = layout.router_url or "none (one engine: the trainer calls it directly)"
         lines.append(
-            f"rollout: {len(layout.engines)} engine(s) x TP {sg.tp_size} on "
+            f"rollout: {len(layout.engines)} engine(s) x TP {servers.tp} on "
             f"{','.join(layout.rollout_nodes)}; router {router}"
         )
-        if layout.every_tp_group:
-            n = len(layout.rollout_nodes)
-            lines.append(
-                f"  rollout.sglang.num_engines=0: an engine on every TP group of every node, "
-                f"{len(layout.engines) // n} per node x {n} node(s) (rollout/sglang/placement.py)"
-            )
+        if servers.count_note:
+            lines.append(f"  {servers.count_note}")
         for e in layout.engines:
             gpus = ",".join(map(str, e.gpus))
             lines.append(f"  engine {e.index}: {e.node} GPUs {gpus} {e.url}")
-        if sg.transport != "distributed":
-            lines.append(
-                f"weight sync: rollout.sglang.transport={sg.transport} (CUDA IPC / shared memory) "
-                "from the sending ranks of each engine's own node; engines may share their GPUs"
-            )
-        if layout.senders is not None:
-            s = layout.senders
-            lines.append(
-                f"weight sync: sending ranks {', '.join(map(str, s.ranks))} (one per pipeline "
-                f"stage) on GPU(s) {', '.join(map(str, sorted(s.gpus)))} of their nodes; no "
-                "engine there (one NCCL group cannot hold two processes on one GPU)"
-            )
+        lines += servers.notes
     else:
-        lines.append("rollout: rollout.engine=local, inside the trainer")
+        lines.append(f"rollout: rollout.engine={cfg.rollout.engine}, inside the trainer")
     lines.append(
         f"memory: fits, {est.margin_gb:.1f} GB to spare on a {gpu_memory_gb:g} GB trainer GPU "
         f"(peak {est.peak / 1e9:.1f} GB; `megatron-rl-fp8 plan` for the table)"

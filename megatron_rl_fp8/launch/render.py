@@ -16,7 +16,6 @@ Pure: strings in, argv tuples out; nothing here reads the environment or the fil
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 
 from megatron_rl_fp8.launch.layout import Layout
@@ -69,17 +68,9 @@ def _serves(layout: Layout, node: str) -> bool:
 
 
 def trainer_overrides(layout: Layout) -> list[str]:
-    """The overrides that attach the trainer to the launcher's engines and router."""
-    if not layout.engines:
-        return []
-    urls = json.dumps(layout.engine_urls, separators=(",", ":"))  # JSON is YAML
-    nodes = json.dumps([e.node for e in layout.engines], separators=(",", ":"))
-    out = [f"rollout.sglang.engine_urls={urls}", f"rollout.sglang.engine_nodes={nodes}"]
-    if layout.every_tp_group:  # num_engines=0 resolved: the trainer attaches to this many
-        out.append(f"rollout.sglang.num_engines={len(layout.engines)}")
-    if layout.router_url:
-        out.append(f"rollout.sglang.router_url={layout.router_url}")
-    return out
+    """The overrides that attach the trainer to the launcher's engines and router (the engine's
+    launcher words them: ``Layout.attach``)."""
+    return list(layout.attach)
 
 
 def trainer_command(layout: Layout, opts: RenderOptions) -> Command:

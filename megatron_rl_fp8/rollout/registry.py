@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.rollout.base import RolloutEngine
+    from megatron_rl_fp8.rollout.launching import Launcher
 
 # ``RolloutConfig`` (rollout/config.py, which reads this registry) in the signatures below.
 RolloutConfig = Any
@@ -130,6 +131,11 @@ class EngineSpec:
     trainer_gpu_share: Callable[[RolloutConfig, Hosts], tuple[GpuShare, ...]] = _no_share
     """What its processes hold on a trainer's GPU (colocated engines' memory, their CUDA
     contexts), each with a note for the planner's table; empty where they hold nothing there."""
+    launcher: Callable[[], Launcher] | None = None
+    """Its :class:`~.launching.Launcher`: how ``megatron-rl-fp8 launch`` places, checks and
+    starts its servers on a Slurm job (called when needed, so its code may import torch). None:
+    it runs in the trainer, or the launcher cannot start it (the driver starts its servers
+    itself on its own node)."""
     launched_beside_trainer: Callable[[RolloutConfig, Hosts], bool] = lambda cfg, hosts: False
     """The launcher starts its servers on the trainer's GPUs for this config (the planner then
     asks the launcher's layout whether it would refuse them)."""

@@ -7,6 +7,7 @@ import pytest
 
 from megatron_rl_fp8.config import load_config
 from megatron_rl_fp8.config_utils import ConfigError
+from megatron_rl_fp8.rollout.launching import Placement
 from megatron_rl_fp8.rollout.registry import (
     ENGINES,
     LOCAL,
@@ -171,3 +172,50 @@ def test_each_engines_settings_are_its_section_of_rollout():
     assert cfg.rollout.sglang.tp_size == 2
     with pytest.raises(ValueError, match="must be an identifier"):
         _spec("my-engine", settings=sglang.settings)
+
+
+# -- the launcher reaches an engine's servers through its spec alone -------------------------------
+class _ToyLauncher:
+    def check(self, cfg, *, nodes, gpus_per_node):
+        if nodes < 2:
+            raise ConfigError("toy needs two nodes")
+
+    def nodes_needed(self, cfg, *, gpus_per_node, most_per_node):
+        return 1
+
+    def place(self, cfg, *, nodes, gpus_per_node, colocated, most_per_node):
+        return Placement(gpus=((0, 1), (2, 3), (4, 5)), tp=2, notes=("toy: three engines",))
+
+    def trainer_overrides(self, engines, router_url, derived_count):
+        return [f"toy.urls={[e.url for e in engines]}", f"toy.router={router_url}"]
+
+
+def test_the_launcher_places_an_engines_servers_by_its_spec(monkeypatch):
+    from megatron_rl_fp8.launch.layout import node_role, plan_layout
+    from megatron_rl_fp8.launch.render import RenderOptions, render, trainer_overrides
+    from megatron_rl_fp8.launch.slurm import SlurmEnv
+
+    toy = dataclasses.replace(TOY, launcher=_ToyLauncher)
+    monkeypatch.setitem(ENGINES, "toy", toy)
+    cfg = _toy_config(monkeypatch, "rollout.placement=dedicated")
+    monkeypatch.setitem(ENGINES, "toy", toy)  # _toy_config registered the plain one
+    env = SlurmEnv(nodes=("a", "b", "c"), gpus_per_node=8, job_id=3)
+    layout = plan_layout(cfg, env)
+    assert layout.train_nodes == ("a", "b") and layout.rollout_nodes == ("c",)
+    assert [(e.node, e.gpus, e.port) for e in layout.engines] == [
+        ("c", (0, 1), 10610),
+        ("c", (2, 3), 10620),
+        ("c", (4, 5), 10630),
+    ]
+    assert trainer_overrides(layout) == [
+        "toy.urls=['http://c:10610', 'http://c:10620', 'http://c:10630']",
+        "toy.router=http://c:10601",
+    ]
+    assert node_role(layout, 2).engines == layout.engines and node_role(layout, 2).router_port
+    opts = RenderOptions(config="x.yaml", python="python", torchrun="torchrun")
+    assert [c.name for c in render(layout, opts)] == ["trainer", "rollout-2"]
+    with pytest.raises(ConfigError, match="toy needs two nodes"):
+        plan_layout(cfg, SlurmEnv(nodes=("a",), gpus_per_node=8, job_id=3))
+    monkeypatch.setitem(ENGINES, "toy", TOY)  # no launcher
+    with pytest.raises(ConfigError, match="rollout.engine=toy has no launcher"):
+        plan_layout(cfg, env)

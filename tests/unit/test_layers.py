@@ -295,17 +295,6 @@ def test_the_sys_path_finder_finds_them(tmp_path):
     assert sorted(sys_path_edits(src)) == ["m.py:3", "m.py:4", "m.py:5"]
 
 
-# Modules that still reach the SGLang engines by name (issue 45 item 2: the planner's engine memory
-# and time, the launcher's server placement, the rollout section's own ``rollout.sglang``). The
-# list only shrinks: the rest of the package reaches an engine through rollout/registry.py.
-NAMES_SGLANG_STILL = {
-    "launch.cli",
-    "launch.layout",
-    "launch.render",
-    "launch.rollout_role",
-}
-
-
 def engine_name_uses(path: Path, word: str = "sglang") -> list[str]:
     """``file:line`` of code in ``path`` that names ``word`` (case-insensitive): an import, a
     name, an attribute or a string. Docstrings and comments may describe it (the FP8 checkpoint
@@ -337,18 +326,16 @@ def engine_name_uses(path: Path, word: str = "sglang") -> list[str]:
 
 
 def test_only_the_engines_own_folder_names_sglang():
-    """The trainer, the CLI, the study and the config reach an engine through its registered
-    spec (rollout/registry.py); SGLang's settings and words live in rollout/sglang/."""
+    """The trainer, the CLI, the study, the config, the planner and the launcher reach an engine
+    through its registered spec (rollout/registry.py); SGLang's settings and words live in
+    rollout/sglang/ alone."""
     found = [
         hit
         for name, path in MODULES.items()
         if not name.startswith(f"{PACKAGE}.rollout.sglang")
-        and name.removeprefix(f"{PACKAGE}.") not in NAMES_SGLANG_STILL
         for hit in engine_name_uses(path)
     ]
     assert not found, "\n".join(found)
-    still = [m for m in NAMES_SGLANG_STILL if not engine_name_uses(MODULES[f"{PACKAGE}.{m}"])]
-    assert not still, f"these no longer name SGLang: drop them from NAMES_SGLANG_STILL: {still}"
 
 
 def test_the_engine_name_finder_finds_code_not_prose(tmp_path):

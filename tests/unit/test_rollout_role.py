@@ -1,4 +1,4 @@
-"""The rollout role of a Slurm job (megatron_rl_fp8/launch/rollout_role.py): which engines, ports
+"""The rollout role of a Slurm job (megatron_rl_fp8/rollout/sglang/role.py): which engines, ports
 and GPUs node K runs, and the exact commands it starts, checked against the URLs the dry-run
 gives the trainer. Pure: nothing is started (the end-to-end check is manual, see the role's
 docstring)."""
@@ -13,10 +13,10 @@ import pytest
 from megatron_rl_fp8.config import EXAMPLES_DIR, load_config
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.launch.cli import main, node_index
-from megatron_rl_fp8.launch.layout import Ports, plan_layout
+from megatron_rl_fp8.launch.layout import Ports, node_role, plan_layout
 from megatron_rl_fp8.launch.render import trainer_overrides
-from megatron_rl_fp8.launch.rollout_role import listen_host, node_dir, node_role, role_commands
 from megatron_rl_fp8.launch.slurm import read_env
+from megatron_rl_fp8.rollout.sglang.role import listen_host, node_dir, role_commands
 
 TINY = str(EXAMPLES_DIR / "tiny_cpu.yaml")
 SGLANG = ("rollout.engine=sglang", 'rollout.sglang.python=""')

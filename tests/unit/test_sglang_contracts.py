@@ -361,9 +361,10 @@ def test_memory_saver_engines_start_without_expandable_segments(monkeypatch, con
     # torch_memory_saver 0.0.10 (entrypoint.py: _sanity_checks) raises at the engine's start when
     # PYTORCH_CUDA_ALLOC_CONF holds expandable_segments:True; slurm/README.md recommends it for
     # the trainer, whose environment the engines inherit.
-    from megatron_rl_fp8.launch.rollout_role import NodeRole, node_sglang
+    from megatron_rl_fp8.rollout.launching import NodeRole
     from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
     from megatron_rl_fp8.rollout.sglang.process import MEMORY_SAVER_FLAG, server_env
+    from megatron_rl_fp8.rollout.sglang.role import node_sglang
 
     monkeypatch.setenv(ALLOC, conf)
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", conf)

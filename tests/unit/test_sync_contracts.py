@@ -133,7 +133,7 @@ def test_nccl_sync_group_no_duplicate_gpu_tensor_transport_may_share(paths):
     )
     layout = plan_layout(cfg, SlurmEnv(nodes=("n1",), gpus_per_node=8, job_id=0))
     assert [e.gpus for e in layout.engines] == [(0, 1), (2, 3), (4, 5), (6, 7)]
-    assert layout.senders is None
+    assert not any("one per pipeline stage" in n for n in layout.servers.notes)  # none kept off
 
 
 def test_nccl_sync_group_no_duplicate_gpu_several_nodes_keeps_every_nodes_sender_gpus(paths):
@@ -149,7 +149,9 @@ def test_nccl_sync_group_no_duplicate_gpu_several_nodes_keeps_every_nodes_sender
         *engines(4, 2, None),
     )
     layout = plan_layout(cfg, SlurmEnv(nodes=("n1", "n2"), gpus_per_node=8, job_id=0))
-    assert layout.senders.gpus == {0: (0, 8), 4: (4, 12)}
+    assert "sending ranks 0, 4, 8, 12 (one per pipeline stage) on GPU(s) 0, 4" in "".join(
+        layout.servers.notes
+    )
     assert [(e.node, e.gpus) for e in layout.engines] == [
         ("n1", (2, 3)), ("n2", (2, 3)), ("n1", (6, 7)), ("n2", (6, 7)),
     ]  # fmt: skip

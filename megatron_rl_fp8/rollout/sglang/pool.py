@@ -152,7 +152,7 @@ class ServerPool:
         """Take ``eng`` out of the router, kill what is left of it, and start it again (it
         rejoins at the next sync). Attached engines are dropped instead."""
         self._router_remove(eng)
-        if eng.proc is None:  # attached: its own node relaunches it (launch/rollout_role.py)
+        if eng.proc is None:  # attached: its own node relaunches it (rollout/sglang/role.py)
             print(
                 f"[sglang] engine {eng.url}: {why}; dropped from the fleet until it answers "
                 "again (the next sync waits for it)",

@@ -28,6 +28,13 @@ def _build(
     )
 
 
+def _launcher():
+    # lazy: torch (the role and the weight sync's sending ranks)
+    from megatron_rl_fp8.rollout.sglang.launcher import LAUNCHER
+
+    return LAUNCHER
+
+
 def _check(cfg) -> None:
     if cfg.fp8.weight_quant == "per_tensor":
         # SGLang 0.5.23 (layers/quantization/fp8.py, Fp8LinearMethod.
@@ -80,6 +87,7 @@ SGLANG = register_engine(
         error_label="sglang error",
         check=_check,
         check_run=_check_run,
+        launcher=_launcher,
         fleet=sizing.fleet,
         trainer_gpu_share=sizing.trainer_gpu_share,
         launched_beside_trainer=sizing.launched_beside_trainer,

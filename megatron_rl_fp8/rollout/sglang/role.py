@@ -1,14 +1,14 @@
 """The rollout role of a Slurm job: one node's SGLang engines (and the router), in the foreground.
 
 ``megatron-rl-fp8 launch CONFIG [overrides] --role rollout --node-index K`` runs on rollout node K
-(one ``srun`` task, rendered by :mod:`~megatron_rl_fp8.launch.render`). It derives the job's
-:class:`~megatron_rl_fp8.launch.layout.Layout` from the same flags as the dry-run, so it starts
-exactly the engines whose URLs the trainer was given, on the ports and GPUs the layout assigns,
-and the sglang-router on the node the layout puts it on. The trainer attaches to them by URL
-(``rollout.sglang.engine_urls`` / ``router_url``) and syncs their weights by broadcast.
+(one ``srun`` task, rendered by ``launch/render.py``). The launcher derives the job's layout from
+the same flags as the dry-run and hands this module node K's :class:`~..launching.NodeRole`, so it
+starts exactly the engines whose URLs the trainer was given, on the ports and GPUs the layout
+assigns, and the sglang-router when the layout puts it on this node. The trainer attaches to them
+by URL (``rollout.sglang.engine_urls`` / ``router_url``) and syncs their weights by broadcast.
 
-How it differs from the trainer's own fleet (``rollout/sglang/fleet.py``; its ``pool.py``
-launches engines on the trainer's node and relaunches them):
+How it differs from the trainer's own fleet (``fleet.py``; its ``pool.py`` launches engines on
+the trainer's node and relaunches them):
 
 * **Addresses.** The engines are reached from other nodes, so they cannot listen on
   ``rollout.sglang.host``'s default 127.0.0.1 (:func:`listen_host`).
@@ -23,10 +23,10 @@ launches engines on the trainer's node and relaunches them):
   them; the trainer also adds every engine to the router after each sync (a worker it already
   has is accepted again, not duplicated).
 
-Everything runs under the guard of ``rollout/sglang/process.py`` (each in its own process group,
-killed when this process dies however it dies). SIGTERM / SIGINT (the sbatch script stopping the
-step) kill the groups and exit 0. The command lines are built by pure functions
-(:func:`node_role`, :func:`role_commands`) that the unit tests check.
+Everything runs under the guard of ``process.py`` (each in its own process group, killed when
+this process dies however it dies). SIGTERM / SIGINT (the sbatch script stopping the step) kill
+the groups and exit 0. The command lines are built by a pure function (:func:`role_commands`)
+that the unit tests check.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.data import load_prompt_encoder
-from megatron_rl_fp8.launch.layout import Engine, Layout, url_host
 from megatron_rl_fp8.models.hf_mapping import hf_config_with_tokens
 from megatron_rl_fp8.rollout.errors import RolloutEngineError, first_line
+from megatron_rl_fp8.rollout.launching import NodeRole
 from megatron_rl_fp8.rollout.sglang.http import Http
 from megatron_rl_fp8.rollout.sglang.process import (
     MEMORY_SAVER_FLAG,
@@ -65,31 +65,12 @@ from megatron_rl_fp8.rollout.sglang.transports import write_model_config
 if TYPE_CHECKING:
     import subprocess
 
-    from megatron_rl_fp8.config import RunConfig
     from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
 
+RunConfig = Any
+"""``megatron_rl_fp8.config.RunConfig``, the whole run's config (a layer above ``rollout/``)."""
+
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class NodeRole:
-    """What rollout node ``node_index`` of a layout runs."""
-
-    node_index: int
-    node: str
-    addr: str
-    """The node's address in the layout: the host part of its engines' URLs."""
-    engines: tuple[Engine, ...]
-    router_port: int | None
-    """The router's port when this node runs it, else None."""
-    worker_urls: tuple[str, ...]
-    """Every engine of the job: the router's workers."""
-
-    @property
-    def router_url(self) -> str | None:
-        if self.router_port is None:
-            return None
-        return f"http://{url_host(self.addr)}:{self.router_port}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,33 +81,6 @@ class Launch:
     """``engine<i>`` (i: the engine's index in the job) or ``router``."""
     argv: tuple[str, ...]
     url: str
-
-
-def node_role(layout: Layout, k: int) -> NodeRole:
-    """Node ``k``'s engines and whether it runs the router; ConfigError when it runs neither."""
-    nodes = layout.env.nodes
-    if not 0 <= k < len(nodes):
-        raise ConfigError(
-            f"--node-index {k}: the job has {len(nodes)} node(s), indices 0..{len(nodes) - 1}"
-        )
-    node = nodes[k]
-    engines = tuple(e for e in layout.engines if e.node == node)
-    router = layout.router_node == node
-    if not engines and not router:
-        engine_nodes = sorted({e.node_index for e in layout.engines}) or ["none"]
-        raise ConfigError(
-            f"node {k} ({node}) runs no rollout role in this layout (placement "
-            f"{layout.placement}; rollout nodes: {', '.join(map(str, engine_nodes))}); check "
-            "--node-index and --train-nodes"
-        )
-    return NodeRole(
-        node_index=k,
-        node=node,
-        addr=layout.addrs[node],
-        engines=engines,
-        router_port=layout.ports.router if router else None,
-        worker_urls=tuple(layout.engine_urls),
-    )
 
 
 def listen_host(configured: str, addr: str) -> str:
@@ -225,11 +179,19 @@ def _on_stop(signum, _frame):
     raise _Stopped(signal.Signals(signum).name)
 
 
-def serve_node(cfg: RunConfig, layout: Layout, k: int, *, log_dir: Path | None = None) -> int:
-    """Start node ``k``'s engines and router, wait for /health, then stay until a signal (exit 0)
-    or until one of them exits (exit 1). A start that fails is one line on stderr and exit 2;
-    a config that cannot start raises ConfigError (the CLI prints it)."""
-    role = node_role(layout, k)
+def serve_node(
+    cfg: RunConfig,
+    role: NodeRole,
+    *,
+    colocated: bool = False,
+    restart_count: int = 0,
+    log_dir: Path | None = None,
+) -> int:
+    """Start node ``role``'s engines and router, wait for /health, then stay until a signal (exit
+    0) or until one of them exits (exit 1). A start that fails is one line on stderr and exit 2;
+    a config that cannot start raises ConfigError (the CLI prints it). ``restart_count``: the
+    job's (its logs get a suffix after a requeue)."""
+    k = role.node_index
     sg = cfg.rollout.sglang
     _check_local(role)
     try:
@@ -249,12 +211,12 @@ def serve_node(cfg: RunConfig, layout: Layout, k: int, *, log_dir: Path | None =
         device=device,
         dtype=dtype,
         fp8_checkpoint=fp8_checkpoint,
-        colocated=layout.placement == "colocated",
+        colocated=colocated,
     )
-    suffix = f"-restart{layout.env.restart_count}" if layout.env.restart_count else ""
+    suffix = f"-restart{restart_count}" if restart_count else ""
     logs = {p.name: work / f"{p.name}{suffix}.log" for p in launches}
     env = server_env(
-        node_sglang(sg, role, colocated=layout.placement == "colocated", device=device),
+        node_sglang(sg, role, colocated=colocated, device=device),
         device,
         fp8_checkpoint=fp8_checkpoint,
     )
