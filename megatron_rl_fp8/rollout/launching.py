@@ -112,7 +112,5 @@ class Launcher(Protocol):
         log_dir: Path | None,
     ) -> int:
         """Run rollout node ``role``'s servers (and the router) in the foreground until a
-        signal (exit 0) or a failure (exit 1; a start that fails, exit 2)."""
-
-    def default_log_dir(self, cfg: Any, node_index: int) -> Path:
-        """Where a rollout node keeps its logs without ``--log-dir``."""
+        signal (exit 0) or a failure (exit 1; a start that fails, exit 2); logs in ``log_dir``
+        (None: a place of the engine's choosing)."""

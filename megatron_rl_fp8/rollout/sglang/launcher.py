@@ -129,9 +129,6 @@ class SGLangLauncher:
             cfg, node, colocated=colocated, restart_count=restart_count, log_dir=log_dir
         )
 
-    def default_log_dir(self, cfg: RunConfig, node_index: int) -> Path:
-        return role.node_dir(cfg, node_index)
-
 
 def _json(values: list[str]) -> str:
     """A list as one override value: JSON, which is YAML, without spaces."""
