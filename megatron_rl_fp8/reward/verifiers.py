@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from megatron_rl_fp8.config_utils import field
 from megatron_rl_fp8.reward.math_tasks import gsm8k_exact, gsm8k_format, math_boxed, math_format
 from megatron_rl_fp8.reward.text import answer_region
+from megatron_rl_fp8.utils.imports import import_object
 
 if TYPE_CHECKING:
     import torch
@@ -197,40 +198,17 @@ def get_verifier(task_name: str) -> Verifier:
         ) from None
 
 
-_FUNCTION_SPEC = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
-
-
 def load_reward_function(spec: str) -> BatchRewardFn:
     """Import ``"package.module:function"`` and return the function.
 
     Every way this can fail raises one one-line ``ValueError`` that names ``reward.function``, the
     value and the fix, so a bad config stops before any rank starts.
     """
+    obj = import_object(spec, "reward.function", what="function")
 
     def fail(problem: str, fix: str) -> ValueError:
         return ValueError(f"reward.function={spec!r} {problem}; {fix}".replace("\n", " "))
 
-    if not isinstance(spec, str) or not _FUNCTION_SPEC.fullmatch(spec):
-        raise fail(
-            "is not of the form 'package.module:function'",
-            "write the module path, a colon, then the function name",
-        )
-    module_name, attr_path = spec.split(":")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or whatever the module raises while importing
-        raise fail(
-            f"cannot be loaded: importing {module_name!r} failed ({type(e).__name__}: {e})",
-            "install the package or put its folder on PYTHONPATH, and check the module path",
-        ) from None
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise fail(
-                f"cannot be loaded: {getattr(obj, '__name__', module_name)!r} has no attribute "
-                f"{part!r}",
-                "check the function name after the colon",
-            )
-        obj = getattr(obj, part)
     if not callable(obj):
         raise fail(
             f"is a {type(obj).__name__}, not a function",

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_rl_fp8.utils.imports import OBJECT_PATH, import_object
+
 if TYPE_CHECKING:
     from megatron_rl_fp8.rollout.base import RolloutEngine
     from megatron_rl_fp8.rollout.launching import Launcher
@@ -170,9 +172,6 @@ def register_engine(spec: EngineSpec) -> EngineSpec:
     return spec
 
 
-_PLUGIN = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
-
-
 def engine_spec(engine: str) -> EngineSpec:
     """The spec ``rollout.engine`` names: a registered name, or ``package.module:SPEC`` (imported
     and registered). Raises ``ValueError`` naming the setting, the value and the choices."""
@@ -180,26 +179,12 @@ def engine_spec(engine: str) -> EngineSpec:
         raise ValueError(f"rollout.engine={engine!r} must be a string: one of {names()}")
     if engine in ENGINES:
         return ENGINES[engine]
-    if not _PLUGIN.fullmatch(engine):
+    if not OBJECT_PATH.fullmatch(engine):
         raise ValueError(
             f"rollout.engine={engine!r} is not a registered engine ({names()}); name one, or "
             "write package.module:SPEC for an EngineSpec of your own"
         )
-    module_name, attr_path = engine.split(":")
-    try:
-        obj = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or whatever the module raises while importing
-        raise ValueError(
-            f"rollout.engine={engine!r} cannot be loaded: importing {module_name!r} failed "
-            f"({type(e).__name__}: {e}); install it or put its folder on PYTHONPATH"
-        ) from None
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(
-                f"rollout.engine={engine!r} cannot be loaded: {module_name!r} has no attribute "
-                f"{part!r}; check the name after the colon"
-            )
-        obj = getattr(obj, part)
+    obj = import_object(engine, "rollout.engine", what="EngineSpec")
     if not isinstance(obj, EngineSpec):
         raise ValueError(
             f"rollout.engine={engine!r} is a {type(obj).__name__}, not an EngineSpec "
