@@ -3,6 +3,7 @@ request building, answer parsing (version checks), the transports' bucket layout
 refusals, the fault injection hook, and the guard that keeps a server from outliving its
 trainer."""
 
+import subprocess
 import sys
 import time
 
@@ -267,7 +268,7 @@ def test_a_relaunched_engine_at_the_same_url_gets_a_new_weight_group():
         version=0,
         engines=[(url, 1)],
         device="cpu",
-        timeout=30,
+        timeout=5,  # the abandoned rendezvous below times out in its thread after this
         export_options={},
         failed=[],
         generations=[1],
@@ -288,6 +289,41 @@ def test_a_relaunched_engine_at_the_same_url_gets_a_new_weight_group():
     assert plan.on_node("n") is plan  # no nodes: the whole plan
     per_node = dataclasses.replace(plan, engine_nodes=["n"], generations=[7])
     assert per_node.on_node("n").generations == [7] and per_node.on_node("m").generations == []
+
+
+EXIT_DURING_RENDEZVOUS = """
+import sys, time
+from megatron_rl_fp8.parallel import free_port
+from megatron_rl_fp8.rollout.errors import RolloutEngineError
+from megatron_rl_fp8.rollout.sglang.http import Http
+from megatron_rl_fp8.rollout.sglang.transports import join_sender_group
+
+timeout = float(sys.argv[1])
+t0 = time.monotonic()
+engine = Http(f"http://127.0.0.1:{free_port()}")  # nothing listens: the engine is gone
+try:
+    join_sender_group([(engine, 1)], host="127.0.0.1", device="cpu", name="g", timeout=timeout)
+except RolloutEngineError:
+    pass
+time.sleep(max(timeout - 0.4 - (time.monotonic() - t0), 0))  # exit as the rendezvous times out
+"""
+
+
+def test_exiting_while_an_abandoned_weight_group_times_out_is_a_clean_exit():
+    # CI once ended in SIGABRT ("terminate called without an active exception") after every test
+    # passed: join_sender_group leaves our side of the rendezvous to time out in its thread when
+    # an engine is gone, and a daemon thread whose c10d store wait times out while the
+    # interpreter finalizes aborts the process. The exit now waits for the thread.
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_DURING_RENDEZVOUS, "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
+    assert time.monotonic() - t0 >= 3  # it waited for the rendezvous to time out
 
 
 def test_tensor_transport_refuses_engines_on_another_host():

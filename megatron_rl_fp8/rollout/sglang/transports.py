@@ -178,9 +178,12 @@ def join_sender_group(
     world = 1 + sum(tp for _, tp in engines)
     backend = "nccl" if device == "cuda" else "gloo"
     offsets = [1 + sum(tp for _, tp in engines[:i]) for i in range(len(engines))]
-    # Our side joins in a daemon thread while the HTTP calls make the engines join; each reply
-    # comes only once all sides are in. If a call fails instead (engine gone), the rendezvous can
-    # never complete: it is left to time out in its thread, not waited for.
+    # Our side joins in a thread while the HTTP calls make the engines join; each reply comes
+    # only once all sides are in. If a call fails instead (engine gone), the rendezvous can never
+    # complete: it is left to time out in its thread (``timeout``), not waited for here. Not a
+    # daemon: a daemon thread still blocked in c10d's store wait when the interpreter exits
+    # aborts the process once the wait times out ("terminate called without an active
+    # exception"), so the exit waits for the timeout instead.
     joined: dict[str, Any] = {}
 
     def join():
@@ -189,7 +192,7 @@ def join_sender_group(
         except Exception as e:  # noqa: BLE001 - reported by the caller below
             joined["error"] = e
 
-    thread = threading.Thread(target=join, name="mrf8-sglang-weight-group", daemon=True)
+    thread = threading.Thread(target=join, name="mrf8-sglang-weight-group", daemon=False)
     thread.start()
     with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
         calls = [
