@@ -241,7 +241,7 @@ def test_weight_group_fails_fast_when_the_engine_is_gone(tmp_path):
         version=0,
         engines=[(f"http://127.0.0.1:{free_port()}", 1)],  # nothing listens there
         device="cpu",
-        timeout=60,
+        timeout=20,  # twice the bound below; the abandoned rendezvous lingers this long
         export_options={},
         failed=[],
     )
