@@ -34,6 +34,8 @@ setup(
         "pyarrow",
         # `megatron-rl-fp8 report`: PNG figures of runs.
         "matplotlib",
+        # The study report's Student-t intervals (study/report.py).
+        "scipy",
     ],
     extras_require={
         # torchao: fp8.backend=torchao (its float8 training matmul), on GPUs without TE too.

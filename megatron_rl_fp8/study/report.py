@@ -28,8 +28,7 @@ cancels): the interval above over the per-seed differences, when >= 2 seeds have
 both. Otherwise Welch's interval: d = m_a - m_r, se^2 = s_a^2/n_a + s_r^2/n_r, t at the
 Welch-Satterthwaite df = se^4 / ((s_a^2/n_a)^2/(n_a-1) + (s_r^2/n_r)^2/(n_r-1)).
 
-``t_quantile`` inverts the t distribution exactly (regularized incomplete beta, bisection), so
-Welch's fractional df need no table and scipy is not a dependency.
+``t_quantile`` is scipy's t distribution, so Welch's fractional df need no table.
 """
 
 from __future__ import annotations
@@ -39,6 +38,8 @@ import json
 import math
 from functools import lru_cache
 from pathlib import Path
+
+from scipy.stats import t as student_t
 
 from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.metrics.figures import DPI
@@ -106,58 +107,12 @@ CURVES = {
 
 
 # -- the t distribution ------------------------------------------------------------------------
-def _betacf(a: float, b: float, x: float) -> float:
-    """The continued fraction of the incomplete beta (modified Lentz, Numerical Recipes 6.4)."""
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 500):
-        for aa in (
-            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
-        ):
-            d = 1.0 + aa * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + aa / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
-
-
-def _betainc(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta I_x(a, b)."""
-    if x <= 0.0 or x >= 1.0:
-        return 0.0 if x <= 0.0 else 1.0
-    front = math.exp(
-        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    )
-    if x < (a + 1.0) / (a + b + 2.0):  # where the fraction converges fast; else by symmetry
-        return front * _betacf(a, b, x) / a
-    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
-
-
 @lru_cache(maxsize=256)
 def t_quantile(q: float, df: float) -> float:
-    """The ``q`` quantile of Student's t with ``df`` (> 0, may be fractional) degrees of freedom.
-
-    P(T > t) = I_x(df/2, 1/2) / 2 with x = df / (df + t^2), increasing in x: bisect for x.
-    """
+    """The ``q`` quantile of Student's t with ``df`` (> 0, may be fractional) degrees of freedom."""
     if not (0.0 < q < 1.0 and df > 0):
         raise ValueError(f"t_quantile needs 0 < q < 1 and df > 0, got q={q}, df={df}")
-    if q < 0.5:
-        return -t_quantile(1.0 - q, df)
-    lo, hi = 0.0, 1.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if 0.5 * _betainc(df / 2.0, 0.5, mid) < 1.0 - q:
-            lo = mid
-        else:
-            hi = mid
-    x = 0.5 * (lo + hi)
-    return math.sqrt(df * (1.0 - x) / x)
+    return float(student_t.ppf(q, df))
 
 
 # -- intervals ---------------------------------------------------------------------------------

@@ -130,6 +130,13 @@ class FileLock:
     left is simply taken over. ``flock`` holds across processes of one host and, on Linux NFS v4
     and Lustre/GPFS mounts with locking on, across hosts. A ``path`` that cannot be a lock file
     (a directory, unreadable) is a :class:`ConfigError` naming it and what to remove.
+
+    Why not ``filelock`` (installed with torch): its native Unix lock never writes the lock file
+    and offers no public handle to write a holder into it, so "held by pid P on host H" needs
+    this class anyway; and before filelock's fix of 2026-07 (tox-dev/filelock#591, #594: 3.29.7
+    and older, which torch accepts) every refused contender opened the file with ``O_TRUNC``,
+    erasing the holder record this class keeps there. filelock 4.3.2 (checked here) refuses,
+    takes over and fails on a directory as this class does; what it lacks is the record.
     """
 
     def __init__(self, path: str | Path, setting: str):

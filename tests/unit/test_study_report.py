@@ -59,10 +59,16 @@ def test_t_quantile_known_values(df):
     assert t_quantile(0.025, df) == pytest.approx(-T975[df], abs=1e-3)
 
 
-def test_t_quantile_fractional_df_matches_scipy():
-    stats = pytest.importorskip("scipy.stats")
-    for df in (0.7, 1.5, 3.3, 7.9, 250.0):
-        assert t_quantile(0.975, df) == pytest.approx(stats.t.ppf(0.975, df), rel=1e-9)
+def test_t_quantile_fractional_df_hand_computed():
+    # Closed forms: df = 1 is Cauchy, tan(pi (q - 1/2)); df = 2 is (2q - 1) sqrt(2 / (4q(1-q))).
+    for q in (0.6, 0.9, 0.975):
+        assert t_quantile(q, 1.0) == pytest.approx(math.tan(math.pi * (q - 0.5)), rel=1e-12)
+        two = (2 * q - 1) * math.sqrt(2 / (4 * q * (1 - q)))
+        assert t_quantile(q, 2.0) == pytest.approx(two, rel=1e-12)
+    # Fractional df sit between their integer neighbours (Welch's df are fractional).
+    assert t_quantile(0.975, 2.0) > t_quantile(0.975, 2.5) > t_quantile(0.975, 3.0)
+    with pytest.raises(ValueError, match="df > 0"):
+        t_quantile(0.975, 0.0)
 
 
 def test_interval_hand_computed():
