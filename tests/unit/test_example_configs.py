@@ -81,3 +81,29 @@ def test_shipped_study_files_validate(study, tmp_path):
 
     s = load_study(study, tmp_path / "out")
     assert s.runs and s.reference in s.arms
+
+
+CALIB_KEYS = ("loss.calib.mode", "loss.calib.interval", "loss.calib.ema_decay")
+
+
+@pytest.mark.parametrize(
+    "study", sorted((EXAMPLES_DIR / "studies").glob("*.yaml")), ids=lambda p: p.stem
+)
+def test_calibrated_study_arms_pin_their_schedule(study, tmp_path):
+    """A committed table must not move when a calibration default does: every arm that trains in
+    FP8 with calibration names its mode, and (but the oracle, which calibrates every mini-batch)
+    its interval and EMA."""
+    import yaml
+
+    from megatron_rl_fp8.study.runner import load_study
+
+    s = load_study(study, tmp_path / "out")
+    shared = yaml.safe_load(study.read_text()).get("overrides") or {}
+    for run in s.runs:
+        cal = run.config.loss.calib
+        if run.config.fp8.recipe == "bf16" or not cal.enabled:
+            continue
+        given = {**shared, **s.arms[run.arm]}
+        need = CALIB_KEYS[:1] if cal.mode == "oracle" else CALIB_KEYS
+        missing = [k for k in need if k not in given]
+        assert not missing, f"{study.name}: arm {run.arm} leaves {missing} to the defaults"
