@@ -22,9 +22,10 @@ The ratio column is each client's number over urllib's (above 1 for the rates an
 seconds is that client faster). The engines run with ``SGLANG_TIMEOUT_KEEP_ALIVE=600``: with
 SGLang's 5 s, a pooled connection left idle while the other clients' rounds ran was closed by the
 server as the next request went out on it ("Connection reset by peer", seen in a first run), a
-hazard a pooled client in the package must handle (replace connections idle for more than ~2 s). On 2 CPU cores the engines, the router and the clients
-share the cores, so the engine's own time dominates both workloads; the ratio is what a client
-change buys on this box, not on a GPU node.
+hazard a pooled client in the package must handle (replace connections idle for more than ~2 s).
+On 2 CPU cores the engines, the router and the clients share the cores, so the engine's own time
+dominates the /generate workloads; the ratio is what a client change buys on this box, not on a
+GPU node.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ MC = ModelConfig(
 
 
 class UrllibHttp:
-    """The client before issue 49: a new connection per request (``urllib.request.urlopen``)."""
+    """The package's client today: a new connection per request (``urllib.request.urlopen``)."""
 
     def __init__(self, base_url: str):
         self.base_url = base_url
@@ -155,7 +156,6 @@ def hf():
 
 def one_round(client, bodies: list[dict], rows: list[list[int]], version: str) -> dict:
     """``bodies`` all in flight (``MAX_IN_FLIGHT`` threads); wall seconds and decode seconds."""
-    decode = 0.0
 
     def call(i: int) -> float:
         if bodies[i] is None:  # the client's own cost: an endpoint with no engine work
