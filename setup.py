@@ -19,8 +19,10 @@ setup(
         "torch>=2.4",
         "megatron-core>=0.16.1",
         "nvidia-modelopt>=0.47",
-        # modelopt imports these without declaring them (docs/platform.md).
+        # urllib3: the engines' HTTP client (rollout/sglang/http.py); requests: modelopt imports it.
+        "urllib3>=2",
         "requests",
+        # modelopt imports this without declaring it (docs/platform.md).
         "huggingface_hub",
         # dist_checkpointing.save needs psutil but megatron-core does not declare it.
         "psutil",

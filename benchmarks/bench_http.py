@@ -1,7 +1,7 @@
-"""The engines' HTTP client: a new TCP connection per request (urllib, what
-``rollout/sglang/http.py: Http`` does) against pooled, kept-alive connections (a requests.Session,
-and urllib3's pool without requests' layer), side by side in one run, on real SGLang CPU engines
-and sglang-router (issue 49).
+"""The engines' HTTP client: a new TCP connection per request (urllib, the package's client
+before issue 49) against pooled, kept-alive connections (a requests.Session, and the package's
+``rollout/sglang/http.py: Http``: urllib3's pool without requests' layer), side by side in one
+run, on real SGLang CPU engines and sglang-router (issue 49).
 
     python benchmarks/bench_http.py [--rows 64] [--tokens 32] [--reps 5] [--json out.json]
 
@@ -22,7 +22,7 @@ The ratio column is each client's number over urllib's (above 1 for the rates an
 seconds is that client faster). The engines run with ``SGLANG_TIMEOUT_KEEP_ALIVE=600``: with
 SGLang's 5 s, a pooled connection left idle while the other clients' rounds ran was closed by the
 server as the next request went out on it ("Connection reset by peer", seen in a first run), a
-hazard a pooled client in the package must handle (replace connections idle for more than ~2 s).
+hazard the package's client handles by replacing connections idle for more than 2 s.
 On 2 CPU cores the engines, the router and the clients share the cores, so the engine's own time
 dominates the /generate workloads; the ratio is what a client change buys on this box, not on a
 GPU node.
@@ -41,7 +41,6 @@ from pathlib import Path
 
 import requests
 import torch
-import urllib3
 from requests.adapters import HTTPAdapter
 
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
@@ -51,7 +50,7 @@ from megatron_rl_fp8.rollout.config import RolloutConfig
 from megatron_rl_fp8.rollout.sglang import SGLangFleet
 from megatron_rl_fp8.rollout.sglang.answers import MAX_IN_FLIGHT
 from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
-from megatron_rl_fp8.rollout.sglang.http import parse_completion, row_requests
+from megatron_rl_fp8.rollout.sglang.http import Http, parse_completion, row_requests
 from megatron_rl_fp8.sync.buckets import rollout_buckets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +68,7 @@ MC = ModelConfig(
 
 
 class UrllibHttp:
-    """The package's client today: a new connection per request (``urllib.request.urlopen``)."""
+    """The package's client before issue 49: a new connection per request (urllib)."""
 
     def __init__(self, base_url: str):
         self.base_url = base_url
@@ -109,36 +108,22 @@ class RequestsPooled:
         return resp.content
 
 
-class Urllib3Pooled:
-    """urllib3's connection pool per server (what requests runs on), without requests' layer."""
+class PackageHttp:
+    """The package's client (``rollout/sglang/http.py: Http``): urllib3's pool per server, its
+    idle connections replaced, requests' layer left out."""
 
     def __init__(self, base_url: str):
-        self.base_url = base_url
-        if base_url not in _POOLS:
-            _POOLS[base_url] = urllib3.connection_from_url(
-                base_url, maxsize=MAX_IN_FLIGHT, retries=False
-            )
-        self.pool = _POOLS[base_url]
+        self.http = Http(base_url)
 
     def call(self, path: str, payload: dict | None, *, timeout: float) -> bytes:
-        resp = self.pool.request(
-            "GET" if payload is None else "POST",
-            path,
-            body=None if payload is None else json.dumps(payload).encode(),
-            headers={"Content-Type": "application/json"},
-            timeout=timeout,
-        )
-        if resp.status >= 400:
-            raise RuntimeError(f"{path}: HTTP {resp.status}")
-        return resp.data
+        return self.http.raw(path, payload, timeout=timeout)
 
 
 _SESSIONS: dict[str, requests.Session] = {}
-_POOLS: dict[str, urllib3.HTTPConnectionPool] = {}
 CLIENTS = {
     "urllib (connection per request)": UrllibHttp,
     "requests.Session (pooled)": RequestsPooled,
-    "urllib3 pool": Urllib3Pooled,
+    "package (urllib3 pool)": PackageHttp,
 }
 
 

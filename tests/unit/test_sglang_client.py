@@ -3,6 +3,7 @@ request building, answer parsing (version checks), the transports' bucket layout
 refusals, the fault injection hook, and the guard that keeps a server from outliving its
 trainer."""
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -399,6 +400,89 @@ def test_a_hung_server_counts_as_gone():
         port = listener.getsockname()[1]
         with pytest.raises(ServerGone, match="no answer within 0.5 s"):
             Http(f"http://127.0.0.1:{port}").call("/generate", {}, timeout=0.5)
+
+
+class _KeepAliveServer:
+    """A local HTTP/1.1 server that keeps connections alive, like SGLang's, counting the
+    connections its clients open; stop() closes it and every connection it holds."""
+
+    def __init__(self, port: int = 0):
+        import http.server
+        import socketserver
+        import threading
+
+        self.connections = 0
+        self.sockets = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self):
+                super().setup()
+                outer.connections += 1
+                outer.sockets.append(self.connection)
+
+            def do_GET(self):
+                body = b'{"ok": true}'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        socketserver.ThreadingTCPServer.allow_reuse_address = True
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """As a killed process: the listener and every open connection closed."""
+        import socket
+
+        self.server.shutdown()
+        self.server.server_close()
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def test_the_client_keeps_connections_alive_and_replaces_idle_ones(monkeypatch):
+    from megatron_rl_fp8.rollout.sglang import http
+
+    monkeypatch.setattr(http, "MAX_IDLE_S", 0.3)
+    server = _KeepAliveServer()
+    try:
+        for _ in range(5):  # back to back, also from new Http objects: one pooled connection
+            assert Http(server.url).call("/health", timeout=5) == {"ok": True}
+        assert server.connections == 1
+        time.sleep(0.5)  # idle past MAX_IDLE_S: not reused (a server may be closing it)
+        assert Http(server.url).call("/health", timeout=5) == {"ok": True}
+        assert server.connections == 2
+    finally:
+        server.stop()
+
+
+def test_a_pooled_connection_to_a_dead_server_is_one_line_and_a_relaunch_is_reached():
+    """The pooled client's answer to an engine that died and came back at the same URL: the
+    dead one is ServerGone in one line (as the per-request client's was), the new one is used."""
+    server = _KeepAliveServer()
+    port = int(server.url.rsplit(":", 1)[1])
+    Http(server.url).call("/health", timeout=5)
+    server.stop()
+    with pytest.raises(ServerGone, match=r"^/health: .*Connection refused") as e:
+        Http(server.url).call("/health", timeout=5)
+    assert "\n" not in str(e.value)
+    relaunched = _KeepAliveServer(port)
+    try:
+        assert Http(relaunched.url).call("/health", timeout=5) == {"ok": True}
+    finally:
+        relaunched.stop()
 
 
 # A stand-in server: its main process starts a grandchild that, like SGLang's scheduler during

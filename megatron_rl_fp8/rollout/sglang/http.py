@@ -4,10 +4,14 @@ formats (one server's endpoints are ``server.SGLangServer``'s methods)."""
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
+import os
+import re
+import threading
+import time
 from collections.abc import Iterable
 from typing import Any
+
+import urllib3
 
 from megatron_rl_fp8.rollout.base import Completion, eos_ids
 from megatron_rl_fp8.rollout.errors import RolloutEngineError, ServerGone
@@ -111,8 +115,66 @@ def parse_completion(
     )
 
 
+POOL_SIZE = 64
+"""Kept-alive connections per server and process: a rollout round's requests in flight
+(``answers.MAX_IN_FLIGHT``); a round that opens more closes the extra ones after use."""
+
+MAX_IDLE_S = 2.0
+"""A kept-alive connection idle longer than this is not reused but replaced. SGLang's server
+closes a connection idle for ``SGLANG_TIMEOUT_KEEP_ALIVE`` (5 s); a request sent on it as the
+server closes it is reset ("Connection reset by peer", seen by benchmarks/bench_http.py when
+rounds came ~5 s apart), which would read as a dead engine."""
+
+
+class _Connection(urllib3.connection.HTTPConnection):
+    """An HTTP connection that counts as dropped once idle for :data:`MAX_IDLE_S` (urllib3's
+    pool asks ``is_connected`` before it reuses one)."""
+
+    answered_at: float | None = None
+
+    def getresponse(self, *args, **kwargs):
+        response = super().getresponse(*args, **kwargs)
+        self.answered_at = time.monotonic()
+        return response
+
+    @property
+    def is_connected(self) -> bool:
+        if self.answered_at is not None and time.monotonic() - self.answered_at > MAX_IDLE_S:
+            return False
+        return super().is_connected
+
+
+class _Pool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _Connection
+
+
+_pools: dict[tuple[int, str], urllib3.HTTPConnectionPool] = {}
+_pools_lock = threading.Lock()
+
+
+def pool(base_url: str) -> urllib3.HTTPConnectionPool:
+    """This process's pool of kept-alive connections to ``base_url`` (``http://host:port``; one
+    per server: every :class:`Http` to it shares them; a forked child makes its own). urllib3's
+    pool, without requests' per-request layer, which halved the rate of a server that answers at
+    once (docs/benchmarks.md)."""
+    key = (os.getpid(), base_url)
+    with _pools_lock:
+        if key not in _pools:
+            u = urllib3.util.parse_url(base_url)
+            if u.scheme != "http" or not u.host:
+                raise RolloutEngineError(f"{base_url!r} is not an http://host:port URL")
+            _pools[key] = _Pool(u.host, u.port or 80, maxsize=POOL_SIZE, retries=False)
+        return _pools[key]
+
+
 class Http:
-    """The few JSON calls the engine makes (stdlib only: the trainer's venv needs no extra)."""
+    """The few JSON calls the engine makes, over :func:`pool`'s kept-alive connections.
+
+    Errors: an HTTP 5xx, no answer within ``timeout`` (connecting or reading), or a connection
+    refused or dropped is :class:`ServerGone` (the engine is relaunched); any other HTTP error is
+    :class:`RolloutEngineError`. A kept-alive connection to a server that died is found dropped
+    when it is next taken from the pool and replaced, so a relaunched server at the same URL
+    gets a fresh connection."""
 
     def __init__(self, base_url: str):
         self.base_url = base_url
@@ -120,29 +182,40 @@ class Http:
     def call(
         self, path: str, payload: dict | None = None, *, timeout: float, method: str | None = None
     ) -> Any:
-        data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(
-            self.base_url + path,
-            data=data,
-            method=method or ("GET" if data is None else "POST"),
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                body = resp.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:2000]
-            if e.code >= 500:
-                raise ServerGone(f"{path}: HTTP {e.code}: {detail}") from e
-            raise RolloutEngineError(f"{path}: HTTP {e.code}: {detail}") from e
-        except TimeoutError as e:  # a hung server: it is relaunched like a dead one
-            raise ServerGone(f"{path}: no answer within {timeout:g} s") from e
-        except (urllib.error.URLError, ConnectionError, OSError) as e:
-            raise ServerGone(f"{path}: {e}") from e
+        """The answer's JSON (its text where it is not JSON; None where it is empty)."""
+        body = self.raw(path, payload, timeout=timeout, method=method)
         try:
             return json.loads(body) if body else None
         except json.JSONDecodeError:
             return body.decode(errors="replace")
+
+    def raw(
+        self, path: str, payload: dict | None = None, *, timeout: float, method: str | None = None
+    ) -> bytes:
+        """The answer's bytes (a GET without ``payload``, else a POST of its JSON)."""
+        data = None if payload is None else json.dumps(payload).encode()
+        try:
+            resp = pool(self.base_url).request(
+                method or ("GET" if data is None else "POST"),
+                path,
+                body=data,
+                headers={"Content-Type": "application/json"},
+                timeout=urllib3.Timeout(connect=timeout, read=timeout),  # as urllib's was
+                retries=False,
+            )
+            body = resp.data
+        except urllib3.exceptions.NewConnectionError as e:  # (a ConnectTimeoutError subclass)
+            raise ServerGone(f"{path}: {_reason(e)}") from e
+        except urllib3.exceptions.TimeoutError as e:  # a hung server: relaunched like a dead one
+            raise ServerGone(f"{path}: no answer within {timeout:g} s") from e
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise ServerGone(f"{path}: {_reason(e)}") from e
+        if resp.status >= 400:
+            detail = body.decode(errors="replace")[:2000]
+            if resp.status >= 500:
+                raise ServerGone(f"{path}: HTTP {resp.status}: {detail}")
+            raise RolloutEngineError(f"{path}: HTTP {resp.status}: {detail}")
+        return body
 
     def ok(self, path: str, payload: dict | None = None, *, timeout: float) -> dict:
         """POST expecting SGLang's ``{"success": true, ...}``."""
@@ -150,3 +223,17 @@ class Http:
         if isinstance(out, dict) and out.get("success") is False:
             raise RolloutEngineError(f"{path} failed: {out.get('message')}")
         return out
+
+
+def _reason(e: BaseException) -> str:
+    """The innermost cause of a connection error in one line ("[Errno 111] Connection refused"),
+    not urllib3's wrapper chain of pool and URL reprs."""
+    while True:
+        inner = getattr(e, "reason", None) or (
+            e.args[-1] if e.args and isinstance(e.args[-1], BaseException) else None
+        )
+        if not isinstance(inner, BaseException) or inner is e:
+            break
+        e = inner
+    # urllib3's NewConnectionError reads "<Connection class>(host=..., port=...): Failed to ...".
+    return re.sub(r"^\w+\(host=[^)]*\): ", "", str(e))
