@@ -202,6 +202,13 @@ class ClipCalibrator:
         new = share_counts(packed, calib.bins)
         prev, d = self.kept.get(position), calib.ema_decay
         counts = new if prev is None else [d * p + (1 - d) * n for p, n in zip(prev, new)]
+        if prev is not None:
+            # A batch where FP8 clips no token of a sign says nothing of the share BF16 keeps:
+            # that sign's counts stay as they were (without this, EMA 0 reset its keep to 1, the
+            # whole nominal clip set, at about half the shipped job's calibrations).
+            for at, fp8 in ((slice(0, 2), new[1]), (slice(2, 4), new[3])):
+                if fp8 <= 0:
+                    counts[at] = prev[at]
         kept = {k: list(v) for k, v in self.kept.items()} | {position: counts}
         keep = self.keep(kept)
         shares = clip_shares(packed, *self.nominal, **hist)

@@ -236,3 +236,23 @@ def test_the_salt_follows_seed_step_and_position():
     assert keep == (1.0, 1.0) and a == cal.share(1, seed=1, step=5)[1]
     assert len({a, cal.share(1, seed=1, step=6)[1], cal.share(2, seed=1, step=5)[1]}) == 3
     assert a != cal.share(1, seed=2, step=5)[1]
+
+
+def test_a_calibration_where_fp8_clips_nothing_keeps_the_fraction_it_had():
+    """No FP8 clip of a sign on the calibration batch is no evidence: that sign's counts (and
+    keep fraction) stay, where they used to reset to keep 1 without the EMA."""
+    cal = _calibrator()
+    cal.loss_cfg.calib.ema_decay = 0.0
+    gen = torch.Generator().manual_seed(3)
+    x16 = torch.randn(32, 16, generator=gen) * 0.3
+    adv, mask = torch.tensor([-1.0, 1.0] * 16), torch.ones(32, 16, dtype=torch.bool)
+    informative = build_calibration_histogram(x16 - 0.1, x16, adv, mask, EPS_LOW, EPS_HIGH)
+    _, cal.kept, first, _ = cal._share(informative, 1)
+    assert 0 < first["keep_neg_lower"] < 1
+    quiet = torch.zeros(32, 16)  # ratio 1 everywhere: nothing past either bound
+    _, kept, stats, violated = cal._share(
+        build_calibration_histogram(quiet, quiet, adv, mask, EPS_LOW, EPS_HIGH), 1
+    )
+    assert not violated and kept == cal.kept
+    assert stats["keep_neg_lower"] == first["keep_neg_lower"]
+    assert stats["keep_pos_upper"] == first["keep_pos_upper"]
