@@ -33,6 +33,7 @@ from megatron_rl_fp8.models.pretrained import (
 from megatron_rl_fp8.parallel import ParallelConfig, check_context_parallel
 from megatron_rl_fp8.reward.verifiers import VERIFIERS, RewardConfig
 from megatron_rl_fp8.rollout.config import RolloutConfig
+from megatron_rl_fp8.rollout.environment import EnvConfig
 from megatron_rl_fp8.rollout.registry import engine_spec
 from megatron_rl_fp8.trainer.config import GuardConfig, OptimConfig, SFTConfig, TrainConfig
 from megatron_rl_fp8.utils.yaml_unique import safe_load as safe_load_unique
@@ -53,6 +54,10 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig, help="Prompts and length limits.")
     reward: RewardConfig = field(default_factory=RewardConfig, help="Reward shaping.")
     rollout: RolloutConfig = field(default_factory=RolloutConfig, help="Sampling.")
+    env: EnvConfig = field(
+        default_factory=EnvConfig,
+        help="Multi-turn rollouts: the tools the policy calls between turns (none = one turn).",
+    )
     fp8: FP8Config = field(
         default_factory=FP8Config,
         help="FP8 training: recipe of the actor's linear layers (bf16 = off).",

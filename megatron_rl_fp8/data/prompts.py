@@ -157,6 +157,11 @@ class PromptEncoder:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def encode_inserted(self, text: str) -> list[int]:
+        """Ids of ``text`` an environment inserts between turns (a tool's answer, chat markup
+        included: special tokens in it are read as such), tokenized once, no <bos>."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def encode_answer(self, answer: str) -> list[int]:
         """``answer`` + the main EOS, as an SFT target."""
         return [*self.tokenizer.encode(answer, add_special_tokens=False), self.eos_token_id]

@@ -86,17 +86,46 @@ def sft_examples_from_records(
     encoder: PromptEncoder, records: Iterable[Mapping]
 ) -> list[SFTExample]:
     """Examples from dataset records (already encoded: ``prompt_ids``), with the loss on
-    ``answer + eos`` as :func:`sft_example` lays it out; any tokenizer, any prompt format."""
+    ``answer + eos`` as :func:`sft_example` lays it out; any tokenizer, any prompt format.
+
+    A record whose file gives ``sft_turns`` (a list of texts: the policy's turns and the texts an
+    environment inserts between them, in turn, starting and ending with a policy turn) is a
+    multi-turn trace instead: each policy turn + eos is a target, each inserted text is read
+    but not trained on, as ``rollout/turns.py`` lays out the same trajectory."""
     out = []
     for r in records:
-        prompt_ids, response_ids = list(r["prompt_ids"]), encoder.encode_answer(r["answer"])
+        prompt_ids = list(r["prompt_ids"])
+        turns = r.get("record", {}).get("sft_turns")
+        if turns is None:
+            response_ids = encoder.encode_answer(r["answer"])
+            mask = [1.0] * len(response_ids)
+        else:
+            response_ids, mask = _trace(encoder, turns, r.get("where", "a record"))
         out.append(
             SFTExample(
-                input_ids=prompt_ids + response_ids,
-                loss_mask=[0.0] * len(prompt_ids) + [1.0] * len(response_ids),
+                input_ids=prompt_ids + response_ids, loss_mask=[0.0] * len(prompt_ids) + mask
             )
         )
     return out
+
+
+def _trace(encoder: PromptEncoder, turns, where: str) -> tuple[list[int], list[float]]:
+    if (
+        not isinstance(turns, list)
+        or len(turns) % 2 == 0
+        or not all(isinstance(t, str) for t in turns)
+    ):
+        raise ValueError(
+            f"{where}: sft_turns must be a list of strings of odd length (policy turn, inserted "
+            "text, policy turn, ...)"
+        )
+    ids: list[int] = []
+    mask: list[float] = []
+    for i, text in enumerate(turns):
+        part = encoder.encode_answer(text) if i % 2 == 0 else encoder.encode_inserted(text)
+        ids += part
+        mask += [1.0 if i % 2 == 0 else 0.0] * len(part)
+    return ids, mask
 
 
 def collate(examples: list[SFTExample], *, pad_id: int = PAD_ID) -> dict[str, torch.Tensor]:

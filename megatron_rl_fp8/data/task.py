@@ -18,13 +18,17 @@ from typing import TYPE_CHECKING
 
 from megatron_rl_fp8.config_utils import field
 from megatron_rl_fp8.data.arithmetic import DEFAULT_TRAIN_PATH, DEFAULT_VAL_PATH
+from megatron_rl_fp8.data.calculator import CALC_TRAIN_PATH, CALC_VAL_PATH
 from megatron_rl_fp8.data.chain import CHAIN_TRAIN_PATH, CHAIN_VAL_PATH
 from megatron_rl_fp8.data.dataset import SUPPORTED_SUFFIXES, DataError, PromptDataset, load_records
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.data.prompts import PromptEncoder
 
-SHIPPED_FILES: dict[str, tuple[Path, Path]] = {"chain": (CHAIN_TRAIN_PATH, CHAIN_VAL_PATH)}
+SHIPPED_FILES: dict[str, tuple[Path, Path]] = {
+    "chain": (CHAIN_TRAIN_PATH, CHAIN_VAL_PATH),
+    "calculator": (CALC_TRAIN_PATH, CALC_VAL_PATH),
+}
 """Task name -> the (train, val) files read when the paths are None; any other name reads the
 default arithmetic files."""
 
@@ -36,13 +40,14 @@ class TaskConfig:
     name: str = field(
         default="arithmetic",
         help="Task; picks the reward verifier: arithmetic, chain (worked multi-step sums, "
-        "answers of 24-64 tokens), gsm8k, math, or any name registered "
+        "answers of 24-64 tokens), calculator (products, with env.tools: calculator), gsm8k, "
+        "math, or any name registered "
         "with megatron_rl_fp8.reward.register_verifier (reward.function overrides it).",
     )
     train_path: str | None = field(
         default=None,
         help="Train prompts (.jsonl or .parquet); None = the shipped train.jsonl (of the chain "
-        "task for name: chain, else of the arithmetic task).",
+        "or calculator task for those names, else of the arithmetic task).",
     )
     val_path: str | None = field(
         default=None,

@@ -153,19 +153,41 @@ def _kill_all(workers: list[_Worker]) -> None:
         _kill(w)
 
 
-class _WorkerPool:
-    """``num_workers`` spawned processes running one :class:`ScoreJob`, each task on a deadline."""
+@dataclass(frozen=True)
+class PoolRole:
+    """Who a :class:`WorkerPool` works for, as its processes and errors name it."""
+
+    name: str = "reward"
+    """The workers' process name is ``<name>-worker``; errors say "a <name> worker"."""
+    functions: str = "verifiers and reward.function"
+    """What must import in a fresh process (the error's subject)."""
+    in_process: str = "reward.num_workers=0 to score in-process"
+    """The setting that runs the job in the calling process instead."""
+
+
+class WorkerPool:
+    """``num_workers`` spawned processes running one job, each task on a deadline.
+
+    A job is picklable, has ``prepare()`` (slow imports, run before the worker reports ready)
+    and is called with a task's arguments; :class:`ScoreJob` is the rewards', the rollout's tool
+    calls have their own (``rollout/tools.py``)."""
 
     def __init__(
-        self, job: ScoreJob, num_workers: int, *, start_timeout_s: float = _START_TIMEOUT_S
+        self,
+        job: Any,
+        num_workers: int,
+        *,
+        start_timeout_s: float = _START_TIMEOUT_S,
+        role: PoolRole = PoolRole(),
     ):
+        self.role = role
         try:
             self._job_bytes = pickle.dumps(job)
         except Exception as e:
             raise ValueError(
-                f"the reward verifier cannot be sent to worker processes ({_describe(e)}); define "
-                "it at the top level of an importable module (no lambda or nested function), or "
-                "set reward.num_workers=0 to score in-process"
+                f"the {role.functions} cannot be sent to worker processes ({_describe(e)}); "
+                "define them at the top level of an importable module (no lambda or nested "
+                f"function), or set {role.in_process}"
             ) from None
         self._ctx = mp.get_context("spawn")
         self._start_timeout_s = start_timeout_s
@@ -187,7 +209,7 @@ class _WorkerPool:
         process = self._ctx.Process(
             target=_worker_main,
             args=(child_conn, self._job_bytes, os.getpid()),
-            name="reward-worker",
+            name=f"{self.role.name}-worker",
             daemon=True,
         )
         # The child inherits the signal mask through exec: blocked until it ignores them.
@@ -209,9 +231,9 @@ class _WorkerPool:
 
     def _start_failed(self, worker: _Worker, why: str) -> RuntimeError:
         return RuntimeError(
-            f"a reward worker failed to start ({why}); verifiers and reward.function must import "
-            "in a fresh Python process (top-level functions in importable modules), or set "
-            "reward.num_workers=0 to score in-process"
+            f"a {self.role.name} worker failed to start ({why}); {self.role.functions} must "
+            "import in a fresh Python process (top-level functions in importable modules), or "
+            f"set {self.role.in_process}"
         )
 
     def _receive(self, workers: list[_Worker], timeout: float, outcomes: dict | None) -> None:
@@ -231,7 +253,7 @@ class _WorkerPool:
                 if not w.ready:
                     raise self._start_failed(w, f"it exited with code {code}") from None
                 if w.task is not None and outcomes is not None:
-                    outcomes[w.task] = ("error", f"reward worker died (exit code {code})")
+                    outcomes[w.task] = ("error", f"{self.role.name} worker died (exit code {code})")
                 self._replace(w)
                 continue
             kind = message[0]
@@ -288,7 +310,7 @@ class _WorkerPool:
         self._finalizer()
 
 
-def _run_in_process(job: ScoreJob, tasks: Sequence[Task]) -> dict[int, tuple]:
+def run_in_process(job: Any, tasks: Sequence[Task]) -> dict[int, tuple]:
     outcomes = {}
     for task_id, (_, args) in enumerate(tasks):
         try:
@@ -321,7 +343,7 @@ class Rewarder:
         self.job = make_score_job(task_name, format_weight=cfg.format_weight, function=cfg.function)
         self.last_error: str | None = None
         """The first error message of the latest :meth:`score` call (None if nothing raised)."""
-        self._pool = _WorkerPool(self.job, cfg.num_workers) if cfg.num_workers > 0 else None
+        self._pool = WorkerPool(self.job, cfg.num_workers) if cfg.num_workers > 0 else None
         self._closed = False
 
     def _tasks(self, responses: list, answers: list, records: list) -> list[Task]:
@@ -374,7 +396,7 @@ class Rewarder:
         if self._pool is not None and tasks:
             outcomes = self._pool.run(tasks, self.cfg.timeout_s)
         else:
-            outcomes = _run_in_process(self.job, tasks)
+            outcomes = run_in_process(self.job, tasks)
         rewards: list[float] = []
         timeouts = errors = 0
         self.last_error = None

@@ -143,6 +143,8 @@ def chain_format(response_text: str) -> float:
 VERIFIERS: dict[str, Verifier] = {
     "arithmetic": arithmetic_exact,
     "chain": chain_exact,
+    # The tool-use task scores the policy's last turn: a bare product (data/calculator.py).
+    "calculator": arithmetic_exact,
     "gsm8k": gsm8k_exact,
     "math": math_boxed,
 }
@@ -150,6 +152,7 @@ VERIFIERS: dict[str, Verifier] = {
 FORMAT_CHECKS: dict[str, FormatCheck] = {
     "arithmetic": arithmetic_format,
     "chain": chain_format,
+    "calculator": arithmetic_format,
     "gsm8k": gsm8k_format,
     "math": math_format,
 }

@@ -40,6 +40,23 @@ class Completion:
     version: int = -1
     """The weight version (``begin_sync``'s ``version``: the trainer's step) of the engine that
     sampled it; -1 = unknown. The trainer refuses rows older than ``train.max_staleness``."""
+    response_mask: list[int] | None = None
+    """Per response token: 1 where the policy sampled it, 0 where an environment inserted it (a
+    tool's answer between turns: its ``response_logprobs`` entry is a 0.0 placeholder, and it
+    gets no gradient, ratio or clip statistic). None: every token was sampled (one turn)."""
+    turns: int = 1
+    """Policy turns in the response (``rollout/turns.py``)."""
+    tool_calls: int = 0
+    """Tool calls the environment answered or tried to."""
+    end: str = ""
+    """Why a multi-turn trajectory ended (``turns.ENDS``); "" for one turn."""
+    final_start: int = 0
+    """Where the policy's last turn starts in ``response_ids``: the reward scores the text from
+    there (0 for one turn: the whole response)."""
+
+    def sampled(self) -> list[int]:
+        """:attr:`response_mask`, or all ones for a one-turn completion."""
+        return [1] * len(self.response_ids) if self.response_mask is None else self.response_mask
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -4,7 +4,8 @@ Layout, one row per completion, right-padded to a common length S:
 
     input_ids  = prompt + response            (pad after)
     labels[t]  = input_ids[t + 1]             (the token predicted at position t)
-    loss_mask[t] = 1 where labels[t] is a response token (eos included)
+    loss_mask[t] = 1 where labels[t] is a response token the policy sampled (eos included; 0 on
+                   an environment's observation tokens between turns: Completion.response_mask)
 
 so every per-token tensor (logprobs, rollout logprobs, advantages) is aligned with ``labels``.
 
@@ -44,7 +45,7 @@ def build_rl_batch(
         labels[i, : len(seq) - 1] = torch.tensor(seq[1:])
         start = len(c.prompt_ids) - 1  # position whose label is the first response token
         end = start + len(c.response_ids)
-        loss_mask[i, start:end] = 1.0
+        loss_mask[i, start:end] = torch.tensor(c.sampled(), dtype=torch.float32)
         rollout_logprobs[i, start:end] = torch.tensor(c.response_logprobs, dtype=torch.float32)
     return {
         "input_ids": input_ids,

@@ -88,6 +88,8 @@ class Rollout:
                 [p for x in c for p in x.response_logprobs], dtype=torch.float32
             ),
             "finished": torch.tensor([x.finished for x in c]),
+            # 1 sampled / 0 observation per response token (multi-turn); all 1 for one turn.
+            "response_mask": torch.tensor([m for x in c for m in x.sampled()], dtype=torch.uint8),
             "version": torch.tensor([x.version for x in c]),
             "rewards": self.rewards.clone(),
             "stats": dict(self.stats),
@@ -99,6 +101,9 @@ class Rollout:
         prompts = torch.split(state["prompt_ids"], p_lens)
         responses = torch.split(state["response_ids"], r_lens)
         logprobs = torch.split(state["response_logprobs"], r_lens)
+        # A state saved before multi-turn rollouts has no mask: every token was sampled.
+        flat = state.get("response_mask")
+        masks = [None] * len(r_lens) if flat is None else torch.split(flat, r_lens)
         completions = [
             Completion(
                 prompt_ids=p.tolist(),
@@ -106,9 +111,15 @@ class Rollout:
                 response_logprobs=lp.tolist(),
                 finished=bool(f),
                 version=int(v),
+                response_mask=None if m is None or bool(m.all()) else m.tolist(),
             )
-            for p, r, lp, f, v in zip(
-                prompts, responses, logprobs, state["finished"].tolist(), state["version"].tolist()
+            for p, r, lp, f, v, m in zip(
+                prompts,
+                responses,
+                logprobs,
+                state["finished"].tolist(),
+                state["version"].tolist(),
+                masks,
             )
         ]
         return cls(state["step"], completions, state["rewards"], state["stats"])

@@ -25,11 +25,13 @@ from megatron_rl_fp8.config import RunConfig
 from megatron_rl_fp8.data import PromptDataset, PromptEncoder
 from megatron_rl_fp8.loss import dynamic_sampling_keep_mask, overlong_reward_penalty
 from megatron_rl_fp8.metrics.garbled import garbled_stats
+from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.reward import Rewarder
 from megatron_rl_fp8.reward.verifiers import FORMAT_CHECKS
 from megatron_rl_fp8.rollout.base import Completion
 from megatron_rl_fp8.rollout.errors import RolloutLost
+from megatron_rl_fp8.rollout.turns import TurnLoop, turn_stats
 from megatron_rl_fp8.trainer.collectives import broadcast_object
 
 T = TypeVar("T")
@@ -54,6 +56,12 @@ class Sampler:
         # Rewards are scored on the driver, in a process pool (reward.num_workers) with a
         # per-sample timeout; the pool starts once and lives as long as the sampler.
         self.rewarder = self.eval_rewarder = None
+        # Multi-turn rollouts (env.tools): the turn loop and its tool workers, on the driver.
+        self.turns: TurnLoop | None = None
+        if groups.is_driver and cfg.env.tools is not None:
+            self.turns = TurnLoop(
+                cfg.env, encode=tokenizer.encode_inserted, decode=tokenizer.decode_response
+            )
         if groups.is_driver:
             self.rewarder = Rewarder(cfg.task.name, cfg.reward)
             # Evaluation measures correctness only; the format bonus shapes training.
@@ -64,6 +72,8 @@ class Sampler:
             )
 
     def close(self) -> None:
+        if self.turns is not None:
+            self.turns.close()
         for rewarder in {id(r): r for r in (self.rewarder, self.eval_rewarder) if r}.values():
             rewarder.close()
 
@@ -73,15 +83,29 @@ class Sampler:
         return [r["prompt_ids"] for r in records]
 
     def decode(self, c: Completion) -> str:
-        return self.tokenizer.decode_response(c.response_ids)
+        """The text the reward scores: the response, or a multi-turn one's last policy turn."""
+        return self.tokenizer.decode_response(c.response_ids[c.final_start :])
+
+    def generate(self, records, **sampling) -> list[Completion]:
+        """The engine's completions for ``records``' prompts, over turns with ``env.tools``."""
+        if self.turns is None:
+            return self.engine.generate(self.prompt_ids(records), **sampling)
+        completions = self.turns.generate(
+            self.engine, self.prompt_ids(records), records, **sampling
+        )
+        if self.turns.last_error is not None:
+            print_rank0(
+                f"env: a tool call failed and ended its trajectory: {self.turns.last_error}"
+            )
+        return completions
 
     def _sample_round(self, records, step: int, round_: int):
         """One rollout round on the driver: completions, their decoded texts and (shaped) rewards
         for ``records``, and the round's stats (scoring, generation time)."""
         r, loss_cfg = self.cfg.rollout, self.cfg.loss
         t0 = time.perf_counter()
-        completions = self.engine.generate(
-            self.prompt_ids(records),
+        completions = self.generate(
+            records,
             n=r.n_samples_per_prompt,
             max_new_tokens=r.max_new_tokens,
             temperature=r.temperature,
@@ -98,7 +122,8 @@ class Sampler:
         rewards, reward_stats = self._score(records, texts, r.n_samples_per_prompt)
         reward_stats = {**reward_stats, **timing}
         if loss_cfg.overlong_buffer:
-            lengths = torch.tensor([len(c.response_ids) for c in completions])
+            # The policy's own tokens (a multi-turn response's inserted answers are not its).
+            lengths = torch.tensor([sum(c.sampled()) for c in completions])
             rewards = rewards + overlong_reward_penalty(
                 lengths, r.max_new_tokens, loss_cfg.overlong_buffer, loss_cfg.overlong_penalty
             )
@@ -151,7 +176,7 @@ class Sampler:
         completions = [c for g in groups for c in g[0]]
         rewards = torch.cat([g[1] for g in groups])
         sampled = torch.cat(all_rewards)
-        lengths = torch.tensor([len(c.response_ids) for c in all_completions], dtype=torch.float32)
+        lengths = torch.tensor([sum(c.sampled()) for c in all_completions], dtype=torch.float32)
         stats = {
             "rollout/reward_mean": sampled.mean().item(),
             "rollout/response_len_mean": lengths.mean().item(),
@@ -160,9 +185,10 @@ class Sampler:
             "perf/rollout_time_s": time.perf_counter() - t0,
             **self.engine.metrics(),
             **scoring,
+            **(turn_stats(all_completions) if self.turns is not None else {}),
             **garbled_stats(
                 all_texts,
-                [c.response_ids for c in all_completions],
+                [sampled_ids(c) for c in all_completions],
                 # A user reward function defines its own answer format: no no_answer share.
                 None if self.cfg.reward.function else FORMAT_CHECKS.get(self.cfg.task.name),
             ),
@@ -225,8 +251,8 @@ class Sampler:
     def _evaluate_on_driver(self) -> dict:
         n = min(self.cfg.train.eval_prompts, len(self.val_data))
         records = [self.val_data[i] for i in range(n)]
-        completions = self.engine.generate(
-            self.prompt_ids(records),
+        completions = self.generate(
+            records,
             n=1,
             greedy=True,
             max_new_tokens=self.cfg.rollout.max_new_tokens,
@@ -235,8 +261,18 @@ class Sampler:
         rewards, stats = self._score(
             records, [self.decode(c) for c in completions], 1, evaluation=True
         )
-        return {
+        out = {
             "eval/reward_timeouts": stats["reward/timeouts"],
             "eval/reward_mean": rewards.mean().item(),
-            "eval/response_len_mean": sum(len(c.response_ids) for c in completions) / n,
+            "eval/response_len_mean": sum(sum(c.sampled()) for c in completions) / n,
         }
+        if self.turns is not None:
+            out["eval/tool_used_frac"] = sum(c.tool_calls > 0 for c in completions) / n
+        return out
+
+
+def sampled_ids(c: Completion) -> list[int]:
+    """The ids the policy sampled in ``c`` (a multi-turn response without its inserted ones)."""
+    if c.response_mask is None:
+        return c.response_ids
+    return [t for t, m in zip(c.response_ids, c.response_mask) if m]

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -26,6 +28,40 @@ def test_rl_batch_aligns_labels_masks_and_logprobs():
     assert torch.allclose(b["rollout_logprobs"][1, 1:4], torch.tensor([-1.0, -2.0, -3.0]))
     masked_labels = b["labels"][b["loss_mask"].bool()].tolist()
     assert masked_labels == [7, 2, 8, 9, 10]
+
+
+def test_observation_tokens_between_turns_are_out_of_the_loss_mask():
+    # Turn 1 sampled [7, 8], the environment inserted [30, 31], turn 2 sampled [9, 2].
+    c = Completion(
+        prompt_ids=[1, 5],
+        response_ids=[7, 8, 30, 31, 9, 2],
+        response_logprobs=[-0.1, -0.2, 0.0, 0.0, -0.3, -0.4],
+        response_mask=[1, 1, 0, 0, 1, 1],
+        finished=True,
+    )
+    b = build_rl_batch([c], torch.tensor([1.0]), pad_id=0)
+    assert b["loss_mask"].tolist() == [[0, 1, 1, 0, 0, 1, 1, 0]]
+    assert b["labels"][b["loss_mask"].bool()].tolist() == [7, 8, 9, 2]
+    one_turn = dataclasses.replace(c, response_mask=None)
+    assert build_rl_batch([one_turn], torch.tensor([1.0]), pad_id=0)["loss_mask"].sum() == 6
+
+
+def test_a_pipelined_rollout_keeps_its_observation_mask_across_a_checkpoint():
+    from megatron_rl_fp8.trainer.pipeline import Rollout
+
+    multi = Completion(
+        prompt_ids=[1],
+        response_ids=[7, 30, 2],
+        response_logprobs=[-0.5, 0.0, -0.25],  # float32-exact: the state holds float32
+        response_mask=[1, 0, 1],
+        finished=True,
+    )
+    single = Completion(prompt_ids=[1], response_ids=[8], response_logprobs=[-1.0], finished=False)
+    back = Rollout.from_state_dict(Rollout(3, [multi, single], torch.zeros(2), {}).state_dict())
+    assert back.completions == [multi, single]
+    old = Rollout(3, [single], torch.zeros(1), {}).state_dict()
+    del old["response_mask"]  # saved before multi-turn rollouts
+    assert Rollout.from_state_dict(old).completions == [single]
 
 
 def test_sft_batch_moves_mask_to_label_positions():

@@ -63,7 +63,7 @@ def test_train_your_own_doc_lists_every_field():
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "train_your_own.md").read_text()
     fields = [d.path for d in describe_fields(load_config(None))]
-    wanted = [p for p in fields if p.split(".")[0] in ("tokenizer", "task", "reward")]
+    wanted = [p for p in fields if p.split(".")[0] in ("tokenizer", "task", "reward", "env")]
     wanted += [p for p in fields if p.startswith(("optim.lr_", "optim.min_lr", "loss.kl_"))]
     wanted += ["model.hf_checkpoint", "model.load", "model.ref_checkpoint", "sft.steps"]
     assert len(wanted) > 20
