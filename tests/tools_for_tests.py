@@ -19,3 +19,7 @@ def hangs(name: str, arguments: dict, record: dict) -> str:
 
 def not_text(name: str, arguments: dict, record: dict):
     return 42
+
+
+def huge(name: str, arguments: dict, record: dict) -> str:
+    return "x" * 1_000_000

@@ -150,6 +150,17 @@ def test_a_tool_that_raises_or_hangs_ends_its_trajectory_not_the_run(tool, end, 
         turns.close()
 
 
+def test_a_tool_that_answers_a_megabyte_ends_its_trajectory_out_of_tokens():
+    turns = loop(tools="tests.tools_for_tests:huge", num_workers=1)
+    try:
+        engine = ScriptedEngine(lambda t: calc_then_answer(t) if t.startswith("A") else "9")
+        cs = turns.generate(engine, [encode("A"), encode("B")], [{}, {}], n=1, max_new_tokens=99)
+        assert [c.end for c in cs] == ["max_tokens", "answered"]
+        assert len(cs[0].response_ids) < 99 and len(engine.calls) == 1
+    finally:
+        turns.close()
+
+
 @pytest.mark.parametrize(
     "expression, answer",
     [
