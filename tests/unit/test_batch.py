@@ -250,3 +250,50 @@ def test_metrics_do_not_depend_on_how_rows_are_grouped():
     assert a.sums["pg/pg_clipfrac"] / a.sums["pg_tokens"] == pytest.approx(2 / 6)
     share = a.sums["pg/pg_clipfrac_neg_lower"] / a.sums["pg_tokens_neg"]
     assert share == pytest.approx(1 / 4)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_inserted_tokens_carry_no_gradient_and_no_statistic(level):
+    """A multi-turn row's inserted tokens, through the batch and the clipped loss with TIS:
+    whatever log-probs sit at their positions (the rollout's 0.0 placeholders, the trainer's,
+    pi_old's), the loss, every metric and every other token's gradient are the same, and their
+    own gradient is 0."""
+    from megatron_rl_fp8.loss.importance import ISCorrectionConfig
+    from megatron_rl_fp8.loss.ppo import policy_loss
+
+    c = Completion(
+        prompt_ids=[1, 5],
+        response_ids=[7, 8, 30, 31, 9, 2],
+        response_logprobs=[-0.1, -0.2, 0.0, 0.0, -0.3, -0.4],
+        response_mask=[1, 1, 0, 0, 1, 1],
+        finished=True,
+    )
+    b = build_rl_batch([c, c], torch.tensor([1.0, -1.0]), pad_id=0)
+    mask = b["loss_mask"]
+    inserted = torch.zeros_like(mask, dtype=torch.bool)
+    inserted[:, 3:5] = True  # label positions of 30, 31
+    gen = torch.Generator().manual_seed(0)
+    trainer = b["rollout_logprobs"] + 0.3 * torch.randn(mask.shape, generator=gen)
+    old = b["rollout_logprobs"] + 0.1 * torch.randn(mask.shape, generator=gen)
+
+    def run(shift: float):
+        lp = torch.where(inserted, trainer - 7.0 * shift, trainer).requires_grad_()
+        loss, metrics = policy_loss(
+            lp,
+            torch.where(inserted, old + 5.0 * shift, old),
+            b["advantages"],
+            mask,
+            clip_low=0.8,
+            clip_high=1.28,
+            rollout_log_prob=torch.where(
+                inserted, b["rollout_logprobs"] - 3.0 * shift, b["rollout_logprobs"]
+            ),
+            is_correction=ISCorrectionConfig(level=level, mode="truncate", cap=2.0),
+        )
+        loss.backward()
+        return loss.detach(), {k: v.item() for k, v in metrics.items()}, lp.grad
+
+    loss0, metrics0, grad0 = run(0.0)
+    loss1, metrics1, grad1 = run(1.0)
+    assert torch.equal(loss0, loss1) and metrics0 == metrics1
+    assert torch.equal(grad0, grad1) and not grad0[inserted].any() and grad0[mask.bool()].any()
