@@ -12,12 +12,22 @@ trainer, which talks to every engine through it alone.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.sync.buckets import Bucket
     from megatron_rl_fp8.sync.timing import SyncTimes
+
+
+def prompt_limits(max_new_tokens: int | Sequence[int], n_prompts: int) -> list[int]:
+    """``generate``'s ``max_new_tokens`` as one limit per prompt (one int applies to all)."""
+    if isinstance(max_new_tokens, int):
+        return [max_new_tokens] * n_prompts
+    limits = [int(m) for m in max_new_tokens]
+    if len(limits) != n_prompts:
+        raise ValueError(f"max_new_tokens: {len(limits)} limits for {n_prompts} prompts")
+    return limits
 
 
 def eos_ids(eos_token_id: int | Iterable[int]) -> tuple[int, ...]:
@@ -116,13 +126,17 @@ class RolloutEngine(Protocol):
         prompts: list[list[int]],
         *,
         n: int,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         temperature: float,
         top_p: float = 1.0,
         seed: int = 0,
         greedy: bool = False,
     ) -> list[Completion]:
         """Sample ``n`` completions per prompt, grouped: result[i * n + j] is prompt i, sample j.
+
+        ``max_new_tokens``: one limit, or one per prompt (:func:`prompt_limits`; a multi-turn
+        rollout's later turns each have the room their trajectory has left, and a server engine
+        refuses a prompt whose length plus its limit passes the model's context).
 
         An engine may set ``wait_s``: the seconds of this call spent waiting on its slowest
         engines (``perf/rollout_wait_time_s``, docs/logging.md); absent means 0."""

@@ -18,14 +18,14 @@ is ``update_weights``. It shares the trainer's memory, so there is none to relea
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import transformers
 
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.fp8.quantize import fake_quant_groups
-from megatron_rl_fp8.rollout.base import Completion, SyncPlan, eos_ids
+from megatron_rl_fp8.rollout.base import Completion, SyncPlan, eos_ids, prompt_limits
 from megatron_rl_fp8.sync.buckets import Bucket
 from megatron_rl_fp8.sync.quantize import dequantize_stream, is_fp8_weight
 from megatron_rl_fp8.sync.timing import SyncTimes, timed
@@ -174,12 +174,13 @@ class LocalEngine:
         prompts: list[list[int]],
         *,
         n: int,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         temperature: float,
         top_p: float = 1.0,
         seed: int = 0,
         greedy: bool = False,
     ) -> list[Completion]:
+        limits = prompt_limits(max_new_tokens, len(prompts))
         expanded = [p for p in prompts for _ in range(n)]
         width = max(len(p) for p in expanded)
         # Decoder-only generation wants left padding so every row's next token is at the end.
@@ -197,7 +198,7 @@ class LocalEngine:
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attn,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=max(limits),
             do_sample=False,
             temperature=None,
             top_p=None,
@@ -217,7 +218,8 @@ class LocalEngine:
         new_tokens, logp = new_tokens.cpu(), logp.cpu()
         completions = []
         for i, p in enumerate(expanded):
-            toks = new_tokens[i].tolist()
+            # A row's own limit cuts it where generating to that limit would have stopped.
+            toks = new_tokens[i, : limits[i // n]].tolist()
             # The first end id ends the completion (generate pads the row after it).
             stop = next((j for j, t in enumerate(toks) if t in self.eos_token_ids), None)
             finished = stop is not None

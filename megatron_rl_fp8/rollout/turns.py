@@ -128,7 +128,7 @@ class TurnLoop:
             nexts = engine.generate(
                 [t.prompt_ids + t.ids for t in going],
                 n=1,
-                max_new_tokens=max(rooms),
+                max_new_tokens=rooms,
                 seed=seed + turn * _TURN_SEED_STRIDE,
                 **sampling,
             )

@@ -88,3 +88,23 @@ def test_a_rollout_in_another_thread_is_the_same_rollout():
         torch.manual_seed(int(torch.randint(0, 1000, ())))
     thread.join()
     assert result == [alone]
+
+
+def test_a_limit_per_prompt_cuts_each_row_where_its_own_limit_would():
+    """``max_new_tokens`` as one limit per prompt (a multi-turn rollout's later turns): each row
+    is the row sampled with the largest limit, cut at its own; a cut row is unfinished."""
+    engine = _engine()
+    prompts = [[1, 5, 6], [1, 7]]
+    full = engine.generate(prompts, n=2, max_new_tokens=6, temperature=1.0, seed=3)
+    cut = engine.generate(prompts, n=2, max_new_tokens=[2, 6], temperature=1.0, seed=3)
+    for i, (c, f) in enumerate(zip(cut, full)):
+        limit = 2 if i < 2 else 6
+        assert c.response_ids == f.response_ids[:limit]
+        assert c.response_logprobs == f.response_logprobs[:limit]
+        assert c.finished == (f.finished and len(f.response_ids) <= limit)
+    try:
+        engine.generate(prompts, n=1, max_new_tokens=[2], temperature=1.0)
+    except ValueError as e:
+        assert "1 limits for 2 prompts" in str(e)
+    else:
+        raise AssertionError("a wrong number of limits must be refused")

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from megatron_rl_fp8.config_utils import ConfigError
-from megatron_rl_fp8.rollout.base import Completion
+from megatron_rl_fp8.rollout.base import Completion, prompt_limits
 from megatron_rl_fp8.rollout.environment import EnvConfig, calculator
 from megatron_rl_fp8.rollout.turns import ENDS, TurnLoop, turn_stats
 
@@ -31,9 +31,12 @@ class ScriptedEngine:
         self.calls = []
 
     def generate(self, prompts, *, n, max_new_tokens, temperature=1.0, seed=0, **kw):
-        self.calls.append({"prompts": [list(p) for p in prompts], "n": n, "seed": seed})
+        limits = prompt_limits(max_new_tokens, len(prompts))
+        self.calls.append(
+            {"prompts": [list(p) for p in prompts], "n": n, "seed": seed, "limits": limits}
+        )
         out = []
-        for p in prompts:
+        for p, max_new_tokens in zip(prompts, limits):
             for _ in range(n):
                 ids = encode(self.script(decode(p)))
                 ids, finished = (ids + [EOS], True) if len(ids) < max_new_tokens else (ids, False)
@@ -73,6 +76,8 @@ def test_each_turn_continues_from_the_exact_ids_and_inserted_ids_are_masked():
     # The second turn was sampled from the prompt and the ids so far, not a re-encoded text.
     assert engine.calls[1]["prompts"] == [encode("Q:") + turn1 + answer]
     assert engine.calls[1]["n"] == 1 and engine.calls[1]["seed"] != engine.calls[0]["seed"]
+    # Each later turn asks for what its trajectory has left of the budget, no more.
+    assert engine.calls[1]["limits"] == [64 - len(turn1 + answer)]
     assert (c.turns, c.tool_calls, c.end, c.finished, c.version) == (2, 1, "answered", True, 3)
     assert decode(c.response_ids[c.final_start :]) == "is 5"
 

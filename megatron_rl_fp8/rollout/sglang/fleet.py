@@ -57,12 +57,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl_fp8.rollout.base import Completion, eos_ids
+from megatron_rl_fp8.rollout.base import Completion, eos_ids, prompt_limits
 from megatron_rl_fp8.rollout.errors import (
     RolloutEngineError,
     RolloutLost,
@@ -283,7 +283,7 @@ class SGLangFleet(ServerPool):
         prompts: list[list[int]],
         *,
         n: int,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         temperature: float,
         top_p: float = 1.0,
         seed: int = 0,
@@ -300,11 +300,12 @@ class SGLangFleet(ServerPool):
                 "EngineLink.sync) before generate"
             )
         rows = [p for p in prompts for _ in range(n)]
+        limits = prompt_limits(max_new_tokens, len(prompts))
         requests = dict(
             enumerate(
                 row_requests(
                     rows,
-                    max_new_tokens=max_new_tokens,
+                    max_new_tokens=max(limits),
                     temperature=temperature,
                     top_p=top_p,
                     greedy=greedy,
@@ -313,6 +314,10 @@ class SGLangFleet(ServerPool):
                 )
             )
         )
+        # Each row asks for its prompt's own limit: SGLang refuses a request whose input plus
+        # max_new_tokens passes the model's context (tokenizer_manager's total-token check).
+        for i, r in requests.items():
+            r["sampling_params"] = {**r["sampling_params"], "max_new_tokens": limits[i // n]}
         before = self.request_counts()
         done: dict[int, Completion] = {}
         self.wait_s = 0.0
