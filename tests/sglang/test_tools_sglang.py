@@ -17,25 +17,13 @@ from pathlib import Path
 import pytest
 
 from megatron_rl_fp8.metrics.logger import read_metrics
+from tests.integration.test_tools_run import RUN as TOOLS_RUN
 
 # Slow as well: ~12 min on 2 cores (the SGLang server starts before the 150 SFT steps and they
 # share the cores), so `make test-sglang` leaves it out; `make test-all` runs it.
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
-RUN = [
-    "examples/tiny_cpu_tools.yaml",
-    "sft.steps=150",
-    "sft.batch_size=32",
-    "train.steps=2",
-    "train.prompts_per_step=8",
-    "rollout.n_samples_per_prompt=4",
-    "train.micro_batch_size=16",
-    "train.save_interval=0",
-    "train.eval_interval=2",
-    "train.eval_prompts=16",
-    "rollout.engine=sglang",
-    "rollout.sglang.startup_timeout_s=300",
-]
+RUN = [*TOOLS_RUN, "rollout.engine=sglang", "rollout.sglang.startup_timeout_s=300"]
 
 
 def test_a_tool_using_run_with_sglang_engines(sglang_py, tmp_path):

@@ -6,6 +6,15 @@ import torch
 from megatron_rl_fp8.rollout.base import Completion
 from megatron_rl_fp8.trainer.batch import build_rl_batch, build_sft_batch, rows_for_rank
 
+# Turn 1 sampled [7, 8], the environment inserted [30, 31], turn 2 sampled [9, 2].
+TWO_TURNS = Completion(
+    prompt_ids=[1, 5],
+    response_ids=[7, 8, 30, 31, 9, 2],
+    response_logprobs=[-0.1, -0.2, 0.0, 0.0, -0.3, -0.4],
+    response_mask=[1, 1, 0, 0, 1, 1],
+    finished=True,
+)
+
 
 def test_rl_batch_aligns_labels_masks_and_logprobs():
     comps = [
@@ -31,14 +40,7 @@ def test_rl_batch_aligns_labels_masks_and_logprobs():
 
 
 def test_observation_tokens_between_turns_are_out_of_the_loss_mask():
-    # Turn 1 sampled [7, 8], the environment inserted [30, 31], turn 2 sampled [9, 2].
-    c = Completion(
-        prompt_ids=[1, 5],
-        response_ids=[7, 8, 30, 31, 9, 2],
-        response_logprobs=[-0.1, -0.2, 0.0, 0.0, -0.3, -0.4],
-        response_mask=[1, 1, 0, 0, 1, 1],
-        finished=True,
-    )
+    c = TWO_TURNS
     b = build_rl_batch([c], torch.tensor([1.0]), pad_id=0)
     assert b["loss_mask"].tolist() == [[0, 1, 1, 0, 0, 1, 1, 0]]
     assert b["labels"][b["loss_mask"].bool()].tolist() == [7, 8, 9, 2]
@@ -261,13 +263,7 @@ def test_inserted_tokens_carry_no_gradient_and_no_statistic(level):
     from megatron_rl_fp8.loss.importance import ISCorrectionConfig
     from megatron_rl_fp8.loss.ppo import policy_loss
 
-    c = Completion(
-        prompt_ids=[1, 5],
-        response_ids=[7, 8, 30, 31, 9, 2],
-        response_logprobs=[-0.1, -0.2, 0.0, 0.0, -0.3, -0.4],
-        response_mask=[1, 1, 0, 0, 1, 1],
-        finished=True,
-    )
+    c = TWO_TURNS
     b = build_rl_batch([c, c], torch.tensor([1.0, -1.0]), pad_id=0)
     mask = b["loss_mask"]
     inserted = torch.zeros_like(mask, dtype=torch.bool)
