@@ -45,17 +45,14 @@ class _Trajectory:
     calls: int = 0
     end: str = ""
 
-    def take(self, c: Completion, room: int) -> None:
-        """Append the policy's next turn ``c``, cut to ``room`` tokens (a cut turn is one the
-        engine would have ended there: sampling is token by token)."""
-        ids, logprobs, finished = c.response_ids, c.response_logprobs, c.finished
-        if len(ids) > room:
-            ids, logprobs, finished = ids[:room], logprobs[:room], False
+    def take(self, c: Completion) -> None:
+        """Append the policy's next turn ``c`` (sampled within the room this trajectory had: the
+        engine takes one limit per prompt)."""
         self.last_start = len(self.ids)
-        self.ids += ids
-        self.logprobs += logprobs
-        self.mask += [1] * len(ids)
-        self.finished = finished
+        self.ids += c.response_ids
+        self.logprobs += c.response_logprobs
+        self.mask += [1] * len(c.response_ids)
+        self.finished = c.finished
         self.version = min(self.version, c.version)
         self.turns += 1
 
@@ -132,8 +129,8 @@ class TurnLoop:
                 seed=seed + turn * _TURN_SEED_STRIDE,
                 **sampling,
             )
-            for t, c, room in zip(going, nexts, rooms):
-                t.take(c, room)
+            for t, c in zip(going, nexts):
+                t.take(c)
         for t in trajectories:
             if not t.end:  # unreachable: the last round ends every trajectory
                 t.end = "max_turns"

@@ -431,10 +431,12 @@ class _KeepAliveServer:
                 self.wfile.write(body)
 
             def log_message(self, *args):
-                pass
+                """No request log: the test's output is pytest's."""
 
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", port), Handler)
+        class Server(socketserver.ThreadingTCPServer):
+            allow_reuse_address = True  # this server's class only, not every ThreadingTCPServer
+
+        self.server = Server(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
