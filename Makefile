@@ -45,7 +45,7 @@ install-sglang:
 	scripts/install_sglang_cpu.sh $(SGLANG_VENV)
 
 test-sglang: $(STAMP) install-sglang
-	MRF8_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -q -m "sglang and not slow" tests/sglang --durations=10
+	MRF8_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -q -m sglang tests/sglang --durations=10
 
 # A real two-node Slurm on this machine (scripts/slurm_local.sh: root; apt-get installs slurm-wlm
 # and munge if absent), started and stopped by the tests; submits slurm/train.sbatch. ~2 min,

@@ -125,6 +125,10 @@ def short_layout(lay: Layout) -> str:
     return s + (" rc" if lay.recompute == "full" else "")
 
 
+# The presets are single-turn jobs: no tool-call phase in their tables and figures.
+ONE_TURN = tuple(ph for ph in PHASES if ph != "tools")
+
+
 # -- tables -------------------------------------------------------------------------------------
 def scaling_tables(cases: list[Case]) -> str:
     out = []
@@ -144,7 +148,7 @@ def scaling_tables(cases: list[Case]) -> str:
             for p, pred in c.preds.items():
                 mem = pred.memory.peak / GB
                 where = f"{short_layout(c.layout)} ({c.fleet.engines} x TP{c.fleet.tp})"
-                cells = " | ".join(f"{pred.phases[ph]:.2f}" for ph in PHASES)
+                cells = " | ".join(f"{pred.phases[ph]:.2f}" for ph in ONE_TURN)
                 out.append(
                     f"| {c.gpu} | {c.nodes} | {where} | {mem:.0f} | {p} | {cells} | "
                     f"{pred.step_s:.1f} | {pred.tokens_per_s:,.0f} | {base / pred.step_s:.2f}x |"
@@ -458,7 +462,7 @@ def plots(cases: list[Case], sweeps: dict) -> list[Path]:
     for ax, preset in zip(axes, ("qwen3-8b", "qwen3-32b")):
         (c,) = [c for c in cases if c.preset == preset and c.gpu == "H200" and c.nodes == 2]
         bottom = [0.0] * 3
-        for i, ph in enumerate(PHASES):
+        for i, ph in enumerate(ONE_TURN):
             vals = [c.preds[p].phases[ph] for p in PRECISIONS]
             ax.bar(PRECISIONS, vals, bottom=bottom, label=ph, color=f"C{i}")
             bottom = [b + v for b, v in zip(bottom, vals)]

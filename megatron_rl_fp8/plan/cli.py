@@ -26,6 +26,7 @@ from megatron_rl_fp8.plan.time import (
     PRECISIONS,
     ROLLOUT_SIDE,
     TRAINER_SIDE,
+    check_turns,
     planned_fleet,
     predict,
 )
@@ -89,6 +90,27 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         default=1.0,
         help="--time: mean response length / rollout.max_new_tokens (default 1: every "
         "response at the limit).",
+    )
+    p.add_argument(
+        "--turns",
+        type=float,
+        default=None,
+        help="--time, multi-turn runs (env.tools): mean turns per trajectory, a run's "
+        "rollout/turns_mean (default env.max_turns, the most).",
+    )
+    p.add_argument(
+        "--inserted",
+        type=float,
+        default=0.0,
+        help="--time, multi-turn runs: share of the response tokens the environment inserted "
+        "(tool answers, prefilled rather than decoded), a run's rollout/inserted_token_frac "
+        "(default 0).",
+    )
+    p.add_argument(
+        "--tool-s",
+        type=float,
+        default=0.0,
+        help="--time, multi-turn runs: seconds of one tool call (default 0).",
     )
     p.add_argument(
         "--spec",
@@ -169,6 +191,7 @@ def format_alternatives(fits: list[Estimate], top: int) -> str:
 
 TIME_LABELS = {
     "rollout": "rollout (generation)",
+    "tools": "tool calls",
     "shadow": "BF16 shadow (amortised)",
     "checkpoint": "checkpoint (amortised)",
 }
@@ -178,13 +201,18 @@ def _row(label: str, values, fmt: str = "13.2f") -> str:
     return f"  {label:<32}" + "".join(f"{v:{fmt}}" for v in values)
 
 
+def _shown(phases, preds) -> list[str]:
+    """The phases of the table: a single-turn run's has no tool calls to show."""
+    return [ph for ph in phases if ph != "tools" or any(p.phases[ph] for p in preds)]
+
+
 def format_time(preds: list, gpu_name: str) -> str:
     """The ``--time`` table: one column per precision, seconds per phase; a ``one_step_off``
     run's phases grouped by the side that does them, which overlap."""
     head = "".join(f"{p.precision:>13}" for p in preds)
     lines = [f"{'seconds per step (' + gpu_name + ')':<34}{head}"]
     if preds[0].pipeline == "sync":
-        for phase in TIME_PHASES:
+        for phase in _shown(TIME_PHASES, preds):
             lines.append(_row(TIME_LABELS.get(phase, phase), [p.phases[phase] for p in preds]))
         lines.append(_row("step", [p.step_s for p in preds]))
     else:
@@ -194,7 +222,7 @@ def format_time(preds: list, gpu_name: str) -> str:
         )
         for title, phases, total, attr in groups:
             lines.append(f"  {title}")
-            for phase in phases:
+            for phase in _shown(phases, preds):
                 label = "  " + TIME_LABELS.get(phase, phase)
                 lines.append(_row(label, [p.phases[phase] for p in preds]))
             lines.append(_row(f"  = {total}", [getattr(p, attr) for p in preds]))
@@ -230,10 +258,14 @@ def _shadow_schedule(cfg) -> str:
     return f"every {calib.interval} steps"
 
 
-def run_time(cfg, world: World, gpu, fill: float, spec: str) -> str:
-
+def run_time(cfg, world: World, gpu, fill: float, spec: str, turns=None, inserted=0.0, tool_s=0.0):
+    """The ``--time`` table and its notes; ``turns``, ``inserted``, ``tool_s`` as
+    :func:`~megatron_rl_fp8.plan.time.predict` takes them."""
     fleet, stand_in = planned_fleet(cfg, world)
-    preds = [predict(cfg, world, gpu, p, fill=fill, spec=spec, fleet=fleet) for p in PRECISIONS]
+    multi = dict(turns=turns, inserted=inserted, tool_s=tool_s)
+    preds = [
+        predict(cfg, world, gpu, p, fill=fill, spec=spec, fleet=fleet, **multi) for p in PRECISIONS
+    ]
     recipe = planned_recipe(cfg.fp8.recipe)
     d = preds[-1].detail
     notes = [
@@ -245,6 +277,15 @@ def run_time(cfg, world: World, gpu, fill: float, spec: str) -> str:
         f"{d['rollout/decode_steps']:.0f} steps at {d['rollout/concurrent_per_engine']:.0f} "
         "sequences per engine (fp8)",
     ]
+    if cfg.env.tools:
+        turns, inserted = check_turns(cfg, turns, inserted, tool_s)
+        notes.append(
+            f"multi-turn ({cfg.env.tools}): {turns:g} turns per trajectory, "
+            f"{d['rollout/sampled_tokens']:.0f} sampled and {d['rollout/inserted_tokens']:.0f} "
+            f"inserted response tokens per step (--turns, --inserted: a run's "
+            f"rollout/turns_mean, rollout/inserted_token_frac), {tool_s:g} s per tool call "
+            "(--tool-s)"
+        )
     if stand_in:
         notes.append(stand_in)
     if cfg.train.pipeline == "one_step_off":
@@ -294,6 +335,11 @@ def run(args) -> int:
             f"--fill {args.fill}: give the mean response length as a fraction of "
             "rollout.max_new_tokens, in (0, 1]"
         )
+    if args.turns is not None or args.inserted or args.tool_s:
+        if not args.time:
+            raise ConfigError(
+                "--turns, --inserted and --tool-s are the step-time model's: add --time"
+            )
     if args.top < 0:
         raise ConfigError(f"--top {args.top}: give how many layouts to list, 0 or more")
     gpu = get_gpu(args.gpu or "H100")
@@ -304,6 +350,8 @@ def run(args) -> int:
     # The rules `train` applies, with the same one-line errors; not what this machine lacks
     # (TE, logger packages): plans are usually made away from the GPUs.
     cfg.validate(world.size, this_machine=False)
+    if args.time:
+        check_turns(cfg, args.turns, args.inserted, args.tool_s)
     e = estimate(cfg, world, spec=args.spec, logits=DEFAULT_LOGPROBS)
     refused = launcher_note(cfg, world)
     notes = [*notes, refused] if refused else notes
@@ -337,7 +385,9 @@ def run(args) -> int:
     )
     if args.time:
         print()
-        print(run_time(cfg, world, gpu, args.fill, args.spec))
+        print(
+            run_time(cfg, world, gpu, args.fill, args.spec, args.turns, args.inserted, args.tool_s)
+        )
     return 0
 
 

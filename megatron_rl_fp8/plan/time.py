@@ -15,6 +15,13 @@ rollout        per engine (all engines in parallel, rows split evenly). Prefill:
                reading the engine's weights once plus the KV cache of the live sequences: HBM
                bound (or compute bound at large batches). FP8 rollout
                halves the linear weights' bytes and runs the GEMMs at the FP8 GEMM ratio.
+               Multi-turn (``env.tools``): a trajectory's response is sampled turns and
+               the environment's inserted answers (a share ``inserted`` of its tokens, all
+               within ``max_new_tokens``); the answers are prefilled, not decoded, and each
+               later turn is a new request to the engine (``Efficiency.turn_request_s``).
+tools          multi-turn only: every later turn's tool calls, ``tool_s`` each, over
+               ``env.num_workers`` (one at a time in the driver when 0); a turn's calls start
+               together, so never less than ``(turns - 1) x tool_s``.
 reward         rows x a per-row CPU cost / ``reward.num_workers``.
 old_logprobs   one forward of the batch (the KL reference's too when ``loss.kl_coef > 0``).
 shadow         full FP8 with ``loss.calib.enabled``: a BF16 forward of the batch (pi_old), per
@@ -63,9 +70,9 @@ if TYPE_CHECKING:
 Precision = Literal["bf16", "fp8-rollout", "fp8"]
 PRECISIONS: tuple[Precision, ...] = ("bf16", "fp8-rollout", "fp8")
 Pipeline = Literal["sync", "one_step_off"]  # train.pipeline
-PHASES = ("rollout", "reward", "old_logprobs", "shadow", "update", "sync", "checkpoint")
+PHASES = ("rollout", "tools", "reward", "old_logprobs", "shadow", "update", "sync", "checkpoint")
 # The engines' phases, which under one_step_off overlap the trainer's; then those in turn.
-ROLLOUT_SIDE, TRAINER_SIDE = ("rollout", "reward"), ("old_logprobs", "shadow", "update")
+ROLLOUT_SIDE, TRAINER_SIDE = ("rollout", "tools", "reward"), ("old_logprobs", "shadow", "update")
 IN_TURN = ("sync", "checkpoint")
 
 
@@ -125,6 +132,11 @@ class Efficiency:
     engine_load_s: float = 0.15
     """ASSUMPTION: per-sync HTTP calls and engine-side loading (bench_sync's projection: 0.1-0.2
     s)."""
+
+    turn_request_s: float = 0.02
+    """ASSUMPTION: a multi-turn trajectory's later turn as a new engine request, less its
+    tokens: the HTTP round trip and the scheduler taking the request in, once per turn (the
+    turns of a step's trajectories go out together)."""
 
     reward_s_per_row: float = 0.01
     """ASSUMPTION: CPU seconds to score one completion (math-verify parse and compare)."""
@@ -250,6 +262,29 @@ class Prediction:
         return self.tokens / self.step_s
 
 
+def check_turns(
+    cfg: RunConfig, turns: float | None, inserted: float, tool_s: float
+) -> tuple[float, float]:
+    """(turns, inserted) for the step-time model: the defaults a single-turn run and a
+    multi-turn one plan with (1 and 0; ``env.max_turns`` and 0), one-line errors otherwise."""
+    most = cfg.env.max_turns if cfg.env.tools else 1
+    turns = float(most) if turns is None else turns
+    if not 1 <= turns <= most:  # nan fails it too
+        if not cfg.env.tools:
+            raise ConfigError(f"--turns {turns:g}: a run without env.tools takes one turn")
+        raise ConfigError(
+            f"--turns {turns:g}: give the mean turns per trajectory, 1 to env.max_turns={most}"
+        )
+    if not 0 <= inserted < 1 or (inserted > 0 and turns == 1):
+        raise ConfigError(
+            f"--inserted {inserted:g}: give the share of response tokens the environment "
+            "inserted (rollout/inserted_token_frac), in [0, 1), and 0 for one turn"
+        )
+    if not 0 <= tool_s < math.inf:
+        raise ConfigError(f"--tool-s {tool_s:g}: give the seconds of one tool call, 0 or more")
+    return turns, inserted
+
+
 # -- the phases ---------------------------------------------------------------------------------
 def _rollout(
     m: ModelConfig,
@@ -263,6 +298,8 @@ def _rollout(
     fill: float,
     fp8: bool,
     eff: Efficiency,
+    turns: float = 1.0,
+    inserted: float = 0.0,
 ) -> dict[str, float]:
     k = fleet.tp
     lin = linear_weights(m)
@@ -288,14 +325,23 @@ def _rollout(
         2 * lin / (gemm_rate * eff.prefill_mfu)
         + 4 * m.num_layers * prompt_len * q / (gpu.bf16_flops * eff.prefill_mfu)
     )
+    # Multi-turn: the environment's answers, each trajectory's own (no prefix shared), are
+    # prefilled against the context so far (on average half the response in).
+    mean_new = fill * new_tokens
+    answers = per_engine * mean_new * inserted
+    context = prompt_len + mean_new / 2
+    prefill += answers * (
+        2 * lin / (gemm_rate * eff.prefill_mfu)
+        + 4 * m.num_layers * context * q / (gpu.bf16_flops * eff.prefill_mfu)
+    )
     prefill /= k
     # Decode: the longest response sets the steps; the mean sets the KV bytes and the FLOPs.
-    mean_new = fill * new_tokens
-    generated = per_engine * mean_new
+    sampled = mean_new * (1 - inserted)
+    generated = per_engine * sampled
     # Continuous batching refills finished slots: the tokens at the pool's concurrency, but never
-    # fewer steps than the longest response.
-    steps = max(new_tokens, math.ceil(generated / concurrent))
-    kv_read = generated * (prompt_len + mean_new / 2) * kv_per_token
+    # fewer steps than the longest response's sampled tokens.
+    steps = max(math.ceil(new_tokens * (1 - inserted)), math.ceil(generated / concurrent))
+    kv_read = generated * context * kv_per_token
     hbm = gpu.hbm_bytes_s * eff.decode_hbm
     memory_s = (steps * weight_bytes + kv_read) / hbm
     compute_s = generated * 2 * lin / k / (gemm_rate * eff.decode_mfu)
@@ -303,8 +349,11 @@ def _rollout(
     return {
         "rollout/prefill": prefill,
         "rollout/decode": max(memory_s, compute_s) + latency_s,
+        "rollout/turn_requests": (turns - 1) * eff.turn_request_s,
         "rollout/decode_steps": steps,
         "rollout/concurrent_per_engine": concurrent,
+        "rollout/sampled_tokens": rows * sampled,
+        "rollout/inserted_tokens": rows * mean_new * inserted,
     }
 
 
@@ -352,6 +401,9 @@ def predict(
     layout: Layout | None = None,
     fleet: Fleet | None = None,
     fill: float = 1.0,
+    turns: float | None = None,
+    inserted: float = 0.0,
+    tool_s: float = 0.0,
     recipe: str | None = None,
     spec: Spec = "te",
     eff: Efficiency = EFFICIENCY,
@@ -359,7 +411,11 @@ def predict(
     """Predicted seconds per phase of one step of ``cfg`` on ``world`` (trainer GPUs) of
     ``gpu``, for ``precision``: ``bf16``, ``fp8-rollout`` (FP8 engines, BF16 trainer) or ``fp8``
     (both; the trainer's recipe is ``recipe`` or ``fp8.recipe``, blockwise if that is bf16).
-    ``fill``: mean response length / ``rollout.max_new_tokens``. Memory is the planner's
+    ``fill``: mean response length / ``rollout.max_new_tokens``. A multi-turn run's
+    (``env.tools``) ``turns``: mean turns per trajectory (default ``env.max_turns``, the most);
+    ``inserted``: the share of its response tokens the environment inserted; ``tool_s``: seconds
+    per tool call (the run's ``rollout/turns_mean``, ``rollout/inserted_token_frac``). Memory is
+    the planner's
     :func:`~megatron_rl_fp8.plan.memory.estimate` for the same layout and ``spec``, with the
     trainer's FP8 as ``precision`` has it (its FP8 weight copies only under ``fp8``). The step
     is ``train.pipeline``'s (:class:`Prediction`)."""
@@ -367,6 +423,7 @@ def predict(
         raise ConfigError(f"--precision={precision!r}; choose one of {', '.join(PRECISIONS)}")
     if not 0 < fill <= 1:
         raise ConfigError(f"--fill={fill} must be in (0, 1]")
+    turns, inserted = check_turns(cfg, turns, inserted, tool_s)
     m, t, r = cfg.model, cfg.train, cfg.rollout
     lay = layout or Layout.from_config(cfg, world.size)
     fleet = fleet or planned_fleet(cfg, world)[0]
@@ -404,8 +461,18 @@ def predict(
         fill=fill,
         fp8=fp8_rollout,
         eff=eff,
+        turns=turns,
+        inserted=inserted,
     )
-    phases = {"rollout": detail["rollout/prefill"] + detail["rollout/decode"]}
+    phases = {
+        "rollout": detail["rollout/prefill"]
+        + detail["rollout/decode"]
+        + detail["rollout/turn_requests"]
+    }
+    # A turn's calls start together: each later turn waits for its slowest worker's share.
+    workers = max(1, cfg.env.num_workers)
+    calls = rows * (turns - 1)
+    phases["tools"] = max((turns - 1) * tool_s, calls * tool_s / workers)
     phases["reward"] = rows * eff.reward_s_per_row / max(1, cfg.reward.num_workers)
 
     # Micro-batches per DP rank and mini-batch: the pipeline bubble.

@@ -264,6 +264,11 @@ def test_cli_prints_the_table_for_the_gpu_examples(args, capsys):
         ["--time", "--fill", "-1"],
         ["--time", "--fill", "2"],
         ["--time", "--fill", "nan"],
+        # Multi-turn flags: this run has no env.tools, and they are --time's.
+        ["--time", "--turns", "2"],
+        ["--time", "--inserted", "0.3"],
+        ["--time", "--tool-s", "-1"],
+        ["--turns", "1"],
         ["--top", "-1"],
         ["--nodes", "100000"],
     ],

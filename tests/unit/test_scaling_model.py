@@ -5,6 +5,7 @@ phases, memory from the planner, presets, and the ``plan --time`` CLI."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -253,7 +254,7 @@ def test_pipelined_step_by_hand():
     """max(rollout + reward, old logprobs + shadow + update) + sync + checkpoint, and the waits."""
     real = predict(config(1, 64, *DEDICATED), world(), GPUS["H200"], "bf16")
     phases = dict(
-        rollout=30.0, reward=2.0, old_logprobs=5.0, shadow=1.0, update=20.0, sync=0.5,
+        rollout=30.0, tools=1.5, reward=0.5, old_logprobs=5.0, shadow=1.0, update=20.0, sync=0.5,
         checkpoint=0.25,
     )  # fmt: skip
     sync = dataclasses.replace(real, phases=phases)
@@ -362,3 +363,70 @@ def test_scaling_doc_pipelined_table_is_up_to_date():
         for n, e in sm.PIPELINE_NODES
     ]
     assert sm.pipeline_table(cases) in sm.DOC.read_text(), "run python scripts/scaling_model.py"
+
+
+def multi_turn(*extra: str):
+    """The Qwen3-8B example as a tool-using job: hermes calls, up to 4 turns, 8 tool workers."""
+    return config(1, 64, "env.tools=calculator", "env.tool_format=hermes", "env.max_turns=4",
+                  "env.num_workers=8", *extra)  # fmt: skip
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_a_single_turn_run_plans_as_before_multi_turn(precision):
+    base = predict(config(), world(), GPUS["H200"], precision)
+    same = predict(config(), world(), GPUS["H200"], precision, turns=1, inserted=0.0, tool_s=5.0)
+    assert same.phases == base.phases and base.phases["tools"] == 0
+    assert base.detail["rollout/inserted_tokens"] == base.detail["rollout/turn_requests"] == 0
+
+
+def test_multi_turn_tokens_turns_and_tool_calls_by_hand():
+    cfg = multi_turn()
+    rows = 64 * cfg.rollout.n_samples_per_prompt
+    new = cfg.rollout.max_new_tokens
+    one = predict(cfg, world(), GPUS["H200"], "fp8", turns=1, fill=0.5)
+    # Defaults: env.max_turns turns, nothing inserted, tools free.
+    most = predict(cfg, world(), GPUS["H200"], "fp8", fill=0.5)
+    assert most.phases["tools"] == 0
+    assert most.detail["rollout/turn_requests"] == pytest.approx(3 * EFFICIENCY.turn_request_s)
+    p = predict(cfg, world(), GPUS["H200"], "fp8", fill=0.5, turns=2.5, inserted=0.25, tool_s=0.2)
+    d = p.detail
+    assert d["rollout/sampled_tokens"] == pytest.approx(rows * 0.5 * new * 0.75)
+    assert d["rollout/inserted_tokens"] == pytest.approx(rows * 0.5 * new * 0.25)
+    assert d["rollout/turn_requests"] == pytest.approx(1.5 * EFFICIENCY.turn_request_s)
+    # rows x 1.5 later-turn calls over 8 workers, each 0.2 s.
+    assert p.phases["tools"] == pytest.approx(rows * 1.5 * 0.2 / 8)
+    # The answers are prefilled, not decoded: less decode, more prefill than one turn of the
+    # same length; the trainer trains on every token either way.
+    assert d["rollout/decode"] < one.detail["rollout/decode"]
+    assert d["rollout/prefill"] > one.detail["rollout/prefill"]
+    assert d["rollout/decode_steps"] == math.ceil(new * 0.75)
+    assert p.tokens == one.tokens
+    for ph in ("old_logprobs", "update", "sync"):
+        assert p.phases[ph] == one.phases[ph]
+    # One worker: a later turn's calls run one after another.
+    serial = predict(multi_turn("env.num_workers=0"), world(), GPUS["H200"], "fp8", turns=2,
+                     inserted=0.1, tool_s=0.2)  # fmt: skip
+    assert serial.phases["tools"] == pytest.approx(rows * 0.2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"turns": 5}, "--turns 5"), ({"turns": 0.5}, "--turns 0.5"),
+     ({"turns": 2, "inserted": 1.0}, "--inserted 1"), ({"turns": 1, "inserted": 0.2}, "--inserted"),
+     ({"tool_s": float("nan")}, "--tool-s")],
+)  # fmt: skip
+def test_multi_turn_inputs_out_of_range_are_one_line(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        predict(multi_turn(), world(), GPUS["H200"], "fp8", **kwargs)
+
+
+def test_cli_plan_time_multi_turn(capsys):
+    path = str(EXAMPLE)
+    args = ["env.tools=calculator", "env.max_turns=3", "--turns", "2", "--inserted", "0.2"]
+    assert (
+        cli.main(["plan", path, "model.hf_checkpoint=null", "--time", *args, "--tool-s", "1"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "tool calls" in out and "multi-turn (calculator): 2 turns per trajectory" in out
+    assert cli.main(["plan", path, "model.hf_checkpoint=null", "--time"]) == 0
+    assert "tool calls" not in capsys.readouterr().out
