@@ -96,10 +96,12 @@ class PromptEncoder:
         chat_template: bool,
         system_prompt: str | None = None,
         eos_token_ids: Sequence[int] = (),
+        tools: list[dict] | None = None,
     ):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.system_prompt = system_prompt
+        self.tools = tools  # the tool schemas the chat template lists (multi-turn runs)
         ids = [*eos_token_ids, tokenizer.eos_token_id]
         # Order kept (generation_config's first id is the model's "main" EOS), duplicates dropped.
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in ids if i is not None))
@@ -140,7 +142,7 @@ class PromptEncoder:
                 )
             return prompt
         return self.tokenizer.apply_chat_template(
-            self.messages(prompt), tokenize=False, add_generation_prompt=True
+            self.messages(prompt), tools=self.tools, tokenize=False, add_generation_prompt=True
         )
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -171,8 +173,12 @@ class PromptEncoder:
         return self.tokenizer.decode([t for t in ids if t not in self.eos_token_ids])
 
 
-def load_prompt_encoder(tok: TokenizerConfig, *, hf_checkpoint: str | None) -> PromptEncoder:
-    """Load the tokenizer the config names and wrap it; errors are one line (ConfigError)."""
+def load_prompt_encoder(
+    tok: TokenizerConfig, *, hf_checkpoint: str | None, tools: list[dict] | None = None
+) -> PromptEncoder:
+    """Load the tokenizer the config names and wrap it; errors are one line (ConfigError).
+    ``tools``: tool schemas for the chat template to list (``rollout/environment.py:
+    tool_schemas``); without a chat template they are not rendered."""
     folder = resolve_tokenizer_path(tok, hf_checkpoint=hf_checkpoint)
     source = "tokenizer.path" if tok.path is not None else "model.hf_checkpoint"
     if folder is not None and not folder.is_dir():
@@ -192,11 +198,25 @@ def load_prompt_encoder(tok: TokenizerConfig, *, hf_checkpoint: str | None) -> P
         raise ConfigError(
             "tokenizer.system_prompt is set but the tokenizer has no chat template to put it in"
         )
+    if tools and chat:
+        probe = [{"role": "user", "content": "?"}]
+        listed = tokenizer.apply_chat_template(probe, tools=tools, tokenize=False)
+        if listed == tokenizer.apply_chat_template(probe, tokenize=False):
+            raise ConfigError(
+                f"the chat template of the tokenizer at {str(folder)!r} does not list tools, "
+                "so the prompts would not show the env tools' schemas: use a template that "
+                "renders `tools` (Qwen3's, Hermes'), or describe the tools in "
+                "tokenizer.system_prompt and set env.tool_format to one the model knows"
+            )
     eos = generation_eos_ids(folder)
     if hf_checkpoint is not None and folder != Path(hf_checkpoint).expanduser():
         eos += generation_eos_ids(Path(hf_checkpoint).expanduser())
     return PromptEncoder(
-        tokenizer, chat_template=chat, system_prompt=tok.system_prompt, eos_token_ids=eos
+        tokenizer,
+        chat_template=chat,
+        system_prompt=tok.system_prompt,
+        eos_token_ids=eos,
+        tools=tools if chat else None,
     )
 
 

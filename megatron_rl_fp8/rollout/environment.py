@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from megatron_rl_fp8.config_utils import ConfigError, field
@@ -60,6 +62,14 @@ class EnvConfig:
         help="Seconds one tool call may take; past it the call's worker is killed and its "
         "trajectory ends (rollout/end_tool_timeout_frac).",
     )
+    tool_schemas: str | None = field(
+        default=None,
+        help="A JSON file: the list of tool schemas in the Hugging Face / OpenAI `tools` "
+        'layout ({"type": "function", "function": {"name", "description", "parameters"}}), '
+        "which the chat template lists in the prompt (Qwen3 / Hermes: a <tools> block in the "
+        "system turn). None: env.tools=calculator lists its own schema; a plugin's prompts "
+        "must describe its tools themselves.",
+    )
     num_workers: int = field(
         default=2,
         help="Tool worker processes (spawned on the driver); 0 = run tools in the driver "
@@ -68,6 +78,11 @@ class EnvConfig:
 
     def __post_init__(self) -> None:
         tool_format(self.tool_format, "env.tool_format")
+        if self.tool_schemas is not None and self.tools is None:
+            raise ConfigError(
+                f"env.tool_schemas={self.tool_schemas!r} lists tools but env.tools is not set: "
+                "name the tools' function too (env.tools)"
+            )
         if self.tools is not None and self.tools not in BUILTIN_TOOLS:
             if ":" not in str(self.tools):
                 raise ConfigError(
@@ -82,6 +97,50 @@ class EnvConfig:
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ConfigError(f"env.timeout_s={t!r} must be a positive number of seconds")
+
+
+CALCULATOR_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression: numbers, + - * / // % and "
+        "parentheses. Returns the value, or an error.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "expression": {"type": "string", "description": "e.g. 12*(3+4)"},
+            },
+            "required": ["expression"],
+        },
+    },
+}
+
+
+def tool_schemas(env: EnvConfig) -> list[dict] | None:
+    """The tool schemas the prompts list (``env.tool_schemas``, or the calculator's own under
+    ``env.tool_format: hermes``), None when there are none; a one-line error naming the file for one that cannot be read."""
+    if env.tool_schemas is None:
+        # The calculator's JSON schema describes JSON calls; calc(...) is taught by its traces.
+        shipped = env.tools == "calculator" and env.tool_format == "hermes"
+        return [CALCULATOR_SCHEMA] if shipped else None
+    path = Path(env.tool_schemas).expanduser()
+    where = f"env.tool_schemas={env.tool_schemas!r}"
+    try:
+        schemas = json.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{where}: {e.strerror or e}; give a JSON file of tool schemas") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where} is not JSON ({e}); give a list of tool schemas") from None
+    if not isinstance(schemas, list) or not schemas:
+        raise ConfigError(f"{where} must hold a non-empty JSON list of tool schemas")
+    for i, s in enumerate(schemas):
+        fn = s.get("function") if isinstance(s, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ConfigError(
+                f'{where}: entry {i} needs {{"type": "function", "function": {{"name": ..., '
+                '"description": ..., "parameters": {...}}}'
+            )
+    return schemas
 
 
 def load_tool_function(spec: str) -> ToolFn:

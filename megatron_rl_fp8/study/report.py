@@ -70,6 +70,9 @@ STEP_MEANS = {
     "garbled_share": "rollout/garbled_frac",
     "token_mult_prob_error": "fp8/token_mult_prob_error",
     "useful_tokens_per_s": "perf/useful_tokens_per_s",
+    # Multi-turn runs (env.tools) only: None elsewhere, and their table is left out.
+    "tool_use_share": "rollout/tool_used_frac",
+    "turns_mean": "rollout/turns_mean",
 }
 # Every statistic in report order: its column label and number format.
 STATS: dict[str, tuple[str, str]] = {
@@ -90,11 +93,16 @@ STATS: dict[str, tuple[str, str]] = {
     "token_mult_prob_error": ("mult. prob. error", ".4f"),
     "useful_tokens_per_s": ("useful tok/s", ".4g"),
     "steps": ("steps", ".1f"),
+    "tool_use_share": ("sampled tool use", ".3f"),
+    "final_tool_use": ("final eval tool use", ".3f"),
+    "turns_mean": ("turns", ".3f"),
 }
 TABLES = {  # report.md's per-arm and difference tables: heading -> columns
     "Accuracy and stability": list(STATS)[:8],
     "Clipping, mismatch and throughput": list(STATS)[8:16],
+    "Tool use": ["tool_use_share", "final_tool_use", "turns_mean"],
 }
+OPTIONAL_TABLES = ("Tool use",)  # shown only where some run has the values
 # Panels of curves.png: metric key -> title. Eval steps are sparse, so that panel has markers.
 CURVES = {
     EVAL: "Validation accuracy",
@@ -214,6 +222,7 @@ def run_stats(run: Run) -> dict[str, float | None]:
     out = {**accuracy_stats(*run.series(EVAL)), **entropy_stats(*run.series(ENTROPY), limit)}
     for name, key in STEP_MEANS.items():
         out[name] = _mean(run.series(key)[1])
+    out["final_tool_use"] = next(reversed(run.series("eval/tool_used_frac")[1]), None)
     out["sft_loss"] = next(iter(run.series("sft/final_loss")[1]), None)
     out["guard_events"] = len(run.guard_events)
     steps = [r["step"] for r in run.records if isinstance(r.get("step"), int)]
@@ -359,6 +368,9 @@ def _markdown(title: str, numbers: dict, figure: bool, skipped: list[str]) -> st
     arms, ref = numbers["arms"], numbers["reference"]
     lines = [f"# {title}", "", f"Statistic: {STATISTIC}; reference arm: `{ref}`.", ""]
     for heading, cols in TABLES.items():
+        absent = all(a["stats"][c]["mean"] is None for a in arms.values() for c in cols)
+        if heading in OPTIONAL_TABLES and absent:
+            continue
         header = ["arm", "seeds", *(STATS[c][0] for c in cols)]
         rows = []
         for arm, a in arms.items():

@@ -18,6 +18,7 @@ from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.models.hf_mapping import hf_config_with_tokens
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.rollout import build_engine
+from megatron_rl_fp8.rollout.environment import tool_schemas
 from megatron_rl_fp8.trainer import run_dir
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.warm_start import warm_start
@@ -26,7 +27,10 @@ from megatron_rl_fp8.trainer.warm_start import warm_start
 def load_prompts(cfg: RunConfig):
     """(prompt encoder, train prompts, held-out prompts); one-line errors for a tokenizer that
     does not fit the model and for unreadable data."""
-    tokenizer = load_prompt_encoder(cfg.tokenizer, hf_checkpoint=cfg.model.hf_checkpoint)
+    tools = tool_schemas(cfg.env) if cfg.env.tools else None
+    tokenizer = load_prompt_encoder(
+        cfg.tokenizer, hf_checkpoint=cfg.model.hf_checkpoint, tools=tools
+    )
     check_vocab(tokenizer, cfg.model.vocab_size)
     train, val, dropped = build_datasets(cfg.task, tokenizer)
     if any(dropped.values()):

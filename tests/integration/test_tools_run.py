@@ -42,11 +42,28 @@ def _train(out: Path, cache: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_sft_cache):
+    """pipeline -> the output folder of the 2-step run, trained once per module; it saves every
+    step, as the resumed run does (a checkpoint changes no value)."""
+    runs = {}
+
+    def run(pipeline: str) -> Path:
+        if pipeline not in runs:
+            out = tmp_path_factory.mktemp(pipeline) / "run"
+            done = _train(
+                out, tiny_sft_cache, f"train.pipeline={pipeline}", "train.save_interval=1"
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+            runs[pipeline] = out
+        return runs[pipeline]
+
+    return run
+
+
 @pytest.mark.parametrize("pipeline", ["sync", "one_step_off"])
-def test_a_tool_using_run_trains_on_its_trajectories(pipeline, tmp_path, tiny_sft_cache):
-    done = _train(tmp_path / "run", tiny_sft_cache, f"train.pipeline={pipeline}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    steps = [m for m in read_metrics(tmp_path / "run") if m["step"] >= 1]
+def test_a_tool_using_run_trains_on_its_trajectories(pipeline, uninterrupted):
+    steps = [m for m in read_metrics(uninterrupted(pipeline)) if m["step"] >= 1]
     assert len(steps) == 2
     for m in steps:
         assert m["rollout/tool_used_frac"] > 0 and m["rollout/turns_mean"] > 1
@@ -59,3 +76,27 @@ def test_a_tool_using_run_trains_on_its_trajectories(pipeline, tmp_path, tiny_sf
         assert m["fp8/rollout_train_kl"] < (1e-3 if pipeline == "sync" else 0.05)
         assert all(math.isfinite(v) for k, v in m.items() if isinstance(v, float))
     assert 0 <= steps[-1]["eval/tool_used_frac"] <= 1
+
+
+def test_a_resumed_pipelined_tool_run_equals_the_uninterrupted_one(
+    tmp_path, tiny_sft_cache, uninterrupted
+):
+    """Stopped after step 1, the checkpoint holds step 2's multi-turn rollout (generated during
+    step 1, with its loss mask); the resumed run trains on it and ends where the uninterrupted
+    run did, every value the same (same machine, same kernels)."""
+    out = tmp_path / "run"
+    pipelined = ["train.pipeline=one_step_off", "train.save_interval=1"]
+    first = _train(out, tiny_sft_cache, *pipelined, "train.exit_after_steps=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _train(out, tiny_sft_cache, *pipelined)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout + second.stderr
+
+    def values(m):
+        return {k: v for k, v in m.items() if not k.startswith("perf/")}
+
+    want = [values(m) for m in read_metrics(uninterrupted("one_step_off"))]
+    got = [values(m) for m in read_metrics(out)]
+    assert [m["step"] for m in got] == [0, 1, 2]
+    assert got == want
+    assert got[2]["rollout/inserted_token_frac"] > 0  # the held rows were multi-turn

@@ -36,6 +36,7 @@ SIZES = {
     [
         ("qwen3_8b_grpo_math", "8b", 8),
         ("qwen3_8b_grpo_math_fp8", "8b", 8),
+        ("qwen3_8b_tools_fp8", "8b", 8),
         ("qwen3_32b_dapo_math_fp8", "32b", 16),
     ],
 )
@@ -50,6 +51,9 @@ def test_gpu_examples_validate_against_the_real_model_shapes(tmp_path, name, siz
     assert m.vocab_size == 151936 and m.kv_channels == 128 and m.params_dtype == "auto"
     assert cfg.sft.steps == 0 and cfg.task.name == "math" and cfg.tokenizer.chat_template
     assert cfg.fp8.enabled == name.endswith("fp8")
+    assert (cfg.env.tools, cfg.env.tool_format) == (
+        ("calculator", "hermes") if "tools" in name else (None, "calc")
+    )
     assert cfg.loss.calib.enabled and cfg.loss.kl_coef == 0.0
     # The header's world size is the one the layout needs: one rank fewer does not divide.
     with pytest.raises(ValueError):

@@ -26,8 +26,9 @@ class ScriptedEngine:
     """The engine contract's ``generate``, answering from a script: the text so far (prompt and
     response, decoded) -> the next turn's text. Every call's prompts are kept."""
 
-    def __init__(self, script, *, logprob=-0.5, version=3):
+    def __init__(self, script, *, logprob=-0.5, version=3, encode=encode, decode=decode, eos=EOS):
         self.script, self.logprob, self.version = script, logprob, version
+        self.encode, self.decode, self.eos = encode, decode, eos
         self.calls = []
 
     def generate(self, prompts, *, n, max_new_tokens, temperature=1.0, seed=0, **kw):
@@ -38,8 +39,9 @@ class ScriptedEngine:
         out = []
         for p, max_new_tokens in zip(prompts, limits):
             for _ in range(n):
-                ids = encode(self.script(decode(p)))
-                ids, finished = (ids + [EOS], True) if len(ids) < max_new_tokens else (ids, False)
+                ids = self.encode(self.script(self.decode(p)))
+                end = [self.eos]
+                ids, finished = (ids + end, True) if len(ids) < max_new_tokens else (ids, False)
                 ids = ids[:max_new_tokens]
                 out.append(
                     Completion(
