@@ -42,6 +42,8 @@ SCHEDULES = {  # name -> (calibration interval, EMA decay of the shares)
     "every 20, no EMA": (20, 0.0),
     "every 5, no EMA": (5, 0.0),
     "every 5, EMA 0.8": (5, 0.8),
+    "every 5, pooled": (5, None),
+    "every 20, pooled": (20, None),
 }
 
 
@@ -50,15 +52,19 @@ def keep_fraction(b: float, f: float) -> float:
     return 1.0 if f <= 0 else min(1.0, b / f)
 
 
-def replay(b: list[float], f: list[float], interval_: int, decay: float) -> float:
+def replay(b: list[float], f: list[float], interval_: int, decay: float | None) -> float:
     """Mean over steps of (carried keep x FP8 share - BF16 share); steps are 1, 2, ...; the
-    calibration steps 1, 1 + interval, ... measure on themselves, as the mode does."""
+    calibration steps 1, 1 + interval, ... measure on themselves, as the mode does. ``decay``
+    None pools: the shares add up over every calibration so far, each weighing the same."""
     sb = sf = None
     out = []
     for t, (bt, ft) in enumerate(zip(b, f)):
         if t % interval_ == 0:
-            sb = bt if sb is None else decay * sb + (1 - decay) * bt
-            sf = ft if sf is None else decay * sf + (1 - decay) * ft
+            if decay is None:
+                sb, sf = (sb or 0.0) + bt, (sf or 0.0) + ft
+            else:
+                sb = bt if sb is None else decay * sb + (1 - decay) * bt
+                sf = ft if sf is None else decay * sf + (1 - decay) * ft
         out.append(keep_fraction(sb, sf) * ft - bt)
     return sum(out) / len(out)
 

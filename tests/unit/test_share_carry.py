@@ -31,3 +31,12 @@ def test_keep_fraction_and_trend_helpers():
     assert sc.keep_fraction(1.0, 4.0) == 0.25
     assert sc.slope_per_100([1.0, None, 3.0, 4.0]) == pytest.approx(100.0)
     assert sc.autocorrelation([1.0, 2.0, 1.0, 2.0, 1.0, 2.0], 2) == pytest.approx(1.0)
+
+
+def test_a_pooled_keep_fraction_sums_every_calibration_by_hand():
+    # Calibrations at steps 0 and 2 (every 2): pooled keep (0.01 + 0.03) / (0.02 + 0.04) = 2/3
+    # from step 2 on; steps 0-1 carry step 0's 0.5.
+    b, f = [0.01, 0.01, 0.03, 0.03], [0.02, 0.02, 0.04, 0.04]
+    want = ((0.5 * 0.02 - 0.01) * 2 + (2 / 3 * 0.04 - 0.03) * 2) / 4
+    assert sc.replay(b, f, 2, None) == pytest.approx(want, rel=1e-12)
+    assert sc.replay([0.01] * 10, [0.02] * 10, 3, None) == pytest.approx(0.0, abs=1e-15)
