@@ -2,7 +2,7 @@
 
 Numbers are the vendor's public datasheets, dense (no 2:4 sparsity), SXM parts, per GPU, in
 bytes and FLOP per second (10^12 = T). The efficiencies that turn a peak into a prediction are
-measurements, kept in ``plan/time.py:Efficiency``, not here.
+measurements, kept in ``plan/efficiency.py:Efficiency``, not here.
 """
 
 from __future__ import annotations
