@@ -91,6 +91,34 @@ class RunConfig:
             if section.seed is None:
                 section.seed = self.train.seed
 
+    def _check_experts(self, dp: int) -> None:
+        """Mixture-of-experts rules (issue 47): the expert-parallel layout, and what is not built."""
+        m, ep = self.model, self.parallel.expert_model_parallel_size
+        if m.num_experts is None:
+            if ep > 1:
+                raise ConfigError(
+                    f"parallel.expert_model_parallel_size={ep} needs a mixture-of-experts model "
+                    "(model.num_experts); set it to 1 for a dense one"
+                )
+            return
+        if m.num_experts % ep:
+            raise ConfigError(
+                f"model.num_experts={m.num_experts} must be divisible by "
+                f"parallel.expert_model_parallel_size={ep}"
+            )
+        if (dp * self.parallel.context_parallel_size) % ep:
+            raise ConfigError(
+                f"parallel.expert_model_parallel_size={ep} must divide the data-parallel x "
+                f"context-parallel ranks ({dp} x {self.parallel.context_parallel_size}): the "
+                "expert-parallel groups are made of them"
+            )
+        # The actor trains (tests/distributed/test_moe_actor.py); the rollout side is not built.
+        raise ConfigError(
+            f"model.num_experts={m.num_experts}: mixture-of-experts runs are not supported yet: "
+            "the actor trains, but the weight sync into the rollout engines and the HF "
+            "conversion do not carry expert weights (issue 47); use a dense model"
+        )
+
     def validate(self, world_size: int = 1, *, this_machine: bool = True) -> RunConfig:
         """Cross-section rules; raises ConfigError naming the fields involved. ``this_machine``:
         also what this machine must have to run it (logger packages, Transformer Engine where a
@@ -116,6 +144,7 @@ class RunConfig:
                 "or the number of processes"
             )
         dp = world_size // p.model_parallel_size
+        self._check_experts(dp)
         if m.num_layers % pp:
             raise ConfigError(
                 f"model.num_layers={m.num_layers} is not divisible by "

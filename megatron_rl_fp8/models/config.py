@@ -77,6 +77,22 @@ class ModelConfig:
             return not on_cpu
         return self.attention_backend == "sdpa"
 
+    num_experts: int | None = field(
+        None,
+        help="Mixture of experts: routed experts per layer (Qwen3-MoE's num_experts); null = a "
+        "dense SwiGLU MLP.",
+    )
+    moe_topk: int = field(2, help="MoE: experts each token is routed to (num_experts_per_tok).")
+    moe_ffn_hidden_size: int | None = field(
+        None,
+        help="MoE: each expert's SwiGLU width (moe_intermediate_size); null = ffn_hidden_size.",
+    )
+    moe_aux_loss_coeff: float = field(
+        0.0,
+        help="MoE: weight of the load-balancing loss (Switch-style, per layer; Qwen3-MoE "
+        "pretrained with 0.001); 0 = none.",
+    )
+
     def __post_init__(self):
         for name in ("hf_checkpoint", "load", "ref_checkpoint"):
             if getattr(self, name) == "":
@@ -102,6 +118,22 @@ class ModelConfig:
                 f"model.rope_scaling_factor must be > 1 (Llama 3.1 uses 8) or null, "
                 f"got {self.rope_scaling_factor}"
             )
+        if self.num_experts is not None:
+            if self.num_experts < 2:
+                raise ValueError(f"model.num_experts={self.num_experts} must be >= 2 (or null)")
+            if not 1 <= self.moe_topk <= self.num_experts:
+                raise ValueError(
+                    f"model.moe_topk={self.moe_topk} must be in [1, model.num_experts="
+                    f"{self.num_experts}]"
+                )
+            if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size <= 0:
+                raise ValueError(
+                    f"model.moe_ffn_hidden_size must be > 0, got {self.moe_ffn_hidden_size}"
+                )
+            if not self.moe_aux_loss_coeff >= 0:
+                raise ValueError(
+                    f"model.moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}"
+                )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by num_attention_heads="

@@ -46,6 +46,17 @@ class HeadRMSNorm:
         return torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
 
 
+def _moe_without_te() -> None:
+    """Megatron-Core 0.16.1's router GEMM (``moe_utils.RouterGatingLinearFunction``) tests
+    ``te_general_gemm is not None``, a name ``moe_utils`` binds only when Transformer Engine
+    imports: without TE every router forward raised NameError (CPU, or a GPU without TE).
+    Bound to None there, the router takes its own ``torch.mm`` path, as the check intends."""
+    from megatron.core.transformer.moe import moe_utils  # lazy: only MoE models need it
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def layer_spec(
     model: ModelConfig,
     *,
@@ -60,9 +71,19 @@ def layer_spec(
         on_cpu = not torch.cuda.is_available()
     if use_te is None:
         use_te = have_te() and not on_cpu
+    # Dense models call the spec functions as before; MoE adds its experts (TE: one grouped GEMM
+    # per layer; the local spec: a SequentialMLP of ordinary linears, one pair per expert).
+    moe = {}
+    if model.num_experts is not None:
+        _moe_without_te()
+        moe = {"num_experts": model.num_experts, "moe_grouped_gemm": use_te}
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
-    spec = specs.get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=model.qk_layernorm, **moe
+        )
+    spec = specs.get_gpt_layer_local_spec(
+        qk_layernorm=model.qk_layernorm, normalization="RMSNorm", **moe
+    )
     if model.uses_sdpa(on_cpu=on_cpu):
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     if sequence_parallel:
@@ -121,6 +142,23 @@ def megatron_fusions(*, on_cpu: bool, use_te: bool) -> dict[str, bool]:
     )
 
 
+def moe_config(model: ModelConfig, *, use_te: bool) -> dict:
+    """TransformerConfig's MoE fields for ``model``. Routing as Qwen3-MoE's: softmax over the
+    top-k logits (Megatron's default order, equal to HF's softmax, top-k, renormalise with
+    ``norm_topk_prob``), in fp32; the all-to-all token dispatcher; TE's grouped expert GEMM
+    where TE builds the layer."""
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=use_te,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+    )
+
+
 def transformer_config(
     model: ModelConfig,
     *,
@@ -164,6 +202,8 @@ def transformer_config(
         init_method_std=0.02,
     )
     kwargs.update(megatron_fusions(on_cpu=on_cpu, use_te=use_te))
+    if model.num_experts is not None:
+        kwargs.update(moe_config(model, use_te=use_te))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

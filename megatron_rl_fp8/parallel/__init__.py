@@ -52,6 +52,12 @@ class ParallelConfig:
         help="With the distributed optimizer: gather updated weights bucket by bucket during the "
         "next forward pass instead of right after the step.",
     )
+    expert_model_parallel_size: int = field(
+        1,
+        help="EP degree (MoE models): each rank of an expert-parallel group holds "
+        "model.num_experts / EP experts; tokens travel to their experts' ranks. The EP ranks "
+        "come from the data-parallel ones: DP x CP must be a multiple of it.",
+    )
     timeout_minutes: int = field(30, help="Collective timeout.")
 
     def __post_init__(self):
@@ -59,6 +65,7 @@ class ParallelConfig:
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
             "context_parallel_size",
+            "expert_model_parallel_size",
             "timeout_minutes",
         ):
             if getattr(self, name) < 1:
@@ -211,11 +218,19 @@ def init_model_parallel(cfg: ParallelConfig, *, seed: int) -> Groups:
             f"world size {world} is not divisible by tensor_model_parallel_size * "
             f"pipeline_model_parallel_size * context_parallel_size = {cfg.model_parallel_size}"
         )
+    ep = cfg.expert_model_parallel_size
+    if (world // cfg.model_parallel_size * cfg.context_parallel_size) % ep:
+        raise ValueError(
+            f"parallel.expert_model_parallel_size={ep} must divide the data-parallel x "
+            f"context-parallel ranks ({world // cfg.model_parallel_size} x "
+            f"{cfg.context_parallel_size}): the EP groups are made of them"
+        )
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
             context_parallel_size=cfg.context_parallel_size,
+            expert_model_parallel_size=ep,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)

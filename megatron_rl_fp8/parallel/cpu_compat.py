@@ -9,7 +9,10 @@ once a handful of CUDA entry points have CPU meanings (docs/platform.md lists th
   runs on the CPU default generator, so dropout forks and seeded init still work;
 * streams/events/synchronize become no-ops (there is one CPU "stream"; everything is ordered);
 * the optimizers compare ``param.type()`` with ``torch.cuda.*Tensor`` names, so ``Tensor.type()``
-  reports CPU tensors under the CUDA names.
+  reports CPU tensors under the CUDA names;
+* the MoE all-to-all token dispatcher passes its split sizes to ``all_to_all_single`` as tensors,
+  which it turns into numpy arrays on a GPU only (``moe_utils.maybe_move_tensor_to_cpu`` acts on
+  CUDA tensors): here they become lists, which gloo's binding takes.
 
 ``enable()`` is idempotent and does nothing when CUDA is available (or when ``force=False`` and
 ``enabled=False``); ``disable()`` undoes every patch. Nothing here is imported by the GPU path.
@@ -140,6 +143,19 @@ def is_active() -> bool:
     return _ACTIVE
 
 
+def _all_to_all_single(original):
+    @functools.wraps(original)
+    def call(output, input, output_split_sizes=None, input_split_sizes=None, *a, **k):
+        def as_list(sizes):
+            return sizes.tolist() if torch.is_tensor(sizes) else sizes
+
+        return original(
+            output, input, as_list(output_split_sizes), as_list(input_split_sizes), *a, **k
+        )
+
+    return call
+
+
 def enable(*, force: bool = False) -> bool:
     """Activate the CPU layer when CUDA is absent. Returns whether it is active.
 
@@ -186,6 +202,8 @@ def enable(*, force: bool = False) -> bool:
 
     _patch(fused_softmax, "get_default_causal_mask", _cpu_causal_mask)
 
+    dist = torch.distributed
+    _patch(dist, "all_to_all_single", _all_to_all_single(dist.all_to_all_single))
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
     _ACTIVE = True

@@ -119,6 +119,7 @@ class Actor:
             perform_initialization=init_weights,
             sequence_parallel=parallel.sequence_parallel,
             context_parallel_size=groups.cp_size,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
             **te_fp8,
             **memory.megatron_kwargs(),
         )
