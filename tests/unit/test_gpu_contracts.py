@@ -229,3 +229,28 @@ def test_torchao_scaled_mm_weight_dims_checked_at_config():
         "examples/tiny_cpu.yaml", ["fp8.recipe=tensorwise_current", "fp8.backend=torchao"]
     )
     cfg.validate(1, this_machine=False)
+
+
+def test_te_moe_spec_asks_for_the_grouped_expert_gemm(monkeypatch):
+    """TE-8. Megatron-Core 0.16.1 builds TE's grouped expert GEMM (``TEGroupedMLP`` of
+    ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear``) only when the TE spec is
+    asked for ``num_experts`` *and* ``moe_grouped_gemm=True``
+    (``extensions/transformer_engine_spec_provider.py: grouped_mlp_modules``); without the flag
+    it builds one TE linear pair per expert. TransformerConfig's ``moe_grouped_gemm`` must agree
+    (``transformer_config.py: __post_init__`` checks it against TE's version under FP8). The TE
+    spec cannot be built without TE, so its arguments are recorded; a dense model's call is
+    the one it always was."""
+    from megatron_rl_fp8.models import gpt
+
+    calls = []
+    monkeypatch.setattr(
+        gpt.specs, "get_gpt_layer_with_transformer_engine_spec", lambda **kw: calls.append(kw)
+    )
+    gpt.layer_spec(ModelConfig(num_experts=4), use_te=True, on_cpu=False)
+    gpt.layer_spec(ModelConfig(), use_te=True, on_cpu=False)
+    assert calls == [
+        {"qk_layernorm": True, "num_experts": 4, "moe_grouped_gemm": True},
+        {"qk_layernorm": True},
+    ]
+    assert gpt.moe_config(ModelConfig(num_experts=4), use_te=True)["moe_grouped_gemm"] is True
+    assert gpt.moe_config(ModelConfig(num_experts=4), use_te=False)["moe_grouped_gemm"] is False
