@@ -106,12 +106,9 @@ class RunConfig:
                 f"model.num_experts={m.num_experts} must be divisible by "
                 f"parallel.expert_model_parallel_size={ep}"
             )
-        if (dp * self.parallel.context_parallel_size) % ep:
-            raise ConfigError(
-                f"parallel.expert_model_parallel_size={ep} must divide the data-parallel x "
-                f"context-parallel ranks ({dp} x {self.parallel.context_parallel_size}): the "
-                "expert-parallel groups are made of them"
-            )
+        problem = self.parallel.expert_layout_problem(dp)
+        if problem:
+            raise ConfigError(problem)
         # The actor trains (tests/distributed/test_moe_actor.py); the rollout side is not built.
         raise ConfigError(
             f"model.num_experts={m.num_experts}: mixture-of-experts runs are not supported yet: "

@@ -81,6 +81,17 @@ class ParallelConfig:
                 "(only the distributed optimizer gathers weights)"
             )
 
+    def expert_layout_problem(self, dp: int) -> str | None:
+        """Why EP does not fit ``dp`` data-parallel ranks (its groups are made of the DP x CP
+        ranks), or None."""
+        ep, cp = self.expert_model_parallel_size, self.context_parallel_size
+        if (dp * cp) % ep:
+            return (
+                f"parallel.expert_model_parallel_size={ep} must divide the data-parallel x "
+                f"context-parallel ranks ({dp} x {cp}): the expert-parallel groups are made of them"
+            )
+        return None
+
     @property
     def model_parallel_size(self) -> int:
         """Ranks of one model replica: TP * PP * CP (data parallelism multiplies it)."""
@@ -218,19 +229,15 @@ def init_model_parallel(cfg: ParallelConfig, *, seed: int) -> Groups:
             f"world size {world} is not divisible by tensor_model_parallel_size * "
             f"pipeline_model_parallel_size * context_parallel_size = {cfg.model_parallel_size}"
         )
-    ep = cfg.expert_model_parallel_size
-    if (world // cfg.model_parallel_size * cfg.context_parallel_size) % ep:
-        raise ValueError(
-            f"parallel.expert_model_parallel_size={ep} must divide the data-parallel x "
-            f"context-parallel ranks ({world // cfg.model_parallel_size} x "
-            f"{cfg.context_parallel_size}): the EP groups are made of them"
-        )
+    problem = cfg.expert_layout_problem(world // cfg.model_parallel_size)
+    if problem:
+        raise ValueError(problem)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
             context_parallel_size=cfg.context_parallel_size,
-            expert_model_parallel_size=ep,
+            expert_model_parallel_size=cfg.expert_model_parallel_size,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
