@@ -109,11 +109,13 @@ class RunConfig:
         problem = self.parallel.expert_layout_problem(dp)
         if problem:
             raise ConfigError(problem)
-        # The actor trains (tests/distributed/test_moe_actor.py); the rollout side is not built.
+        # The actor trains (tests/distributed/test_moe_actor.py) and `convert` carries Qwen3-MoE
+        # (tests/unit/test_convert.py); the rollout side is not built.
         raise ConfigError(
             f"model.num_experts={m.num_experts}: mixture-of-experts runs are not supported yet: "
-            "the actor trains, but the weight sync into the rollout engines and the HF "
-            "conversion do not carry expert weights (issue 47); use a dense model"
+            "the actor trains and `megatron-rl-fp8 convert` carries Qwen3-MoE checkpoints, but "
+            "the weight sync into the rollout engines does not carry expert weights (issue 47); "
+            "use a dense model"
         )
 
     def validate(self, world_size: int = 1, *, this_machine: bool = True) -> RunConfig:

@@ -53,17 +53,22 @@ def hf_to_mcore_plan(model: ModelConfig) -> list[tuple[str, list[Piece]]]:
                 pieces.append(Piece(f"{p}self_attn.k_proj.{kind}", (g * d, (g + 1) * d)))
                 pieces.append(Piece(f"{p}self_attn.v_proj.{kind}", (g * d, (g + 1) * d)))
             plan.append((f"{mp}self_attention.linear_qkv.{kind}", pieces))
-        plan.append(
-            (
-                mp + "mlp.linear_fc1.weight",
-                [Piece(p + "mlp.gate_proj.weight"), Piece(p + "mlp.up_proj.weight")],
-            )
-        )
+        if model.num_experts is None:
+            mlp = [("mlp.linear_fc1.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"])]
+        else:  # Qwen3-MoE: the router, then each expert's [gate; up] and down
+            mlp = [("mlp.router.weight", ["mlp.gate.weight"])]
+            for e in range(model.num_experts):
+                mx, hx = f"mlp.experts.local_experts.{e}.", f"mlp.experts.{e}."
+                mlp.append(
+                    (mx + "linear_fc1.weight", [hx + "gate_proj.weight", hx + "up_proj.weight"])
+                )
+                mlp.append((mx + "linear_fc2.weight", [hx + "down_proj.weight"]))
+        plan += [(mp + mc, [Piece(p + h) for h in hf_names]) for mc, hf_names in mlp]
         for hf_suffix, mc_suffix in inverse.items():
             if (
                 hf_suffix.startswith(("self_attn.q_norm", "self_attn.k_norm"))
                 and not model.qk_layernorm
-            ):
+            ) or (hf_suffix == "mlp.down_proj.weight" and model.num_experts is not None):
                 continue
             plan.append((mp + mc_suffix, [Piece(p + hf_suffix)]))
     plan.append(("decoder.final_layernorm.weight", [Piece("model.norm.weight")]))

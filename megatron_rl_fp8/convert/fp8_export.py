@@ -7,7 +7,10 @@ engines): every quantized linear ``X.weight`` is ``float8_e4m3fn`` and comes wit
 ``scale_inv = tile_amax / 448``, so nothing saturates). Activations are quantized by the engine at
 run time ("dynamic"). Everything that is not a decoder linear stays BF16: embeddings, norms,
 biases, ``lm_head`` (always), and the linears of the first / last N layers if asked (the layers
-most sensitive to quantization); those are listed in ``modules_to_not_convert``.
+most sensitive to quantization); those are listed in ``modules_to_not_convert``. A Qwen3-MoE
+model's experts are quantized one by one (``mlp.experts.<e>.gate_proj.weight`` with its own
+``weight_scale_inv``, the per-expert layout SGLang's FP8 MoE loader and Qwen's FP8 releases use);
+its router (``mlp.gate``) stays BF16.
 """
 
 from __future__ import annotations
@@ -27,19 +30,17 @@ from megatron_rl_fp8.convert.staging import check_output, staged_output
 from megatron_rl_fp8.fp8.quantize import quantize_blockwise
 
 BLOCK = (128, 128)
+# Decoder linears: attention, the dense SwiGLU MLP, and each expert's (Qwen3-MoE; the router,
+# ``mlp.gate``, stays BF16 as in Qwen's own FP8 releases, and SGLang builds it unquantized).
 _LINEAR = re.compile(
-    r"^model\.layers\.(\d+)\.((?:self_attn\.[qkvo]_proj)|(?:mlp\.(?:gate|up|down)_proj))"
-    r"\.weight$"
+    r"^model\.layers\.(\d+)\.((?:self_attn\.[qkvo]_proj)"
+    r"|(?:mlp\.(?:experts\.\d+\.)?(?:gate|up|down)_proj))\.weight$"
 )
-_LINEAR_SUFFIXES = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
+_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_LINEAR_SUFFIXES = _ATTENTION + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# A kept MoE layer names its experts by their module prefix (what SGLang's FusedMoE and
+# transformers match against modules_to_not_convert).
+_MOE_SUFFIXES = _ATTENTION + ("mlp.experts",)
 
 
 def kept_layers(num_layers: int, keep_first: int, keep_last: int) -> list[int]:
@@ -57,8 +58,9 @@ def kept_layers(num_layers: int, keep_first: int, keep_last: int) -> list[int]:
     )
 
 
-def quantization_config(keep: list[int]) -> dict:
-    skip = ["lm_head"] + [f"model.layers.{i}.{s}" for i in keep for s in _LINEAR_SUFFIXES]
+def quantization_config(keep: list[int], *, moe: bool = False) -> dict:
+    suffixes = _MOE_SUFFIXES if moe else _LINEAR_SUFFIXES
+    skip = ["lm_head"] + [f"model.layers.{i}.{s}" for i in keep for s in suffixes]
     return {
         "quant_method": "fp8",
         "fmt": "e4m3",
@@ -128,7 +130,7 @@ def export_fp8(
         config = dict(source.config)
         config.pop("dtype", None)
         config["torch_dtype"] = "bfloat16"
-        config["quantization_config"] = quantization_config(keep)
+        config["quantization_config"] = quantization_config(keep, moe=model.num_experts is not None)
         total = sum(o.nbytes for t in source.plan() for o in quant.plan(t))
         meter = Meter("export-fp8", total, show=progress)
         with staged_output(out, overwrite=overwrite) as tmp:

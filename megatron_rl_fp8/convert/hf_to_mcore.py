@@ -28,6 +28,7 @@ from megatron_rl_fp8.models.hf_mapping import (
     MappingError,
     expected_hf_shapes,
     model_config_from_hf,
+    moe_ffn_size,
 )
 
 
@@ -123,7 +124,12 @@ def hf_to_mcore(
                 blocks = [torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])])]
             items.append((name, blocks))
             meter.update(size)
-        sd = mcore_io.sharded_state_dict(items, num_layers=model.num_layers, extra_state=rank == 0)
+        sd = mcore_io.sharded_state_dict(
+            items,
+            num_layers=model.num_layers,
+            extra_state=rank == 0,
+            num_experts=model.num_experts,
+        )
         with staged_output(out, overwrite=overwrite, rank=rank, world=world) as tmp:
             ckpt_dir = tmp / mcore_io.CONVERTED_NAME
             if rank == 0:
@@ -169,7 +175,12 @@ def _check_layout(model: ModelConfig, tp: int, pp: int) -> None:
             f"--tp {tp} must divide num_key_value_heads={model.num_query_groups} "
             f"and num_attention_heads={model.num_attention_heads}"
         )
-    if model.ffn_hidden_size % tp:
+    if model.num_experts is None and model.ffn_hidden_size % tp:
         raise ConvertError(f"--tp {tp} must divide intermediate_size={model.ffn_hidden_size}")
+    if model.num_experts is not None and moe_ffn_size(model) % tp:
+        raise ConvertError(
+            f"--tp {tp} must divide moe_intermediate_size={moe_ffn_size(model)} (the experts are "
+            "split over the tensor-parallel ranks)"
+        )
     if model.num_layers % pp:
         raise ConvertError(f"--pp {pp} must divide num_hidden_layers={model.num_layers}")

@@ -10,6 +10,11 @@ Engine layer specs alike, checked by tests/distributed/test_convert_megatron.py)
 * ``embedding.word_embeddings.weight`` / ``output_layer.weight`` have the padded vocab rows.
 * the linears carry ``_extra_state`` objects (``None`` for the local spec; FP8 metadata with TE).
   We write ``None`` for every linear of both specs, which both accept.
+* MoE experts (``SequentialMLP`` and TE's grouped MLP store the same keys) are stacked over layers
+  *and* experts: key ``decoder.layers.mlp.experts.experts.linear_fc1.weight``, global shape
+  ``[num_layers, num_experts, ...]``, expert ``e`` of layer ``i`` at offset ``(i, e)``; their
+  ``_extra_state`` objects have shape ``(num_layers, num_experts)``. Local names number experts
+  globally: ``decoder.layers.<i>.mlp.experts.local_experts.<e>.linear_fc1.weight``.
 
 Because the stored shapes are global, loading reshards to any TP/PP layout; only the vocab padding
 (a multiple of ``make_vocab_size_divisible_by * TP``) is fixed at conversion time.
@@ -22,6 +27,7 @@ writer copies one block at a time. Reading loads one layer at a time.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -52,27 +58,45 @@ EXTRA_STATE = (
     "mlp.linear_fc1._extra_state",
     "mlp.linear_fc2._extra_state",
 )
+# MoE: local name suffix <-> checkpoint suffix (one more stacked axis: the global expert index).
+_EXPERT_LOCAL = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+EXPERT_PREFIX = "mlp.experts.experts."
+EXPERT_EXTRA_STATE = ("linear_fc1._extra_state", "linear_fc2._extra_state")
 _LOCAL = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _STACKED = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.+)$")
 TRAINER_STATE = "trainer_state.json"
 CONVERTED_NAME = "iter_0000000"
 
 
-def checkpoint_key(name: str) -> tuple[str, int | None]:
-    """Local-spec Megatron name (global layer numbers) -> (checkpoint key, layer or None)."""
+def checkpoint_key(name: str) -> tuple[str, tuple[int, ...]]:
+    """Local-spec Megatron name (global layer and expert numbers) -> (checkpoint key, its indices
+    on the stacked axes: ``()``, ``(layer,)`` or, for an expert's tensor, ``(layer, expert)``)."""
     m = _LOCAL.match(name)
     if m is None:
-        return name, None
-    suffix = CKPT_SUFFIX.get(m.group(2), m.group(2))
-    return f"decoder.layers.{suffix}", int(m.group(1))
+        return name, ()
+    layer, suffix = int(m.group(1)), m.group(2)
+    e = _EXPERT_LOCAL.match(suffix)
+    if e is not None:
+        return f"decoder.layers.{EXPERT_PREFIX}{e.group(2)}", (layer, int(e.group(1)))
+    return f"decoder.layers.{CKPT_SUFFIX.get(suffix, suffix)}", (layer,)
 
 
-def local_name(key: str, layer: int | None) -> str:
+def local_name(key: str, at: tuple[int, ...]) -> str:
     """Inverse of :func:`checkpoint_key`."""
-    if layer is None:
+    if not at:
         return key
     suffix = key[len("decoder.layers.") :]
-    return f"decoder.layers.{layer}." + _LOCAL_SUFFIX.get(suffix, suffix)
+    if len(at) == 2:
+        local = f"mlp.experts.local_experts.{at[1]}.{suffix[len(EXPERT_PREFIX) :]}"
+        return f"decoder.layers.{at[0]}.{local}"
+    return f"decoder.layers.{at[0]}." + _LOCAL_SUFFIX.get(suffix, suffix)
+
+
+def stacked_axes(key: str) -> int:
+    """How many leading axes of a stored tensor index layers (1) and experts (2), 0 if none."""
+    if not key.startswith("decoder.layers.") or _STACKED.match(key).group(1) is not None:
+        return 0
+    return 2 if key.startswith(f"decoder.layers.{EXPERT_PREFIX}") else 1
 
 
 @contextlib.contextmanager
@@ -121,29 +145,41 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
-def sharded_state_dict(items, *, num_layers: int, extra_state: bool) -> dict:
-    """ShardedTensors for ``items`` = [(local name, [row-block tensors])] (+ extra-state objects)."""
+def sharded_state_dict(
+    items, *, num_layers: int, extra_state: bool, num_experts: int | None = None
+) -> dict:
+    """ShardedTensors for ``items`` = [(local name, [row-block tensors])] (+ extra-state objects;
+    ``num_experts`` for a mixture-of-experts model, whose dense MLP objects become the experts')."""
     # lazy: Megatron-Core (~6 s) only to write; mcore-to-hf and export-fp8 read without it
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
     sd = {}
     for name, blocks in items:
-        key, layer = checkpoint_key(name)
+        key, at = checkpoint_key(name)
+        sizes = (num_layers, num_experts)[: len(at)]
         n = len(blocks)
         for k, block in enumerate(blocks):
-            offsets = [] if layer is None else [(0, layer, num_layers)]
+            offsets = [(axis, i, size) for axis, (i, size) in enumerate(zip(at, sizes))]
             if n > 1:
                 offsets.append((len(offsets), k, n))
-            sd[f"{key}/{layer}/{k}"] = ShardedTensor.from_rank_offsets(
-                key, block, *offsets, replica_id=0, prepend_axis_num=0 if layer is None else 1
+            sd[f"{key}/{at}/{k}"] = ShardedTensor.from_rank_offsets(
+                key, block, *offsets, replica_id=0, prepend_axis_num=len(at)
             )
     if extra_state:
         for layer in range(num_layers):
             for suffix in EXTRA_STATE:
+                if num_experts is not None and suffix.startswith("mlp."):
+                    continue
                 key = f"decoder.layers.{suffix}"
                 sd[f"{key}/{layer}"] = ShardedObject(
                     key, None, (num_layers,), (layer,), replica_id=0
                 )
+            for e in range(num_experts or 0):
+                for suffix in EXPERT_EXTRA_STATE:
+                    key = f"decoder.layers.{EXPERT_PREFIX}{suffix}"
+                    sd[f"{key}/{layer}/{e}"] = ShardedObject(
+                        key, None, (num_layers, num_experts), (layer, e), replica_id=0
+                    )
     return sd
 
 
@@ -204,25 +240,25 @@ class DistCheckpointReader:
         state_file = self.dir / TRAINER_STATE
         self.trainer_state = json.loads(state_file.read_text()) if state_file.is_file() else {}
 
-    def _locate(self, name: str) -> tuple[str, int | None]:
-        """Local-spec name -> (checkpoint key, layer index into its stacked axis or None)."""
-        m = _LOCAL.match(name)
-        if m is None:
-            return name, None
-        suffix = CKPT_SUFFIX.get(m.group(2), m.group(2))
-        if f"decoder.layers.{suffix}" in self.meta:
-            return f"decoder.layers.{suffix}", int(m.group(1))
-        return f"decoder.layers.{m.group(1)}.{suffix}", None  # saved with one key per layer
+    def _locate(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """Local-spec name -> (checkpoint key, its indices on the key's stacked axes)."""
+        key, at = checkpoint_key(name)
+        if key in self.meta or not at:
+            return key, at
+        m = _LOCAL.match(name)  # saved with one key per layer
+        return f"decoder.layers.{m.group(1)}.{CKPT_SUFFIX.get(m.group(2), m.group(2))}", ()
 
     def names_and_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Local-spec name (global layers) -> (full shape, dtype), for every model tensor."""
+        """Local-spec name (global layers and experts) -> (full shape, dtype), for every model
+        tensor."""
         out = {}
         for key, md in self.meta.items():
             shape, dtype = tuple(md.size), md.properties.dtype
             m = _STACKED.match(key)
-            if m and m.group(1) is None:
-                for layer in range(shape[0]):
-                    out[local_name(key, layer)] = (shape[1:], dtype)
+            axes = stacked_axes(key)
+            if axes:
+                for at in itertools.product(*(range(n) for n in shape[:axes])):
+                    out[local_name(key, at)] = (shape[axes:], dtype)
             elif m:  # one key per layer
                 suffix = m.group(2)
                 out[f"decoder.layers.{m.group(1)}.{_LOCAL_SUFFIX.get(suffix, suffix)}"] = (
@@ -237,16 +273,16 @@ class DistCheckpointReader:
         """Full tensors for local-spec ``names`` (for a stacked key: just that layer's slice)."""
         out = {}
         for name in names:
-            key, layer = self._locate(name)
+            key, at = self._locate(name)
             md = self.meta[key]
             size = tuple(md.size)
-            offsets = (0,) * len(size) if layer is None else (layer,) + (0,) * (len(size) - 1)
-            box = size if layer is None else (1, *size[1:])
+            offsets = (*at, *(0,) * (len(size) - len(at)))
+            box = (*(1,) * len(at), *size[len(at) :])
             buf = torch.empty(box, dtype=md.properties.dtype)
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(box))
             plan = self._reader.prepare_local_plan(
                 LoadPlan(create_read_items_for_chunk_list(key, md, [chunk]))
             )
             self._reader.read_data(plan, _Into({key: buf})).wait()
-            out[name] = buf if layer is None else buf[0]
+            out[name] = buf.reshape(size[len(at) :])
         return out

@@ -1,4 +1,4 @@
-"""Megatron-Core <-> Hugging Face names and layouts for Llama / Qwen2 / Qwen3 (the one mapping).
+"""Megatron-Core <-> Hugging Face names and layouts for Llama / Qwen2 / Qwen3 / Qwen3-MoE (the one mapping).
 
 What a model family looks like on each side, next to the model definitions: weight sync into
 rollout engines, the checkpoint conversion tools and the trainer all go through this module, so a
@@ -11,6 +11,12 @@ those from the shards. Layout facts:
 * The embedding / output layer are padded to a multiple of 128 * TP rows; HF has the true vocab.
 * With the Transformer Engine spec the pre-attention / pre-MLP RMSNorm weights live inside the fused
   linears (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); both spellings map.
+* Qwen3-MoE (``model.num_experts``): every layer's MLP is a router (``mlp.router.weight``, HF
+  ``mlp.gate.weight``, [experts, hidden]) and experts named by their *global* index,
+  ``mlp.experts.local_experts.<e>.linear_fc1.weight`` ([gate; up], as the dense fc1) and
+  ``linear_fc2`` (HF ``mlp.experts.<e>.{gate,up,down}_proj.weight``, the layout of the HF files and
+  of SGLang's loader; transformers 5 fuses the experts in memory, not on disk). Megatron's top-k
+  over the router logits with a softmax over the k chosen is Qwen3-MoE's ``norm_topk_prob: true``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 from megatron_rl_fp8.models.config import ModelConfig
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 # Megatron per-layer suffix -> HF per-layer suffix, for the tensors that map one to one.
 DIRECT = {
@@ -42,9 +49,21 @@ class MappingError(ValueError):
 
 
 def hf_architecture(model: ModelConfig) -> str:
+    if model.num_experts is not None:
+        if model.arch != "qwen3":
+            raise MappingError(
+                f"model.num_experts with arch {model.arch!r} has no HF mapping; mixture-of-experts "
+                "models map as Qwen3-MoE (arch qwen3)"
+            )
+        return "Qwen3MoeForCausalLM"
     return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
         model.arch
     ]
+
+
+def moe_ffn_size(model: ModelConfig) -> int:
+    """Each expert's SwiGLU width (``model.moe_ffn_hidden_size``, default ``ffn_hidden_size``)."""
+    return model.moe_ffn_hidden_size or model.ffn_hidden_size
 
 
 def hf_config(
@@ -62,6 +81,8 @@ def hf_config(
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
     }[model.arch]
+    if hf_architecture(model) == "Qwen3MoeForCausalLM":
+        cls = transformers.Qwen3MoeConfig
     kwargs = dict(
         vocab_size=model.vocab_size,
         hidden_size=model.hidden_size,
@@ -84,6 +105,16 @@ def hf_config(
         kwargs.update(attention_bias=False, mlp_bias=False)
     if model.arch == "qwen3":
         kwargs.update(attention_bias=False)
+    if model.num_experts is not None:
+        kwargs.update(
+            num_experts=model.num_experts,
+            num_experts_per_tok=model.moe_topk,
+            moe_intermediate_size=moe_ffn_size(model),
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=model.moe_aux_loss_coeff,
+        )
     if model.rope_scaling_factor is not None:
         kwargs["rope_scaling"] = {
             "rope_type": "llama3",
@@ -173,6 +204,15 @@ def mcore_to_hf(
     if suffix == "mlp.linear_fc1.weight":
         gate, up = tensor.chunk(2, dim=0)
         return [(prefix + "mlp.gate_proj.weight", gate), (prefix + "mlp.up_proj.weight", up)]
+    if suffix == "mlp.router.weight":
+        return [(prefix + "mlp.gate.weight", tensor)]
+    e = _EXPERT.match(suffix)
+    if e is not None:
+        expert = f"{prefix}mlp.experts.{e.group(1)}."
+        if e.group(2) == "linear_fc2":
+            return [(expert + "down_proj.weight", tensor)]
+        gate, up = tensor.chunk(2, dim=0)
+        return [(expert + "gate_proj.weight", gate), (expert + "up_proj.weight", up)]
     raise MappingError(f"no HF mapping for Megatron tensor {name!r} (arch {model.arch})")
 
 
@@ -195,10 +235,16 @@ def expected_hf_names(model: ModelConfig) -> list[str]:
             p + "input_layernorm.weight",
             p + "post_attention_layernorm.weight",
             p + "self_attn.o_proj.weight",
-            p + "mlp.gate_proj.weight",
-            p + "mlp.up_proj.weight",
-            p + "mlp.down_proj.weight",
         ]
+        if model.num_experts is None:
+            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        else:
+            names.append(p + "mlp.gate.weight")
+            names += [
+                f"{p}mlp.experts.{e}.{x}_proj.weight"
+                for e in range(model.num_experts)
+                for x in ("gate", "up", "down")
+            ]
         names += [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
         if model.qkv_bias:
             names += [f"{p}self_attn.{x}_proj.bias" for x in "qkv"]
@@ -243,9 +289,18 @@ def hf_state_to_mcore(
                 out[mp + f"self_attention.linear_qkv.{kind}"] = _merge_qkv(
                     *(hf[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"), model
                 )
-        out[mp + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
-        )
+        if model.num_experts is None:
+            out[mp + "mlp.linear_fc1.weight"] = torch.cat(
+                [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
+            )
+            continue
+        out[mp + "mlp.router.weight"] = hf[p + "mlp.gate.weight"]
+        for e in range(model.num_experts):
+            hx, mx = f"{p}mlp.experts.{e}.", f"{mp}mlp.experts.local_experts.{e}."
+            out[mx + "linear_fc1.weight"] = torch.cat(
+                [hf[hx + "gate_proj.weight"], hf[hx + "up_proj.weight"]], dim=0
+            )
+            out[mx + "linear_fc2.weight"] = hf[hx + "down_proj.weight"]
     return out
 
 
@@ -254,6 +309,7 @@ _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3",
 }
 
 
@@ -271,7 +327,7 @@ def model_config_from_hf(
     if not known:
         raise MappingError(
             f"config.json architectures={archs} is not supported; supported: "
-            f"{sorted(_ARCHITECTURES)} (dense Llama / Qwen2 / Qwen3)"
+            f"{sorted(_ARCHITECTURES)} (dense Llama / Qwen2 / Qwen3, and Qwen3-MoE)"
         )
     arch = _ARCHITECTURES[known[0]]
     notes: list[str] = []
@@ -309,6 +365,7 @@ def model_config_from_hf(
             "will differ from the HF model)"
         )
     heads = need("num_attention_heads")
+    moe = _moe_from_hf(config, need) if known[0] == "Qwen3MoeForCausalLM" else {}
     if params_dtype is None:
         dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
         params_dtype = "float32" if dtype == "float32" else "bfloat16"
@@ -329,8 +386,35 @@ def model_config_from_hf(
         norm_eps=config.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         params_dtype=params_dtype,
+        **moe,
     )
     return model, notes
+
+
+def _moe_from_hf(config: dict, need) -> dict:
+    """ModelConfig's expert fields from a Qwen3-MoE config.json; what Megatron's MoE layer does
+    not compute the same way is refused."""
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    if experts is None:
+        raise MappingError("config.json (Qwen3MoeForCausalLM) has no 'num_experts'")
+    if config.get("norm_topk_prob", True) is not True:
+        raise MappingError(
+            "config.json norm_topk_prob=false is not supported: Megatron's router renormalises "
+            "the top-k weights (Qwen3-MoE's norm_topk_prob: true)"
+        )
+    if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+        raise MappingError(
+            "config.json: decoder_sparse_step != 1 or mlp_only_layers (dense layers between the "
+            "MoE ones) is not supported; every layer must be a mixture of experts"
+        )
+    if config.get("shared_expert_intermediate_size"):
+        raise MappingError("config.json: shared experts are not supported (Qwen3-MoE has none)")
+    return {
+        "num_experts": int(experts),
+        "moe_topk": int(need("num_experts_per_tok")),
+        "moe_ffn_hidden_size": int(need("moe_intermediate_size")),
+        "moe_aux_loss_coeff": float(config.get("router_aux_loss_coef", 0.0)),
+    }
 
 
 def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -353,10 +437,17 @@ def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (f, h),
         "mlp.down_proj.weight": (h, f),
     }
+    if model.num_experts is not None:
+        fe = moe_ffn_size(model)
+        per_layer["mlp.gate.weight"] = (model.num_experts, h)
+        expert = {"gate_proj": (fe, h), "up_proj": (fe, h), "down_proj": (h, fe)}
     out = {}
     for name in expected_hf_names(model):
         m = re.match(r"^model\.layers\.\d+\.(.+)$", name)
-        if m:
+        e = re.match(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(\w+)\.weight$", name)
+        if e:
+            out[name] = expert[e.group(1)]
+        elif m:
             out[name] = per_layer[m.group(1)]
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = (model.vocab_size, h)

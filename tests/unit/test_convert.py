@@ -28,14 +28,22 @@ from megatron_rl_fp8.models.hf_mapping import (
     model_config_from_hf,
 )
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 TOKENIZER = Path(__file__).resolve().parents[2] / "megatron_rl_fp8/data/assets/tokenizer"
+
+
+def arch_fields(arch: str) -> dict:
+    """ModelConfig fields of a test family: ``qwen3_moe`` is Qwen3 with 4 experts, top-2, each
+    expert 24 wide (so that no expert tensor is square: a transposed mapping would not fit)."""
+    if arch == "qwen3_moe":
+        return {"arch": "qwen3", "num_experts": 4, "moe_topk": 2, "moe_ffn_hidden_size": 24}
+    return {"arch": arch}
 
 
 def tiny_model_config(arch: str, *, hidden: int = 64, layers: int = 2) -> ModelConfig:
     # llama tied, the Qwens untied: both embedding layouts are exercised.
     return ModelConfig(
-        arch=arch,
+        **arch_fields(arch),
         num_layers=layers,
         hidden_size=hidden,
         ffn_hidden_size=2 * hidden,
@@ -96,7 +104,7 @@ def _no_leftovers(out: Path) -> bool:
 def test_plan_pieces_rebuild_hf_state_to_mcore(arch):
     """The row-block plan the writer uses gives exactly hf_state_to_mcore's fused tensors."""
     mc = ModelConfig(
-        arch=arch,
+        **arch_fields(arch),
         num_layers=2,
         hidden_size=48,
         ffn_hidden_size=40,
@@ -121,7 +129,7 @@ def test_plan_pieces_rebuild_hf_state_to_mcore(arch):
 @pytest.mark.parametrize("tied", [False, True])
 def test_model_config_from_hf_inverts_hf_config(arch, tied):
     mc = ModelConfig(
-        arch=arch,
+        **arch_fields(arch),
         num_layers=3,
         hidden_size=96,
         ffn_hidden_size=200,
@@ -451,6 +459,68 @@ def test_fp8_export_loads_with_transformers_finegrained_fp8(fp8_export):
         if t.dtype == torch.float8_e4m3fn:
             ours = dequantize_blockwise(t, q[n + "_scale_inv"], dtype=torch.bfloat16)
             assert torch.equal(state[n], ours), n
+
+
+@pytest.fixture(scope="module")
+def fp8_moe_export(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8_moe")
+    hf = make_hf_model(root / "hf", "qwen3_moe", hidden=128)
+    export_fp8(root / "fp8", hf_dir=hf, keep_last_layers=1, progress=False)
+    return hf, root / "fp8"
+
+
+def test_fp8_export_quantizes_each_expert_and_keeps_the_router(fp8_moe_export):
+    """Qwen3-MoE: every expert linear of a converted layer is FP8 with its own block scales, the
+    router stays BF16, and a kept layer's experts are skipped by their module prefix."""
+    hf, out = fp8_moe_export
+    skip = json.loads((out / "config.json").read_text())["quantization_config"][
+        "modules_to_not_convert"
+    ]
+    assert "model.layers.1.mlp.experts" in skip and not any(".mlp.gate" in m for m in skip)
+    src, q = read_hf(hf), read_hf(out)
+    fp8_names = {n for n, t in q.items() if t.dtype == torch.float8_e4m3fn}
+    experts = {
+        f"model.layers.0.mlp.experts.{e}.{x}_proj.weight"
+        for e in range(4)
+        for x in ("gate", "up", "down")
+    }
+    attention = {f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkvo"}
+    assert fp8_names == experts | attention
+    assert q["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16
+    for name in experts:
+        assert q[name + "_scale_inv"].shape == (-(-src[name].shape[0] // 128), 1)
+        deq = dequantize_blockwise(q[name], q[name + "_scale_inv"], dtype=torch.float32)
+        assert (deq - src[name]).abs().max() <= 2**-4 * src[name].abs().max(), name
+
+
+def test_fp8_moe_export_loads_with_transformers_finegrained_fp8(fp8_moe_export):
+    """transformers' FP8 reader fuses our per-expert FP8 tensors into its in-memory experts
+    (``gate_up_proj`` [experts, 2 x width, hidden], ``down_proj``): each expert dequantizes to
+    exactly our dequantization, and the kept layer's experts are the BF16 weights."""
+    pytest.importorskip("accelerate", reason="transformers' FP8 loader requires accelerate")
+    import transformers
+
+    hf, out = fp8_moe_export
+    skip = json.loads((out / "config.json").read_text())["quantization_config"][
+        "modules_to_not_convert"
+    ]
+    qc = transformers.FineGrainedFP8Config(dequantize=True, modules_to_not_convert=skip)
+    state = transformers.AutoModelForCausalLM.from_pretrained(out, quantization_config=qc)
+    state = state.state_dict()
+    src, q = read_hf(hf), read_hf(out)
+
+    def ours(layer, e, x):
+        n = f"model.layers.{layer}.mlp.experts.{e}.{x}_proj.weight"
+        if layer == 1:
+            return src[n].bfloat16()
+        return dequantize_blockwise(q[n], q[n + "_scale_inv"], dtype=torch.bfloat16)
+
+    for layer in (0, 1):
+        fused = state[f"model.layers.{layer}.mlp.experts.gate_up_proj"]
+        down = state[f"model.layers.{layer}.mlp.experts.down_proj"]
+        for e in range(4):
+            assert torch.equal(fused[e], torch.cat([ours(layer, e, "gate"), ours(layer, e, "up")]))
+            assert torch.equal(down[e], ours(layer, e, "down"))
 
 
 # -- command line --------------------------------------------------------------------------------
