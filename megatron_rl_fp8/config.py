@@ -91,8 +91,9 @@ class RunConfig:
             if section.seed is None:
                 section.seed = self.train.seed
 
-    def _check_experts(self, dp: int) -> None:
-        """Mixture-of-experts rules (issue 47): the expert-parallel layout, and what is not built."""
+    def _check_experts(self, dp: int, *, planning: bool) -> None:
+        """Mixture-of-experts rules (issue 47): the expert-parallel layout, and what is not built
+        (``planning``: the run is only sized, by ``plan``)."""
         m, ep = self.model, self.parallel.expert_model_parallel_size
         if m.num_experts is None:
             if ep > 1:
@@ -109,6 +110,14 @@ class RunConfig:
         problem = self.parallel.expert_layout_problem(dp)
         if problem:
             raise ConfigError(problem)
+        if self.parallel.tensor_model_parallel_size > 1 and not self.parallel.sequence_parallel:
+            raise ConfigError(
+                "parallel.tensor_model_parallel_size > 1 with model.num_experts needs "
+                "parallel.sequence_parallel: true (Megatron's MoE layer refuses to train "
+                "without it)"
+            )
+        if planning:
+            return
         # The actor trains (tests/distributed/test_moe_actor.py) and `convert` carries Qwen3-MoE
         # (tests/unit/test_convert.py); the rollout side is not built.
         raise ConfigError(
@@ -118,10 +127,13 @@ class RunConfig:
             "use a dense model"
         )
 
-    def validate(self, world_size: int = 1, *, this_machine: bool = True) -> RunConfig:
+    def validate(
+        self, world_size: int = 1, *, this_machine: bool = True, planning: bool = False
+    ) -> RunConfig:
         """Cross-section rules; raises ConfigError naming the fields involved. ``this_machine``:
         also what this machine must have to run it (logger packages, Transformer Engine where a
-        setting needs it); off when planning a run for another machine."""
+        setting needs it); off when planning a run for another machine. ``planning``: the config
+        is only sized (``plan``), so what is not built yet for a run (MoE) is let through."""
         p, m, t = self.parallel, self.model, self.train
         check_model_matches(m, p.tensor_model_parallel_size)
         if self.loss.kl_coef > 0:
@@ -143,7 +155,7 @@ class RunConfig:
                 "or the number of processes"
             )
         dp = world_size // p.model_parallel_size
-        self._check_experts(dp)
+        self._check_experts(dp, planning=planning)
         if m.num_layers % pp:
             raise ConfigError(
                 f"model.num_layers={m.num_layers} is not divisible by "

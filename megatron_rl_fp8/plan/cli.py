@@ -26,6 +26,7 @@ from megatron_rl_fp8.plan.time import (
     PRECISIONS,
     ROLLOUT_SIDE,
     TRAINER_SIDE,
+    active_linear_weights,
     check_turns,
     planned_fleet,
     predict,
@@ -173,16 +174,25 @@ def format_table(e: Estimate) -> str:
 def format_alternatives(fits: list[Estimate], top: int) -> str:
     if not fits:
         return "No layout of these GPUs fits: add GPUs, shorten the micro-batch, or offload."
+    moe = any(e.layout.ep > 1 for e in fits)  # the EP column, for a mixture-of-experts model
+    order = (
+        "least recompute, smallest EP within a node, most margin"
+        if moe
+        else ("least recompute, most margin")
+    )
     lines = [
         f"Layouts of the same {fits[0].world.size} GPUs that fit: {len(fits)}, the best "
-        f"{min(top, len(fits))} (fewest model-parallel ranks, least recompute, most margin):",
-        "   TP  PP  CP  DP  SP   dist-opt  recompute    peak GB  margin GB",
+        f"{min(top, len(fits))} (fewest model-parallel ranks, {order}):",
+        "   TP  PP  CP  DP"
+        + ("  EP" if moe else "")
+        + "  SP   dist-opt  recompute    peak GB  margin GB",
     ]
     onoff = {True: "on", False: "off"}
     for e in fits[:top]:
         lay = e.layout
+        ep = f" {lay.ep:>3}" if moe else ""
         lines.append(
-            f"  {lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.dp:>3}  {onoff[lay.sequence_parallel]:<4}"
+            f"  {lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.dp:>3}{ep}  {onoff[lay.sequence_parallel]:<4}"
             f" {onoff[lay.distributed_optimizer]:<9} {lay.recompute:<10}"
             f"{e.peak / GB:9.1f}  {e.margin_gb:9.1f}"
         )
@@ -349,7 +359,7 @@ def run(args) -> int:
     cfg, notes = load_for_plan(args.config, overrides)
     # The rules `train` applies, with the same one-line errors; not what this machine lacks
     # (TE, logger packages): plans are usually made away from the GPUs.
-    cfg.validate(world.size, this_machine=False)
+    cfg.validate(world.size, this_machine=False, planning=True)
     if args.time:
         check_turns(cfg, args.turns, args.inserted, args.tool_s)
     e = estimate(cfg, world, spec=args.spec, logits=DEFAULT_LOGPROBS)
@@ -361,9 +371,13 @@ def run(args) -> int:
         f"{args.config} on {world.size} GPUs ({world.nodes} x {world.gpus_per_node}, "
         f"{world.gpu_memory_gb:g} GB each)"
     )
+    moe = ""
+    if m.num_experts is not None:
+        active = active_linear_weights(m) + m.hidden_size * m.padded_vocab_size()
+        moe = f", {m.num_experts} experts, top-{m.moe_topk}, {active / 1e9:.2f}B active"
     print(
         f"  model: {stage_params(m, tp=1, pp=1, stage=0) / 1e9:.2f}B parameters "
-        f"({m.num_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size}), {dtype}; "
+        f"({m.num_layers} layers, hidden {m.hidden_size}, vocab {m.vocab_size}{moe}), {dtype}; "
         f"{args.spec} spec"
     )
     print(f"  layout: {e.layout.describe()}")

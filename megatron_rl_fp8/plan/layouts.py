@@ -8,9 +8,12 @@ save nothing) / full (uniform, one layer), with sequence parallelism whenever TP
 split the config's batch: each mini-batch's rows over the DP ranks, in whole micro-batches. Optimizer
 offload is not tried (the last resort), and the config's own setting is not carried over.
 
+A mixture-of-experts model also tries every expert parallelism EP that divides the experts and the
+DP x CP ranks (TP must then divide the expert width too).
+
 Ranking: fewest model-parallel ranks (TP x PP x CP: less communication, more DP), then the
 cheapest recomputation (none, selective, full: full adds ~1/3 of the forward to the backward),
-then the largest margin.
+then (MoE) the smallest EP that stays within a node with TP, then the largest margin.
 """
 
 from __future__ import annotations
@@ -45,10 +48,11 @@ def _splits_batch(cfg: RunConfig, dp: int) -> bool:
 def candidate_layouts(cfg: RunConfig, world: World, spec: Spec) -> Iterator[Layout]:
     m, n = cfg.model, world.size
     heads = math.gcd(m.num_attention_heads, m.num_query_groups)
+    width = m.ffn_hidden_size if m.num_experts is None else (m.moe_ffn_hidden_size or 0)
     tps = [
         t
         for t in _divisors(heads)
-        if t <= world.gpus_per_node and m.ffn_hidden_size % t == 0 and n % t == 0
+        if t <= world.gpus_per_node and m.ffn_hidden_size % t == 0 and width % t == 0 and n % t == 0
     ]
     cps = [2**i for i in range(n.bit_length()) if spec == "te" or i == 0]
     # Selective recompute drops the unfused attention's s^2 scores; fused attention keeps none.
@@ -62,22 +66,29 @@ def candidate_layouts(cfg: RunConfig, world: World, spec: Spec) -> Iterator[Layo
                 dp = n // (tp * pp * cp)
                 if not _splits_batch(cfg, dp):
                     continue
+                eps = [1]
+                if m.num_experts is not None:
+                    eps = [e for e in _divisors(m.num_experts) if (dp * cp) % e == 0]
                 for dist_opt in (False, True) if dp * cp > 1 else (False,):
                     for recompute in recomputes:
-                        yield Layout(
-                            tp=tp,
-                            pp=pp,
-                            cp=cp,
-                            dp=dp,
-                            sequence_parallel=tp > 1,
-                            distributed_optimizer=dist_opt,
-                            recompute=recompute,
-                        )
+                        for ep in eps:
+                            yield Layout(
+                                tp=tp,
+                                pp=pp,
+                                cp=cp,
+                                dp=dp,
+                                ep=ep,
+                                sequence_parallel=tp > 1,
+                                distributed_optimizer=dist_opt,
+                                recompute=recompute,
+                            )
 
 
 def _rank(e: Estimate) -> tuple:
     lay = e.layout
-    return (lay.model_parallel_size, RECOMPUTE_COST[lay.recompute], -e.margin_gb)
+    # MoE: an EP whose all-to-all leaves the node is dearer than any within it.
+    across = lay.ep * lay.tp > e.world.gpus_per_node
+    return (lay.model_parallel_size, RECOMPUTE_COST[lay.recompute], across, lay.ep, -e.margin_gb)
 
 
 def alternatives(cfg: RunConfig, world: World, *, spec: Spec, logits: LogitsCost) -> list[Estimate]:

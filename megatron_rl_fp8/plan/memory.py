@@ -67,6 +67,7 @@ from megatron_rl_fp8.plan.model_bytes import (
     logits_bytes,
     param_bytes,
     saves_fp8_inputs,
+    stage_expert_params,
     stage_fp8_layers,
     stage_params,
 )
@@ -140,6 +141,7 @@ class Layout:
     pp: int = 1
     cp: int = 1
     dp: int = 1
+    ep: int = 1  # expert parallelism (MoE): a split of the DP x CP ranks, not a multiple
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     recompute: Recompute = "none"
@@ -165,6 +167,7 @@ class Layout:
             pp=pp,
             cp=cp,
             dp=world_size // (tp * pp * cp),
+            ep=p.expert_model_parallel_size,
             sequence_parallel=p.sequence_parallel,
             distributed_optimizer=p.use_distributed_optimizer,
             recompute=mem.recompute_granularity or "none",
@@ -187,8 +190,9 @@ class Layout:
         offload = (
             f", optimizer offload {self.offload_fraction:.0%}" if self.offload_fraction else ""
         )
+        ep = f" (EP {self.ep})" if self.ep > 1 else ""
         return (
-            f"TP {self.tp} x PP {self.pp} x CP {self.cp} x DP {self.dp}; "
+            f"TP {self.tp} x PP {self.pp} x CP {self.cp} x DP {self.dp}{ep}; "
             f"SP {'on' if self.sequence_parallel else 'off'}; distributed optimizer "
             f"{'on' if self.distributed_optimizer else 'off'}; recompute {recompute}{offload}"
         )
@@ -363,8 +367,11 @@ def estimate(
     # Bytes per parameter: fp32 main weights (a bf16 model only) and Adam's two moments, sharded
     # over DP x CP by the distributed optimizer, less the share offloaded to the host.
     optimizer = ((4 if a == 2 else 0) + 8) * (1 - lay.offload_fraction)
+    # MoE: the experts' states are sharded over the expert-data-parallel ranks, DP x CP / EP.
+    expert_share = 1.0
     if lay.distributed_optimizer:
         optimizer /= lay.dp * lay.cp
+        expert_share = lay.ep
     n_micro = _micro_batches(cfg, lay.dp)
     engines = _engine_shares(cfg, world)
     allowance = 0.0 if cpu else RUNTIME_ALLOWANCE_GB * GB
@@ -373,7 +380,9 @@ def estimate(
 
     best = None
     for stage in range(lay.pp):
-        params = stage_params(m, lay.tp, lay.pp, stage)
+        params = stage_params(m, lay.tp, lay.pp, stage, ep=lay.ep)
+        experts = stage_expert_params(m, lay.tp, lay.pp, lay.ep)
+        optimizer_params = params + experts * (expert_share - 1)
         fp8_layers = stage_fp8_layers(m, cfg.fp8, lay.pp, stage)
         acts = _activations(
             m,
@@ -403,12 +412,12 @@ def estimate(
         else:
             logprobs = (acts.buffer + acts.forward, 0.0)
         ref = params * a if cfg.loss.kl_coef > 0 else 0.0
-        fp8_params = fp8_linear_params(m, cfg.fp8, lay.tp, lay.pp, stage)
+        fp8_params = fp8_linear_params(m, cfg.fp8, lay.tp, lay.pp, stage, ep=lay.ep)
         fp8_update, fp8_logprobs = (fp8_params * b for b in fp8_copies)
         rows = (
             Component("weights", params * a, params * a),
             Component("gradients", params * 4, params * 4),
-            Component("optimizer", optimizer * params, optimizer * params),
+            Component("optimizer", optimizer * optimizer_params, optimizer * optimizer_params),
             Component("activations", update[0], logprobs[0]),
             Component("logits", update[1], logprobs[1]),
             Component("KL reference", ref, ref),

@@ -22,35 +22,73 @@ Device = Literal["gpu", "cpu"]
 
 
 # -- layers and stages --------------------------------------------------------------------------
+# A mixture-of-experts layer (``model.num_experts``, Qwen3-MoE) has a router (hidden x experts,
+# BF16, replicated) and ``num_experts`` SwiGLU experts of width ``moe_ffn_hidden_size``, split over
+# EP (whole experts) and TP (each expert, Megatron's expert tensor parallelism = TP); a token passes
+# through ``moe_topk`` of them, so its FLOPs and activations see an FFN ``topk x width`` wide.
 def _widths(m: ModelConfig) -> tuple[int, int, int, int, int]:
-    """(h, q, g, f, n): hidden, query width, key/value width, FFN width, query heads."""
+    """(h, q, g, f, n): hidden, query width, key/value width, the FFN width a token passes through
+    (MoE: top-k x the expert width), query heads."""
     n, d = m.num_attention_heads, m.kv_channels
-    return m.hidden_size, n * d, m.num_query_groups * d, m.ffn_hidden_size, n
+    f = m.ffn_hidden_size if m.num_experts is None else m.moe_topk * _expert_width(m)
+    return m.hidden_size, n * d, m.num_query_groups * d, f, n
+
+
+def _expert_width(m: ModelConfig) -> int:
+    return m.moe_ffn_hidden_size or m.ffn_hidden_size
+
+
+def _attention_weights(m: ModelConfig) -> int:
+    h, q, g, _, _ = _widths(m)
+    return h * (q + 2 * g) + q * h
+
+
+def layer_expert_weights(m: ModelConfig) -> int:
+    """Weights of one layer's experts, all of them (0 for a dense model)."""
+    return 0 if m.num_experts is None else m.num_experts * 3 * _expert_width(m) * m.hidden_size
 
 
 def layer_linear_weights(m: ModelConfig) -> int:
-    """Weights of one transformer layer's four linears (QKV, output projection, gate + up, down),
-    whole (not split by TP), without biases."""
-    h, q, g, f, _ = _widths(m)
-    return h * (q + 2 * g) + q * h + 2 * f * h + f * h
+    """Weights of one transformer layer's linears (QKV, output projection, gate + up, down; MoE:
+    the router and every expert's), whole (not split by TP or EP), without biases."""
+    if m.num_experts is None:
+        return _attention_weights(m) + 3 * m.ffn_hidden_size * m.hidden_size
+    return _attention_weights(m) + m.hidden_size * m.num_experts + layer_expert_weights(m)
 
 
-def layer_params(m: ModelConfig, tp: int) -> float:
-    """Parameters of one transformer layer on one TP rank: the four linears split by TP, the
-    norms (and Qwen3's QK-norms) replicated."""
+def layer_active_weights(m: ModelConfig) -> int:
+    """Weights one token multiplies in one layer (MoE: the router and its top-k experts): what
+    its FLOPs count."""
+    if m.num_experts is None:
+        return layer_linear_weights(m)
+    expert = 3 * _expert_width(m) * m.hidden_size
+    return _attention_weights(m) + m.hidden_size * m.num_experts + m.moe_topk * expert
+
+
+def layer_params(m: ModelConfig, tp: int, ep: int = 1) -> float:
+    """Parameters of one transformer layer on one GPU: the attention and dense MLP linears split
+    by TP, the experts by EP x TP, the router, the norms (and Qwen3's QK-norms) replicated."""
     h, q, g, _, _ = _widths(m)
-    linear = layer_linear_weights(m)
+    experts = layer_expert_weights(m)
+    router = 0 if m.num_experts is None else h * m.num_experts
+    linear = layer_linear_weights(m) - experts - router
     bias = (q + 2 * g) if m.qkv_bias else 0
     norms = 2 * h + (2 * m.kv_channels if m.qk_layernorm else 0)
-    return (linear + bias) / tp + norms
+    return (linear + bias) / tp + experts / (tp * ep) + router + norms
 
 
-def stage_params(m: ModelConfig, tp: int, pp: int, stage: int) -> float:
+def stage_expert_params(m: ModelConfig, tp: int, pp: int, ep: int = 1) -> float:
+    """The experts' parameters on one GPU of any pipeline stage (0 for a dense model): the
+    distributed optimizer shards them over the expert-data-parallel ranks, DP x CP / EP."""
+    return m.num_layers // pp * layer_expert_weights(m) / (tp * ep)
+
+
+def stage_params(m: ModelConfig, tp: int, pp: int, stage: int, ep: int = 1) -> float:
     """Parameters on one GPU of pipeline ``stage``: its layers, the embedding on the first stage,
     the output layer and the final norm on the last (a tied output layer is the embedding itself
     at PP = 1, a synchronised copy of it at PP > 1)."""
     vocab = m.padded_vocab_size(tp) * m.hidden_size / tp
-    n = m.num_layers // pp * layer_params(m, tp)
+    n = m.num_layers // pp * layer_params(m, tp, ep)
     if stage == 0:
         n += vocab
     if stage == pp - 1:
@@ -66,13 +104,19 @@ def stage_fp8_layers(m: ModelConfig, fp8: FP8Config, pp: int, stage: int) -> lis
     return [fp8.layer_uses_fp8(i, m.num_layers) for i in range(first, first + per_stage)]
 
 
-def fp8_linear_params(m: ModelConfig, fp8: FP8Config, tp: int, pp: int, stage: int) -> float:
-    """Weight elements of the FP8 linears on one GPU of pipeline ``stage``: the four linears of
-    each of its layers that runs FP8 (BF16 first / last layers are global positions), and the
-    output layer on the last stage when it runs FP8 (``keep_lm_head_bf16: false``)."""
+def fp8_linear_params(
+    m: ModelConfig, fp8: FP8Config, tp: int, pp: int, stage: int, ep: int = 1
+) -> float:
+    """Weight elements of the FP8 linears on one GPU of pipeline ``stage``: the linears of each
+    of its layers that runs FP8 (BF16 first / last layers are global positions; MoE: the experts
+    on this GPU, the router stays BF16), and the output layer on the last stage when it runs FP8
+    (``keep_lm_head_bf16: false``)."""
     if not fp8.enabled:
         return 0.0
-    n = layer_linear_weights(m) / tp * sum(stage_fp8_layers(m, fp8, pp, stage))
+    experts = layer_expert_weights(m)
+    router = 0 if m.num_experts is None else m.hidden_size * m.num_experts
+    per_layer = (layer_linear_weights(m) - experts - router) / tp + experts / (tp * ep)
+    n = per_layer * sum(stage_fp8_layers(m, fp8, pp, stage))
     if stage == pp - 1 and not fp8.keep_lm_head_bf16:
         n += m.padded_vocab_size(tp) * m.hidden_size / tp
     return n
@@ -180,7 +224,15 @@ def layer_activation_bytes(
     (local spec: Q and K after RoPE, a (q + g), and V, a view that keeps the QKV output alive; no
     s^2 term); of ``mlp``, drops SwiGLU's and FC2's terms; of ``layernorm``, the two linear
     inputs (norm outputs, recomputed). Context parallelism divides the tokens (the caller's
-    business: this is per token). Checked against the tensors autograd saves on the CPU
+    business: this is per token). A MoE layer (``model.num_experts``, E experts, top-k) counts f
+    as k x the expert width, FC1's input as the token's k permuted copies, k c h, the fp32
+    router's input, 4 h, and its routing (indices, probabilities, map, permutation), 24 k + 5 E
+    + 4; unfused, each expert also keeps SwiGLU's output before the routing probability scales
+    it, a f more. Checked on the CPU (fp32, local spec, hidden 256, expert width 192, 64
+    tokens): 4 experts top-2 saved 27796 bytes per token against 27464 counted, 8 experts top-4
+    39128 against 38796, the same 332-336 of small tensors the dense layer leaves out
+    (``test_moe_layer_activations_match_the_tensors_autograd_saves``). Expert parallelism moves
+    tokens between GPUs but, with the load balanced, leaves each GPU as many as it started with. Checked against the tensors autograd saves on the CPU
     (scripts/validate_plan.py); the GPU-only kernels (fused SwiGLU, TE) are read from their code.
     """
     h, q, g, f, n = _widths(m)
@@ -188,7 +240,11 @@ def layer_activation_bytes(
     local = spec == "local"
     norms = 2 * (8 * h if local else a * h)
     c = 1 if fp8_inputs else a  # bytes per element of a linear's saved input
-    linear_inputs = 0 if "layernorm" in selective else 2 * c * h
+    # MoE: FC1's input is the token's k copies permuted to its experts; the fp32 router keeps its
+    # input (4 h) and the routing (top-k indices, probabilities, map, permutation: ~24 k + 5 E).
+    k = 1 if m.num_experts is None else m.moe_topk
+    router = 0 if m.num_experts is None else 4 * h + 24 * k + 5 * m.num_experts + 4
+    linear_inputs = 0 if "layernorm" in selective else (1 + k) * c * h
     # The QKV output stays alive while a view of it is saved: K as the K-norm's input (unless the
     # local spec's norm saves an fp32 copy of a bf16 K instead), or V (MHA, and the checkpoint of
     # a selectively recomputed core attention).
@@ -207,8 +263,10 @@ def layer_activation_bytes(
         attn = a * (q + 2 * g) + 4 * n
     qk += a * (q + 2 * g) if qkv_kept else 0
     proj = c * q
-    mlp = 0 if "mlp" in selective else (2 if fused_swiglu else 4) * a * f + c * f
-    outside = norms + linear_inputs
+    # Unfused, an expert also keeps SwiGLU's output before the routing probability scales it.
+    unfused = 4 if m.num_experts is None else 5
+    mlp = 0 if "mlp" in selective else (2 if fused_swiglu else unfused) * a * f + c * f
+    outside = norms + linear_inputs + router
     return outside / (tp if sequence_parallel else 1) + (qk + attn + proj + mlp) / tp
 
 
@@ -234,7 +292,8 @@ def forward_working_bytes(
     4 a q."""
     h, q, g, f, n = _widths(m)
     residual = 2 * a * h / (tp if sequence_parallel else 1)
-    mlp = a * h + (3 if fused_swiglu else 5) * a * f / tp
+    k = 1 if m.num_experts is None else m.moe_topk  # MoE: the token's permuted copies
+    mlp = (1 + (k if k > 1 else 0)) * a * h + (3 if fused_swiglu else 5) * a * f / tp
     if spec == "local" and sdpa:
         attn = 4 * a * q / tp
     elif spec == "local":

@@ -60,7 +60,13 @@ from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.plan.efficiency import EFFICIENCY, REFERENCE_GPU, Efficiency
 from megatron_rl_fp8.plan.hardware import GPU
 from megatron_rl_fp8.plan.memory import Estimate, Layout, World, estimate
-from megatron_rl_fp8.plan.model_bytes import Spec, layer_linear_weights, stage_params
+from megatron_rl_fp8.plan.model_bytes import (
+    Spec,
+    layer_active_weights,
+    layer_linear_weights,
+    stage_expert_params,
+    stage_params,
+)
 from megatron_rl_fp8.plan.presets import BENCH_ACTOR_2B
 from megatron_rl_fp8.rollout import registry
 from megatron_rl_fp8.rollout.registry import Fleet
@@ -79,16 +85,22 @@ IN_TURN = ("sync", "checkpoint")
 
 # -- FLOPs: benchmarks/bench_actor.py's convention ------------------------------------------------------
 def linear_weights(m: ModelConfig) -> float:
-    """Weights of every linear GEMM, the output layer included (not the embedding, a lookup)."""
+    """Weights of every linear GEMM, the output layer included (not the embedding, a lookup);
+    MoE: every expert's (what is stored, read and sent)."""
     return m.num_layers * layer_linear_weights(m) + m.hidden_size * m.padded_vocab_size()
+
+
+def active_linear_weights(m: ModelConfig) -> float:
+    """:func:`linear_weights` that one token multiplies (MoE: its top-k experts): its FLOPs / 2."""
+    return m.num_layers * layer_active_weights(m) + m.hidden_size * m.padded_vocab_size()
 
 
 def train_flops_per_token(m: ModelConfig, seq: float) -> tuple[float, float]:
     """(linear, attention) training FLOPs per token, forward + backward, at sequence length
     ``seq``: ``benchmarks/bench_actor.py:flops_per_token`` split in its two terms (a unit test
-    holds them equal)."""
+    holds them equal); MoE: the active weights only."""
     q = m.num_attention_heads * m.kv_channels
-    return 6.0 * linear_weights(m), 12.0 * m.num_layers * seq * q
+    return 6.0 * active_linear_weights(m), 12.0 * m.num_layers * seq * q
 
 
 def optimizer_seconds(params: float, gpu: GPU, eff: Efficiency) -> float:
@@ -216,10 +228,12 @@ def _rollout(
     inserted: float = 0.0,
 ) -> dict[str, float]:
     k = fleet.tp
-    lin = linear_weights(m)
+    # MoE: the engine holds (and a decode step of a full batch reads) every expert, but a token
+    # multiplies only its top-k (ASSUMPTION: the batch touches every expert at each step).
+    lin, stored = active_linear_weights(m), linear_weights(m)
     emb = m.hidden_size * m.padded_vocab_size()  # the input embedding, read once per token
     q = m.num_attention_heads * m.kv_channels
-    weight_bytes = (lin * (1 if fp8 else 2) + 2 * emb) / k  # per GPU of the engine
+    weight_bytes = (stored * (1 if fp8 else 2) + 2 * emb) / k  # per GPU of the engine
     kv_per_token = 2 * m.num_layers * m.num_query_groups * m.kv_channels * 2 / k  # bf16 K and V
     pool = fleet.mem_fraction * gpu.memory_gb * 1e9 - weight_bytes
     seq = prompt_len + new_tokens
@@ -282,9 +296,11 @@ def trainer_pass_seconds(
     fp8_speedup: float,
     bubble: float,
     eff: Efficiency,
+    gpus_per_node: int = 8,
 ) -> float:
     """Seconds on each GPU for ``forwards`` forward-equivalents (a backward is two) of
-    ``tokens``, the compute split evenly over the world, plus the TP collectives."""
+    ``tokens``, the compute split evenly over the world, plus the TP (and MoE's EP)
+    collectives."""
     lin, attn = train_flops_per_token(m, seq)
     world = lay.tp * lay.pp * lay.cp * lay.dp
     per_gpu = tokens * forwards / 3 / world
@@ -299,11 +315,20 @@ def trainer_pass_seconds(
     # TP: 2 all-reduces (or all-gather + reduce-scatter under SP) of [tokens, hidden] bf16 per
     # layer and forward, each moving 2 (TP - 1) / TP of it per GPU, not overlapped.
     tp_s = 0.0
+    local = tokens / (lay.dp * lay.cp)
     if lay.tp > 1:
-        local = tokens / (lay.dp * lay.cp)
         moved = 2 * local * m.hidden_size * 2 * 2 * (lay.tp - 1) / lay.tp
         tp_s = forwards * (m.num_layers / lay.pp) * moved / (gpu.nvlink_bytes_s * eff.nvlink)
-    return (gemm + rest) * bubble + tp_s
+    # EP: per MoE layer and forward, the token dispatcher's two all-to-alls (to the experts and
+    # back) of the top-k copies, [tokens x k, hidden] bf16 / TP, of which (EP - 1) / EP leave
+    # the GPU; over NVLink within a node, InfiniBand across (not overlapped: an upper bound).
+    ep_s = 0.0
+    if m.num_experts is not None and lay.ep > 1:
+        moved = 2 * local * m.moe_topk * m.hidden_size * 2 / lay.tp * (lay.ep - 1) / lay.ep
+        intra = lay.ep * lay.tp <= gpus_per_node
+        link = gpu.nvlink_bytes_s * eff.nvlink if intra else gpu.ib_bytes_s * eff.ib
+        ep_s = forwards * (m.num_layers / lay.pp) * moved / link
+    return (gemm + rest) * bubble + tp_s + ep_s
 
 
 def predict(
@@ -396,7 +421,7 @@ def predict(
     else:
         micro = max(1, math.ceil(per_rank / t.micro_batch_size))
     bubble = 1 + (lay.pp - 1) / micro
-    run = dict(tokens=tokens, seq=seq, bubble=bubble, eff=eff)
+    run = dict(tokens=tokens, seq=seq, bubble=bubble, eff=eff, gpus_per_node=world.gpus_per_node)
     forward_fp8 = trainer_pass_seconds(m, gpu, lay, forwards=1, fp8_speedup=speed, **run)
     forward_bf16 = trainer_pass_seconds(m, gpu, lay, forwards=1, fp8_speedup=1.0, **run)
     reference = forward_fp8 if cfg.loss.kl_coef > 0 else 0.0
@@ -412,8 +437,11 @@ def predict(
 
     forwards = 3 + (1 if lay.recompute == "full" else 0)
     update = trainer_pass_seconds(m, gpu, lay, forwards=forwards, fp8_speedup=speed, **run)
-    params = stage_params(m, lay.tp, lay.pp, stage=0)
-    shard = params / (lay.dp * lay.cp) if lay.distributed_optimizer else params
+    params = stage_params(m, lay.tp, lay.pp, stage=0, ep=lay.ep)
+    # The distributed optimizer shards the experts over DP x CP / EP ranks, the rest over DP x CP.
+    experts = stage_expert_params(m, lay.tp, lay.pp, lay.ep)
+    sharded = params + experts * (lay.ep - 1)
+    shard = sharded / (lay.dp * lay.cp) if lay.distributed_optimizer else params
     update += t.updates_per_step * optimizer_seconds(shard, gpu, eff)
     n = lay.dp * lay.cp
     if n > 1:  # DP gradient reduction, fp32, not overlapped (ASSUMPTION: an upper bound)
