@@ -16,6 +16,7 @@ to the optimizer: one scheduler step per *applied* optimizer step, as Megatron's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.fp8.te import have_te, megatron_fp8_kwargs
 from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.models.config import ModelConfig
+from megatron_rl_fp8.models.expert_load import ExpertLoad
 from megatron_rl_fp8.models.fp8 import (
     fp8_scaling_state,
     fp8_weight_cache,
@@ -124,6 +126,10 @@ class Actor:
             **memory.megatron_kwargs(),
         )
         module = build_gpt_model(model_cfg, self.config, use_te=use_te)
+        # MoE: the routers' token counts per expert, for the step's moe/ metrics.
+        self.expert_load = None
+        if model_cfg.num_experts is not None:
+            self.expert_load = ExpertLoad(module, model_cfg.num_layers, model_cfg.num_experts)
         if self.fp8_backend in ("torch", "torchao", "emulate"):
             install_fp8_linears(module, self.fp8, model_cfg.num_layers, self.fp8_backend)
         if groups.device.type == "cuda":
@@ -305,7 +311,9 @@ class Actor:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        out = self._run(micro_batches, loss_fn, forward_only=False)
+        counting = self.expert_load.counting() if self.expert_load else contextlib.nullcontext()
+        with counting:
+            out = self._run(micro_batches, loss_fn, forward_only=False)
         if not self._finite(out):
             # Never apply a NaN/inf update (Megatron's fp32 and bf16 optimizers would: only fp16
             # loss scaling looks for them). The stability guard decides what happens next.
@@ -329,6 +337,14 @@ class Actor:
         flag = (~finite).to(self.groups.device, torch.float32).reshape(1)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return flag.item() == 0.0
+
+    def expert_load_metrics(self) -> dict[str, float]:
+        """MoE: the ``moe/`` load metrics of the optimizer steps since the last call (collective
+        over all ranks; ``models/expert_load.py``); {} for a dense model."""
+        if self.expert_load is None:
+            return {}
+        own_tokens = self.groups.tp_rank == 0 or self.parallel.sequence_parallel
+        return self.expert_load.metrics(device=self.groups.device, counts_here=own_tokens)
 
     def finish_param_gather(self) -> None:
         """Make every rank's module hold the updated weights. With

@@ -318,7 +318,9 @@ class PolicyUpdate:
             account(outs, acc, applied)
 
         metrics = reduce(acc, g, cfg.train.updates_per_step)
+        load = self.actor.expert_load_metrics()  # collective; {} for a dense model
         if g.is_driver:
+            metrics.update(load)
             metrics["train/grad_norm"] = grad_norms[-1]
             metrics["train/skipped_updates"] = float(skipped)
             metrics["train/lr"] = lr  # of the last update, as the grad norm

@@ -16,6 +16,7 @@ import math
 import re
 import zlib
 
+import pytest
 import torch
 
 from tests.dist_utils import run_distributed
@@ -82,8 +83,12 @@ def _body(rank, world, ep, fp8, aux):
         torch.distributed.all_reduce(loss, group=g.dp)
         losses.append(loss.item())
     moved = (router.detach() - router0).abs().max().item()
+    routed = actor.expert_load.counts.sum(dim=1).tolist()  # this rank's tokens x top-k, per layer
+    load = actor.expert_load_metrics()
     parallel.destroy()
     return {
+        "routed": routed,
+        "load": load,
         "losses": losses,
         "local_experts": experts,
         "router_moved": moved,
@@ -101,6 +106,17 @@ def test_expert_parallel_trains_as_one_rank_of_experts():
     assert one["losses"][0] > one["losses"][-1]  # it trains
     for a, b in zip(one["losses"], two["losses"]):
         assert math.isclose(a, b, rel_tol=1e-5), (one["losses"], two["losses"])
+
+
+def test_expert_load_is_counted_per_layer_over_every_rank():
+    """The routers' token counts (models/expert_load.py): each rank routes its own 4 rows x 12
+    tokens to 2 experts, in each of 3 steps, at either EP; the moe/ metrics bracket the mean."""
+    one, two = _run(1), _run(2)
+    for r in (one, two):
+        assert r["routed"] == [3 * 4 * 12 * 2] * 2
+        assert r["load"]["moe/load_max_over_mean"] >= 1.0 >= r["load"]["moe/load_min_over_mean"]
+        assert r["load"]["moe/load_min_over_mean"] >= 0.0
+    assert one["load"] == pytest.approx(two["load"])
 
 
 def test_fp8_experts_with_expert_parallelism():
@@ -121,3 +137,47 @@ def test_fp8_experts_with_expert_parallelism():
 def test_the_load_balancing_loss_trains_the_router():
     r = _run(2, aux=0.01)
     assert all(math.isfinite(x) for x in r["losses"]) and r["router_moved"] > 0
+
+
+def _shadow_body(rank, world, ep):
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.fp8.config import FP8Config
+    from megatron_rl_fp8.models.config import ModelConfig
+    from megatron_rl_fp8.trainer.actor import Actor
+    from megatron_rl_fp8.trainer.config import OptimConfig
+
+    cfg = parallel.ParallelConfig(expert_model_parallel_size=ep)
+    g = parallel.initialize(cfg, seed=1)
+    model = ModelConfig(vocab_size=53, num_experts=EXPERTS, moe_topk=2, moe_ffn_hidden_size=32)
+    actors = {
+        name: Actor(model, OptimConfig(), g, fp8_cfg, parallel=cfg)
+        for name, fp8_cfg in (
+            ("bf16", None),
+            ("fp8", FP8Config(recipe="blockwise", backend="emulate")),
+        )
+    }
+    for actor in actors.values():
+        _set_weights_by_global_name(
+            actor.module, ps.get_expert_model_parallel_rank(), EXPERTS // ep
+        )
+        actor.params_changed()
+    ids = torch.randint(0, 53, (4, 12), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "labels": torch.roll(ids, -1, 1)}
+    plain = actors["bf16"].compute_logprobs(batch, 2)["logprobs"]
+    fp8 = actors["fp8"].compute_logprobs(batch, 2)["logprobs"]
+    with actors["fp8"].full_precision():
+        shadow = actors["fp8"].compute_logprobs(batch, 2)["logprobs"]
+    parallel.destroy()
+    return plain, fp8, shadow
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_the_bf16_shadow_pass_covers_the_experts(ep):
+    """Calibration's BF16 shadow forward (``Actor.full_precision``) switches FP8 off in the
+    expert linears too: the FP8 actor's shadow log-probs are the full-precision actor's bit for
+    bit, at EP 1 and EP 2, while its FP8 ones differ."""
+    for plain, fp8, shadow in run_distributed(_shadow_body, world_size=2, args=(ep,)):
+        assert torch.equal(shadow, plain)
+        assert not torch.equal(fp8, plain)

@@ -70,10 +70,19 @@ def test_bad_checkpoint_folders(hf, tmp_path):
     (tmp_path / "no_config").mkdir()
     with pytest.raises(ConfigError, match="has no config.json"):
         _cfg(tmp_path / "no_config", base=_empty(tmp_path))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"]}))
+    with pytest.raises(ConfigError, match=r"DeepseekV3ForCausalLM.*not supported; supported"):
+        _cfg(other, base=_empty(tmp_path))
+    # Qwen3-MoE maps (docs/convert.md), but not a router Megatron does not compute the same way.
     moe = tmp_path / "moe"
     moe.mkdir()
-    (moe / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"]}))
-    with pytest.raises(ConfigError, match=r"Qwen3MoeForCausalLM.*not supported; supported"):
+    config = json.loads((hf["dir"] / "config.json").read_text())
+    config |= {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "norm_topk_prob": False}
+    config |= {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    (moe / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"norm_topk_prob=false is not supported"):
         _cfg(moe, base=_empty(tmp_path))
 
 
