@@ -10,6 +10,14 @@ linear weights arrive as e4m3 codes + ``weight_scale_inv`` (the sync path quanti
 dequantized on load; every input to those linears is fake-quantized to e4m3 with one dynamic scale
 per 1 x ``act_group`` elements, as block-FP8 serving kernels quantize activations on the fly.
 
+A Qwen3-MoE model arrives with HF's per-expert names (``mlp.experts.<e>.gate_proj.weight``, what
+the files and SGLang hold); transformers 5 keeps the experts fused in memory (``gate_up_proj``
+[experts, 2 x width, hidden] = each expert's [gate; up], ``down_proj`` [experts, hidden, width]), so
+each expert's tensor is copied into its slice. Under FP8 rollout the experts' weights are FP8 like
+every linear's, and their first GEMM's input (the routed hidden states) is fake-quantized; the
+input of their down projection (SwiGLU's output, inside transformers' expert loop) is not: that
+one activation stays in the model's dtype here, a gap of this stand-in, not of SGLang.
+
 Syncs: the engine lives in the driver's process, so the driver gathers every pipeline stage's
 weights and pushes them all (its :class:`~.base.SyncPlan` leaves ``from_stages`` off); the push
 is ``update_weights``. It shares the trainer's memory, so there is none to release or resume.
@@ -17,6 +25,7 @@ is ``update_weights``. It shares the trainer's memory, so there is none to relea
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable, Sequence
 
@@ -52,6 +61,24 @@ class GumbelSampling(transformers.LogitsProcessor):
         )
         # u in [0, 1): u = 0 gives -inf noise, a token never drawn, as its probability is 0.
         return scores + -torch.log(-torch.log(u))
+
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _expert_slice(params: dict, name: str) -> tuple[str, torch.Tensor] | None:
+    """(fused parameter name, the view of it that HF's per-expert ``name`` fills), or None."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+    fused = prefix + (".down_proj" if kind == "down" else ".gate_up_proj")
+    if fused not in params or e >= params[fused].shape[0]:
+        return None
+    if kind == "down":
+        return fused, params[fused][e]
+    half = params[fused].shape[1] // 2
+    return fused, params[fused][e, :half] if kind == "gate" else params[fused][e, half:]
 
 
 class InProcessSender:
@@ -106,6 +133,8 @@ class LocalEngine:
         for name, module in self.model.named_modules():
             if isinstance(module, torch.nn.Linear) and is_fp8_weight(name + ".weight"):
                 module.register_forward_pre_hook(hook)
+            elif name.endswith(".mlp.experts") and hasattr(module, "gate_up_proj"):
+                module.register_forward_pre_hook(hook)  # the routed hidden states (docstring)
 
     # -- weights -------------------------------------------------------------------------------
     @property
@@ -120,18 +149,26 @@ class LocalEngine:
         seen = set()
         dtype = next(iter(params.values())).dtype
         named = (nt for bucket in buckets for nt in bucket.tensors)
+        pieces: dict[str, int] = {}  # fused expert parameter -> expert tensors received
         for name, tensor in dequantize_stream(named, block=self.fp8.weight_block, dtype=dtype):
-            if name not in params:
+            target = (name, params[name]) if name in params else _expert_slice(params, name)
+            if target is None:
                 raise KeyError(
                     f"engine has no parameter {name!r}; the HF mapping and model disagree"
                 )
-            if params[name].shape != tensor.shape:
+            if target[1].shape != tensor.shape:
                 raise ValueError(
-                    f"{name}: engine shape {tuple(params[name].shape)} != sent "
+                    f"{name}: engine shape {tuple(target[1].shape)} != sent "
                     f"{tuple(tensor.shape)}"
                 )
-            params[name].copy_(tensor)
-            seen.add(name)
+            target[1].copy_(tensor)
+            if target[0] == name:
+                seen.add(name)
+            else:
+                pieces[target[0]] = pieces.get(target[0], 0) + 1
+        for fused, n in pieces.items():  # each expert's down, or its gate and its up
+            if n == params[fused].shape[0] * (1 if fused.endswith(".down_proj") else 2):
+                seen.add(fused)
         missing = set(params) - seen
         if self.model.config.tie_word_embeddings:
             missing.discard("lm_head.weight")
