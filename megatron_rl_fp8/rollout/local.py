@@ -158,8 +158,7 @@ class LocalEngine:
                 )
             if target[1].shape != tensor.shape:
                 raise ValueError(
-                    f"{name}: engine shape {tuple(target[1].shape)} != sent "
-                    f"{tuple(tensor.shape)}"
+                    f"{name}: engine shape {tuple(target[1].shape)} != sent {tuple(tensor.shape)}"
                 )
             target[1].copy_(tensor)
             if target[0] == name:
