@@ -438,23 +438,30 @@ def test_fp8_export_logits_within_fp8_error(fp8_export):
     assert err.abs().max() > 1e-4  # not accidentally comparing BF16 with BF16
 
 
+def _load_dequantized_with_transformers(out: Path) -> dict[str, torch.Tensor]:
+    """The state dict transformers' FP8 loader makes of the export ``out``, dequantized, with
+    the export's own ``modules_to_not_convert`` (the override replaces the checkpoint's)."""
+    pytest.importorskip("accelerate", reason="transformers' FP8 loader requires accelerate")
+    import transformers
+
+    skip = json.loads((out / "config.json").read_text())["quantization_config"][
+        "modules_to_not_convert"
+    ]
+    qc = transformers.FineGrainedFP8Config(dequantize=True, modules_to_not_convert=skip)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=qc
+    ).state_dict()
+
+
 def test_fp8_export_loads_with_transformers_finegrained_fp8(fp8_export):
     """transformers' own FP8 reader (FineGrainedFP8) must dequantize our export to exactly our
     dequantization. It needs ``accelerate``. Dequantizing is asked for explicitly: left to itself
     the loader dequantizes only where no FP8-capable GPU is visible, and elsewhere keeps float8
     weights (which cannot be compared with bf16). The override also replaces the checkpoint's
     ``modules_to_not_convert``, so the export's own list is passed along."""
-    pytest.importorskip("accelerate", reason="transformers' FP8 loader requires accelerate")
-    import transformers
-
     hf, out = fp8_export
-    skip = json.loads((out / "config.json").read_text())["quantization_config"][
-        "modules_to_not_convert"
-    ]
-    qc = transformers.FineGrainedFP8Config(dequantize=True, modules_to_not_convert=skip)
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, quantization_config=qc)
+    state = _load_dequantized_with_transformers(out)
     q = read_hf(out)
-    state = model.state_dict()
     for n, t in q.items():
         if t.dtype == torch.float8_e4m3fn:
             ours = dequantize_blockwise(t, q[n + "_scale_inv"], dtype=torch.bfloat16)
@@ -497,16 +504,8 @@ def test_fp8_moe_export_loads_with_transformers_finegrained_fp8(fp8_moe_export):
     """transformers' FP8 reader fuses our per-expert FP8 tensors into its in-memory experts
     (``gate_up_proj`` [experts, 2 x width, hidden], ``down_proj``): each expert dequantizes to
     exactly our dequantization, and the kept layer's experts are the BF16 weights."""
-    pytest.importorskip("accelerate", reason="transformers' FP8 loader requires accelerate")
-    import transformers
-
     hf, out = fp8_moe_export
-    skip = json.loads((out / "config.json").read_text())["quantization_config"][
-        "modules_to_not_convert"
-    ]
-    qc = transformers.FineGrainedFP8Config(dequantize=True, modules_to_not_convert=skip)
-    state = transformers.AutoModelForCausalLM.from_pretrained(out, quantization_config=qc)
-    state = state.state_dict()
+    state = _load_dequantized_with_transformers(out)
     src, q = read_hf(hf), read_hf(out)
 
     def ours(layer, e, x):
