@@ -28,7 +28,6 @@ from megatron_rl_fp8.models.hf_mapping import (
     MappingError,
     expected_hf_shapes,
     model_config_from_hf,
-    moe_ffn_size,
 )
 
 
@@ -177,9 +176,9 @@ def _check_layout(model: ModelConfig, tp: int, pp: int) -> None:
         )
     if model.num_experts is None and model.ffn_hidden_size % tp:
         raise ConvertError(f"--tp {tp} must divide intermediate_size={model.ffn_hidden_size}")
-    if model.num_experts is not None and moe_ffn_size(model) % tp:
+    if model.num_experts is not None and model.expert_ffn_hidden_size % tp:
         raise ConvertError(
-            f"--tp {tp} must divide moe_intermediate_size={moe_ffn_size(model)} (the experts are "
+            f"--tp {tp} must divide moe_intermediate_size={model.expert_ffn_hidden_size} (the experts are "
             "split over the tensor-parallel ranks)"
         )
     if model.num_layers % pp:

@@ -150,6 +150,11 @@ class ModelConfig:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
+    def expert_ffn_hidden_size(self) -> int:
+        """MoE: each expert's SwiGLU width (``moe_ffn_hidden_size``, default ``ffn_hidden_size``)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
     def qkv_bias(self) -> bool:
         return self.arch == "qwen2"
 

@@ -150,7 +150,7 @@ def moe_config(model: ModelConfig, *, use_te: bool) -> dict:
     return dict(
         num_moe_experts=model.num_experts,
         moe_router_topk=model.moe_topk,
-        moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+        moe_ffn_hidden_size=model.expert_ffn_hidden_size,
         moe_router_dtype="fp32",
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=use_te,

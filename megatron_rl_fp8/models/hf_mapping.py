@@ -61,11 +61,6 @@ def hf_architecture(model: ModelConfig) -> str:
     ]
 
 
-def moe_ffn_size(model: ModelConfig) -> int:
-    """Each expert's SwiGLU width (``model.moe_ffn_hidden_size``, default ``ffn_hidden_size``)."""
-    return model.moe_ffn_hidden_size or model.ffn_hidden_size
-
-
 def hf_config(
     model: ModelConfig,
     *,
@@ -109,7 +104,7 @@ def hf_config(
         kwargs.update(
             num_experts=model.num_experts,
             num_experts_per_tok=model.moe_topk,
-            moe_intermediate_size=moe_ffn_size(model),
+            moe_intermediate_size=model.expert_ffn_hidden_size,
             norm_topk_prob=True,
             decoder_sparse_step=1,
             mlp_only_layers=[],
@@ -438,7 +433,7 @@ def expected_hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.down_proj.weight": (h, f),
     }
     if model.num_experts is not None:
-        fe = moe_ffn_size(model)
+        fe = model.expert_ffn_hidden_size
         per_layer["mlp.gate.weight"] = (model.num_experts, h)
         expert = {"gate_proj": (fe, h), "up_proj": (fe, h), "down_proj": (h, fe)}
     out = {}

@@ -48,7 +48,7 @@ def _splits_batch(cfg: RunConfig, dp: int) -> bool:
 def candidate_layouts(cfg: RunConfig, world: World, spec: Spec) -> Iterator[Layout]:
     m, n = cfg.model, world.size
     heads = math.gcd(m.num_attention_heads, m.num_query_groups)
-    width = m.ffn_hidden_size if m.num_experts is None else (m.moe_ffn_hidden_size or 0)
+    width = m.ffn_hidden_size if m.num_experts is None else m.expert_ffn_hidden_size
     tps = [
         t
         for t in _divisors(heads)

@@ -13,7 +13,7 @@ gradients      Megatron DDP's gradient buffer, fp32 (the actor sets ``grad_reduc
                reduce-scatters inside it, it does not shrink it).
 optimizer      fp32 main weights (bf16 models only) + Adam ``exp_avg`` and ``exp_avg_sq``:
                12 bytes per parameter (8 for an fp32 model); / (DP x CP) with
-               ``parallel.use_distributed_optimizer``; minus the host share with
+               ``parallel.use_distributed_optimizer`` (MoE experts: / (DP x CP / EP)); minus the host share with
                ``memory.optimizer_cpu_offload``.
 activations    what the backward needs of each micro-batch (:func:`layer_activation_bytes`)
                times the micro-batches a stage holds under 1F1B (PP - stage), and the local
@@ -180,6 +180,16 @@ class Layout:
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
+
+    def optimizer_params(self, m: ModelConfig, stage: int) -> float:
+        """Parameters whose optimizer state one GPU of pipeline ``stage`` holds: its own, or with
+        the distributed optimizer its share over the DP x CP ranks (MoE: the experts' over
+        DP x CP / EP, each expert's replicas)."""
+        params = stage_params(m, self.tp, self.pp, stage, ep=self.ep)
+        if not self.distributed_optimizer:
+            return params
+        experts = stage_expert_params(m, self.tp, self.pp, self.ep)
+        return (params + experts * (self.ep - 1)) / (self.dp * self.cp)
 
     def describe(self) -> str:
         recompute = {
@@ -364,14 +374,10 @@ def estimate(
     rank_tokens = tokens / lay.cp
     vocab = m.padded_vocab_size(lay.tp) / lay.tp
     lg = {ph: logits_bytes(logits, ph, tokens=rank_tokens, vocab=vocab, a=a) for ph in PHASES}
-    # Bytes per parameter: fp32 main weights (a bf16 model only) and Adam's two moments, sharded
-    # over DP x CP by the distributed optimizer, less the share offloaded to the host.
+    # Bytes per parameter: fp32 main weights (a bf16 model only) and Adam's two moments, less the
+    # share offloaded to the host; over the parameters whose state this GPU holds
+    # (Layout.optimizer_params: the distributed optimizer shards them).
     optimizer = ((4 if a == 2 else 0) + 8) * (1 - lay.offload_fraction)
-    # MoE: the experts' states are sharded over the expert-data-parallel ranks, DP x CP / EP.
-    expert_share = 1.0
-    if lay.distributed_optimizer:
-        optimizer /= lay.dp * lay.cp
-        expert_share = lay.ep
     n_micro = _micro_batches(cfg, lay.dp)
     engines = _engine_shares(cfg, world)
     allowance = 0.0 if cpu else RUNTIME_ALLOWANCE_GB * GB
@@ -381,8 +387,7 @@ def estimate(
     best = None
     for stage in range(lay.pp):
         params = stage_params(m, lay.tp, lay.pp, stage, ep=lay.ep)
-        experts = stage_expert_params(m, lay.tp, lay.pp, lay.ep)
-        optimizer_params = params + experts * (expert_share - 1)
+        optimizer_params = lay.optimizer_params(m, stage)
         fp8_layers = stage_fp8_layers(m, cfg.fp8, lay.pp, stage)
         acts = _activations(
             m,

@@ -30,30 +30,31 @@ def _widths(m: ModelConfig) -> tuple[int, int, int, int, int]:
     """(h, q, g, f, n): hidden, query width, key/value width, the FFN width a token passes through
     (MoE: top-k x the expert width), query heads."""
     n, d = m.num_attention_heads, m.kv_channels
-    f = m.ffn_hidden_size if m.num_experts is None else m.moe_topk * _expert_width(m)
+    f = m.ffn_hidden_size if m.num_experts is None else m.moe_topk * m.expert_ffn_hidden_size
     return m.hidden_size, n * d, m.num_query_groups * d, f, n
 
 
-def _expert_width(m: ModelConfig) -> int:
-    return m.moe_ffn_hidden_size or m.ffn_hidden_size
+def _router_weights(m: ModelConfig) -> int:
+    return 0 if m.num_experts is None else m.hidden_size * m.num_experts
 
 
-def _attention_weights(m: ModelConfig) -> int:
-    h, q, g, _, _ = _widths(m)
-    return h * (q + 2 * g) + q * h
+def _split_by_tp_weights(m: ModelConfig) -> int:
+    """One layer's linear weights TP splits and EP does not: attention, and a dense model's MLP."""
+    h, q, g, f, _ = _widths(m)
+    return h * (q + 2 * g) + q * h + (3 * f * h if m.num_experts is None else 0)
 
 
 def layer_expert_weights(m: ModelConfig) -> int:
     """Weights of one layer's experts, all of them (0 for a dense model)."""
-    return 0 if m.num_experts is None else m.num_experts * 3 * _expert_width(m) * m.hidden_size
+    if m.num_experts is None:
+        return 0
+    return m.num_experts * 3 * m.expert_ffn_hidden_size * m.hidden_size
 
 
 def layer_linear_weights(m: ModelConfig) -> int:
     """Weights of one transformer layer's linears (QKV, output projection, gate + up, down; MoE:
     the router and every expert's), whole (not split by TP or EP), without biases."""
-    if m.num_experts is None:
-        return _attention_weights(m) + 3 * m.ffn_hidden_size * m.hidden_size
-    return _attention_weights(m) + m.hidden_size * m.num_experts + layer_expert_weights(m)
+    return _split_by_tp_weights(m) + _router_weights(m) + layer_expert_weights(m)
 
 
 def layer_active_weights(m: ModelConfig) -> int:
@@ -61,20 +62,18 @@ def layer_active_weights(m: ModelConfig) -> int:
     its FLOPs count."""
     if m.num_experts is None:
         return layer_linear_weights(m)
-    expert = 3 * _expert_width(m) * m.hidden_size
-    return _attention_weights(m) + m.hidden_size * m.num_experts + m.moe_topk * expert
+    top_k = m.moe_topk * 3 * m.expert_ffn_hidden_size * m.hidden_size
+    return _split_by_tp_weights(m) + _router_weights(m) + top_k
 
 
 def layer_params(m: ModelConfig, tp: int, ep: int = 1) -> float:
     """Parameters of one transformer layer on one GPU: the attention and dense MLP linears split
     by TP, the experts by EP x TP, the router, the norms (and Qwen3's QK-norms) replicated."""
     h, q, g, _, _ = _widths(m)
-    experts = layer_expert_weights(m)
-    router = 0 if m.num_experts is None else h * m.num_experts
-    linear = layer_linear_weights(m) - experts - router
     bias = (q + 2 * g) if m.qkv_bias else 0
     norms = 2 * h + (2 * m.kv_channels if m.qk_layernorm else 0)
-    return (linear + bias) / tp + experts / (tp * ep) + router + norms
+    split = (_split_by_tp_weights(m) + bias) / tp + layer_expert_weights(m) / (tp * ep)
+    return split + _router_weights(m) + norms
 
 
 def stage_expert_params(m: ModelConfig, tp: int, pp: int, ep: int = 1) -> float:
@@ -113,9 +112,7 @@ def fp8_linear_params(
     (``keep_lm_head_bf16: false``)."""
     if not fp8.enabled:
         return 0.0
-    experts = layer_expert_weights(m)
-    router = 0 if m.num_experts is None else m.hidden_size * m.num_experts
-    per_layer = (layer_linear_weights(m) - experts - router) / tp + experts / (tp * ep)
+    per_layer = _split_by_tp_weights(m) / tp + layer_expert_weights(m) / (tp * ep)
     n = per_layer * sum(stage_fp8_layers(m, fp8, pp, stage))
     if stage == pp - 1 and not fp8.keep_lm_head_bf16:
         n += m.padded_vocab_size(tp) * m.hidden_size / tp

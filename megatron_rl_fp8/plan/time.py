@@ -64,7 +64,6 @@ from megatron_rl_fp8.plan.model_bytes import (
     Spec,
     layer_active_weights,
     layer_linear_weights,
-    stage_expert_params,
     stage_params,
 )
 from megatron_rl_fp8.plan.presets import BENCH_ACTOR_2B
@@ -438,11 +437,7 @@ def predict(
     forwards = 3 + (1 if lay.recompute == "full" else 0)
     update = trainer_pass_seconds(m, gpu, lay, forwards=forwards, fp8_speedup=speed, **run)
     params = stage_params(m, lay.tp, lay.pp, stage=0, ep=lay.ep)
-    # The distributed optimizer shards the experts over DP x CP / EP ranks, the rest over DP x CP.
-    experts = stage_expert_params(m, lay.tp, lay.pp, lay.ep)
-    sharded = params + experts * (lay.ep - 1)
-    shard = sharded / (lay.dp * lay.cp) if lay.distributed_optimizer else params
-    update += t.updates_per_step * optimizer_seconds(shard, gpu, eff)
+    update += t.updates_per_step * optimizer_seconds(lay.optimizer_params(m, 0), gpu, eff)
     n = lay.dp * lay.cp
     if n > 1:  # DP gradient reduction, fp32, not overlapped (ASSUMPTION: an upper bound)
         per_gpu = (4 + 2 if lay.distributed_optimizer else 2 * 4) * params * (n - 1) / n
