@@ -116,7 +116,10 @@ def test_expert_load_is_counted_per_layer_over_every_rank():
         assert r["routed"] == [3 * 4 * 12 * 2] * 2
         assert r["load"]["moe/load_max_over_mean"] >= 1.0 >= r["load"]["moe/load_min_over_mean"]
         assert r["load"]["moe/load_min_over_mean"] >= 0.0
-    assert one["load"] == pytest.approx(two["load"])
+    # Same routing in both layouts, up to the fp32 summation order of EP 2's all-to-all (~1e-7
+    # per step): a near-tie may route one token differently after a step on another CPU, which
+    # moves a ratio by 1/144 (144 tokens per expert on average); allow a few.
+    assert one["load"] == pytest.approx(two["load"], abs=0.03)
 
 
 def test_fp8_experts_with_expert_parallelism():
