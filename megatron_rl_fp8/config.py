@@ -91,9 +91,8 @@ class RunConfig:
             if section.seed is None:
                 section.seed = self.train.seed
 
-    def _check_experts(self, dp: int, *, planning: bool) -> None:
-        """Mixture-of-experts rules (issue 47): the expert-parallel layout, and what is not built
-        (``planning``: the run is only sized, by ``plan``)."""
+    def _check_experts(self, dp: int) -> None:
+        """Mixture-of-experts rules (issue 47): the expert-parallel layout."""
         m, ep = self.model, self.parallel.expert_model_parallel_size
         if m.num_experts is None:
             if ep > 1:
@@ -116,24 +115,11 @@ class RunConfig:
                 "parallel.sequence_parallel: true (Megatron's MoE layer refuses to train "
                 "without it)"
             )
-        if planning:
-            return
-        # The actor trains (tests/distributed/test_moe_actor.py) and `convert` carries Qwen3-MoE
-        # (tests/unit/test_convert.py); the rollout side is not built.
-        raise ConfigError(
-            f"model.num_experts={m.num_experts}: mixture-of-experts runs are not supported yet: "
-            "the actor trains and `megatron-rl-fp8 convert` carries Qwen3-MoE checkpoints, but "
-            "the weight sync into the rollout engines does not carry expert weights (issue 47); "
-            "use a dense model"
-        )
 
-    def validate(
-        self, world_size: int = 1, *, this_machine: bool = True, planning: bool = False
-    ) -> RunConfig:
+    def validate(self, world_size: int = 1, *, this_machine: bool = True) -> RunConfig:
         """Cross-section rules; raises ConfigError naming the fields involved. ``this_machine``:
         also what this machine must have to run it (logger packages, Transformer Engine where a
-        setting needs it); off when planning a run for another machine. ``planning``: the config
-        is only sized (``plan``), so what is not built yet for a run (MoE) is let through."""
+        setting needs it); off when planning a run for another machine."""
         p, m, t = self.parallel, self.model, self.train
         check_model_matches(m, p.tensor_model_parallel_size)
         if self.loss.kl_coef > 0:
@@ -155,7 +141,7 @@ class RunConfig:
                 "or the number of processes"
             )
         dp = world_size // p.model_parallel_size
-        self._check_experts(dp, planning=planning)
+        self._check_experts(dp)
         if m.num_layers % pp:
             raise ConfigError(
                 f"model.num_layers={m.num_layers} is not divisible by "

@@ -83,13 +83,29 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 360):
     return fast
 
 
-def make_hf_model(out_dir: str | Path, *, seed: int = 0, tie: bool = False) -> dict:
-    """Write a tiny Qwen3 + tokenizer folder; returns {"dir", "eos_ids", "vocab_size", ...}."""
+def make_hf_model(
+    out_dir: str | Path, *, seed: int = 0, tie: bool = False, experts: int | None = None
+) -> dict:
+    """Write a tiny Qwen3 + tokenizer folder; returns {"dir", "eos_ids", "vocab_size", ...}.
+    ``experts``: a Qwen3-MoE instead, every layer's MLP that many experts (top-2, each 48 wide,
+    the router renormalising its top-k as Qwen3-MoE's releases do)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(out)
     eos_ids = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
-    config = transformers.Qwen3Config(
+    family, moe = transformers.Qwen3Config, {}
+    if experts is not None:
+        family = transformers.Qwen3MoeConfig
+        moe = dict(
+            num_experts=experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            router_aux_loss_coef=0.0,
+        )
+    config = family(
+        **moe,
         vocab_size=MODEL_VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -106,7 +122,7 @@ def make_hf_model(out_dir: str | Path, *, seed: int = 0, tie: bool = False) -> d
         pad_token_id=eos_ids[1],
     )
     torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(config).to(torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
     with torch.no_grad():  # non-trivial norms, so their mapping is exercised
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -40,9 +40,14 @@ ARCH_FIELDS: dict[str, str] = {
     "rope_scaling_factor": "rope_scaling.factor",
     "norm_eps": "rms_norm_eps",
     "tie_word_embeddings": "tie_word_embeddings",
+    "num_experts": "num_experts",
+    "moe_topk": "num_experts_per_tok",
+    "moe_ffn_hidden_size": "moe_intermediate_size",
 }
 # Filled from the checkpoint but free to lower: the longest sequence this run serves.
 _MAX_POSITIONS = "max_position_embeddings"
+# Filled from the checkpoint but free to change: a training setting it was released with.
+_TRAINING_DEFAULTS = ("moe_aux_loss_coeff",)
 CONVERSION_RECORD = "trainer_state.json"  # what hf-to-mcore writes next to the shards
 
 
@@ -151,6 +156,7 @@ def fill_model_section(section: dict) -> dict:
             "was not trained on longer sequences: lower it or remove it"
         )
     filled[_MAX_POSITIONS] = limit
+    filled.update({field: getattr(model, field) for field in _TRAINING_DEFAULTS})
     return {**filled, **section}
 
 

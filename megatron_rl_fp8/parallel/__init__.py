@@ -132,6 +132,14 @@ class Groups:
     cp_rank: int = 0
     cp_size: int = 1
     dp_cp: object = None
+    # Mixture-of-experts models: the expert-parallel group (the experts split over its ranks), the
+    # expert tensor-parallel group (each expert's linears split, as TP splits a dense MLP's), and
+    # this rank's place among the copies of the experts (expert data parallelism).
+    ep: object = None
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp: object = None
+    expert_dp_rank: int = 0
 
     def __post_init__(self):
         if self.dp_cp is None:
@@ -140,6 +148,18 @@ class Groups:
     @property
     def is_driver(self) -> bool:
         return self.rank == self.driver_rank
+
+    @property
+    def gathers_weights(self) -> bool:
+        """In the replica whose weights a sync gathers (DP rank 0, CP rank 0: the others hold
+        the same weights)."""
+        return self.dp_rank == 0 and self.cp_rank == 0
+
+    @property
+    def gathers_experts_only(self) -> bool:
+        """Outside that replica but holding experts it lacks: another rank of its
+        expert-parallel groups (expert-data-parallel rank 0), which joins each expert's gather."""
+        return self.ep_size > 1 and self.expert_dp_rank == 0 and not self.gathers_weights
 
 
 def check_context_parallel(cp_size: int, *, use_te: bool) -> None:
@@ -271,6 +291,11 @@ def current_groups() -> Groups:
         cp_rank=ps.get_context_parallel_rank(),
         cp_size=ps.get_context_parallel_world_size(),
         dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+        ep=ps.get_expert_model_parallel_group(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_group(),
+        expert_dp_rank=ps.get_expert_data_parallel_rank(),
     )
 
 

@@ -359,7 +359,7 @@ def run(args) -> int:
     cfg, notes = load_for_plan(args.config, overrides)
     # The rules `train` applies, with the same one-line errors; not what this machine lacks
     # (TE, logger packages): plans are usually made away from the GPUs.
-    cfg.validate(world.size, this_machine=False, planning=True)
+    cfg.validate(world.size, this_machine=False)
     if args.time:
         check_turns(cfg, args.turns, args.inserted, args.tool_s)
     e = estimate(cfg, world, spec=args.spec, logits=DEFAULT_LOGPROBS)

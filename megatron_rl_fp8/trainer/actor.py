@@ -311,9 +311,7 @@ class Actor:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        counting = self.expert_load.counting() if self.expert_load else contextlib.nullcontext()
-        with counting:
-            out = self._run(micro_batches, loss_fn, forward_only=False)
+        out = self._run(micro_batches, loss_fn, forward_only=False)
         if not self._finite(out):
             # Never apply a NaN/inf update (Megatron's fp32 and bf16 optimizers would: only fp16
             # loss scaling looks for them). The stability guard decides what happens next.
@@ -338,9 +336,15 @@ class Actor:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return flag.item() == 0.0
 
+    def counting_experts(self) -> contextlib.AbstractContextManager:
+        """MoE: count the tokens each router sends to each expert in the forward passes inside
+        (the RL update's; the warm start's are not the policy's load); nothing for a dense
+        model."""
+        return self.expert_load.counting() if self.expert_load else contextlib.nullcontext()
+
     def expert_load_metrics(self) -> dict[str, float]:
-        """MoE: the ``moe/`` load metrics of the optimizer steps since the last call (collective
-        over all ranks; ``models/expert_load.py``); {} for a dense model."""
+        """MoE: the ``moe/`` load metrics of the forward passes counted since the last call
+        (collective over all ranks; ``models/expert_load.py``); {} for a dense model."""
         if self.expert_load is None:
             return {}
         own_tokens = self.groups.tp_rank == 0 or self.parallel.sequence_parallel

@@ -29,7 +29,7 @@ from megatron_rl_fp8.rollout.base import RolloutEngine, SyncPlan, SyncSender
 from megatron_rl_fp8.rollout.errors import RolloutLost, SyncFailed
 from megatron_rl_fp8.rollout.registry import engine_spec
 from megatron_rl_fp8.sync.buckets import export_for_rollout
-from megatron_rl_fp8.sync.gather import iter_full_params
+from megatron_rl_fp8.sync.gather import ExpertGroups, iter_full_params
 from megatron_rl_fp8.sync.timing import SyncTimes, timed
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.collectives import broadcast_object
@@ -71,7 +71,8 @@ class EngineLink:
     def sync(self, version: int) -> float:
         """Megatron shards -> full tensors -> the export path (``sync.buckets.export_for_rollout``:
         HF names, rollout FP8, buckets) -> engine. Collective over the DP-rank-0 replica (its
-        CP-rank-0 ranks: the other CP ranks hold the same weights), and a barrier for the rest.
+        CP-rank-0 ranks: the other CP ranks hold the same weights) and, for a MoE model, the
+        other ranks of its expert-parallel groups; a barrier for the rest.
 
         The driver's engine plans each sync (``begin_sync``) and finishes it (``end_sync``); in
         between the plan's sending ranks push (:meth:`_push`). A sync that the engines could not
@@ -130,8 +131,9 @@ class EngineLink:
         (its TP-rank-0 rank of the DP-rank-0 / CP-rank-0 replica) gathers its stage's TP shards
         and pushes its own buckets, one stage after the other (NCCL groups sharing engines must
         not interleave). Otherwise (an in-process engine) every stage's full tensors go to the
-        driver, which pushes them all. The ranks that only take part in a gather drive its
-        collectives and report no parts."""
+        driver, which pushes them all. The ranks that only take part in a gather (a sender's TP
+        peers; a MoE model's other expert-parallel ranks) drive its collectives and report no
+        parts."""
         g = self.groups
         if self.node_sync.relayed(plan):  # each node's engines from a relay rank of that node
             return self.node_sync.push(
@@ -145,9 +147,9 @@ class EngineLink:
         else:  # the driver, in one gather over every stage
             sender, stages, pp_group = g.driver_rank, [g.pp_rank], g.pp
         error, mine = None, SyncTimes()
-        replica = g.dp_rank == 0 and g.cp_rank == 0
+        gathers = g.gathers_weights or g.gathers_experts_only
         for stage in stages:
-            if replica and stage == g.pp_rank:
+            if gathers and stage == g.pp_rank:
                 buckets = self._export(plan, mine, pp_group=pp_group, dst=sender)
                 if g.rank == sender:
                     pusher = self._sender(plan)
@@ -169,7 +171,12 @@ class EngineLink:
         if dst is None:
             dst = dist.get_process_group_ranks(g.tp)[0] if g.tp is not None else g.rank
         full = iter_full_params(
-            self.actor.model, tp_group=g.tp, pp_group=pp_group, dst_global_rank=dst
+            self.actor.model,
+            tp_group=g.tp,
+            pp_group=pp_group,
+            dst_global_rank=dst,
+            experts=ExpertGroups(ep=g.ep, etp=g.etp),
+            experts_only=g.gathers_experts_only,
         )
         buckets = export_for_rollout(
             timed(full, times, "gather"),

@@ -39,7 +39,9 @@ class RankPlace:
     node: str
     pp_rank: int
     stage_sender: bool  # its stage's sending rank (TP rank 0 of the gathering replica)
-    gathers: bool  # in the replica that gathers the weights (DP rank 0, CP rank 0)
+    # In a stage's gather: the replica that gathers the weights (DP rank 0, CP rank 0), and a MoE
+    # model's other expert-parallel ranks of it
+    gathers: bool
 
 
 def relay_ranks(
@@ -101,8 +103,9 @@ class NodeSync:
         if self._places is None:
             g = self.groups
             tp_first = dist.get_process_group_ranks(g.tp)[0] if g.tp is not None else g.rank
-            gathers = g.dp_rank == 0 and g.cp_rank == 0
-            mine = RankPlace(node_name(), g.pp_rank, gathers and tp_first == g.rank, gathers)
+            sender = g.gathers_weights and tp_first == g.rank
+            gathers = g.gathers_weights or g.gathers_experts_only
+            mine = RankPlace(node_name(), g.pp_rank, sender, gathers)
             places: list = [None] * dist.get_world_size()
             dist.all_gather_object(places, mine)
             self._places = places

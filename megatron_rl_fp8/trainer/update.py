@@ -306,13 +306,14 @@ class PolicyUpdate:
             if self.calibrator.sharing and not self.bf16 and u >= 1:
                 share = self.calibrator.share(u, seed=cfg.train.seed, step=step)
             lr = self.actor.lr  # the lr this update uses (the schedule steps after it)
-            outs, grad_norm, applied = self.actor.train_step(
-                mini,
-                cfg.train.micro_batch_size,
-                self._token_loss(counts, *(bounds or self.calibrator.bounds), share),
-                temperature=cfg.rollout.temperature,
-                max_tokens=cfg.train.max_tokens_per_gpu,
-            )
+            with self.actor.counting_experts():  # the moe/ load metrics
+                outs, grad_norm, applied = self.actor.train_step(
+                    mini,
+                    cfg.train.micro_batch_size,
+                    self._token_loss(counts, *(bounds or self.calibrator.bounds), share),
+                    temperature=cfg.rollout.temperature,
+                    max_tokens=cfg.train.max_tokens_per_gpu,
+                )
             grad_norms.append(grad_norm)
             skipped += not applied
             account(outs, acc, applied)

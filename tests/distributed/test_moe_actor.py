@@ -78,7 +78,8 @@ def _body(rank, world, ep, fp8, aux):
     fp8_experts = sum(".local_experts." in n for n, _, _ in emulated_linears(actor.module))
     losses = []
     for _ in range(3):
-        outs, _, _ = actor.train_step(rows_for_rank(batch, g.dp_rank, g.dp_size), 2, nll)
+        with actor.counting_experts():
+            outs, _, _ = actor.train_step(rows_for_rank(batch, g.dp_rank, g.dp_size), 2, nll)
         loss = torch.tensor([sum(o["loss"].item() for o in outs)], dtype=torch.float64)
         torch.distributed.all_reduce(loss, group=g.dp)
         losses.append(loss.item())

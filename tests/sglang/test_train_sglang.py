@@ -10,6 +10,7 @@
 * A per-node sync: PP=2 on two "nodes" (``SLURMD_NODENAME`` n1 and n2, one rank each), a
   colocated engine on each, ``transport=tensor``: each node's rank relays its stage's buckets to
   the other and pushes both stages' to its own node's engine over shared memory.
+* A tiny Qwen3-MoE at expert parallelism 2: every sync gathers the experts from both ranks.
 * ``train.pipeline=one_step_off`` with one dedicated engine, SIGKILLed while it generates the
   next step's rollout during an update: that rollout is lost, the engine relaunched and synced
   with the step's weights, and the next step generates its own (lag 0) before the pipeline
@@ -19,6 +20,7 @@
 the same weights, so it stays within 1e-3 of 1 (a wrong or stale weight gives >> 1.01).
 """
 
+import json
 import re
 from pathlib import Path
 
@@ -192,6 +194,32 @@ def test_per_node_sync_feeds_each_nodes_engine_from_its_own_rank(sglang_py, tmp_
     assert (pushed_by_n1, pushed_by_n2) == ([url1], [url2])
     for i in range(2):  # no distributed-transport group was ever formed
         assert "mrf8_sync" not in (work / f"engine{i}-1.log").read_text()
+
+
+def test_a_moe_trainer_with_expert_parallelism_feeds_an_sglang_engine(sglang_py, tmp_path):
+    """Issue 47: a tiny Qwen3-MoE (4 experts, top-2) trained at EP 2 on two ranks, its experts
+    gathered from both ranks at every sync, served by SGLang's CPU engine (a full-precision MoE
+    runs SGLang's native expert loop on a CPU without AMX: layers/quantization/unquant.py,
+    ``forward_cpu``); the engine's log-probs are the trainer's."""
+    work = tmp_path / "sglang"
+    overrides = [
+        *SMALL,
+        "train.steps=2",
+        "model.num_experts=4",
+        "model.moe_topk=2",
+        "model.moe_ffn_hidden_size=64",
+        "parallel.expert_model_parallel_size=2",
+        f"train.output_dir={tmp_path / 'run'}",
+        f"train.cache_dir={tmp_path / 'cache'}",
+        *_sglang_args(sglang_py, work),
+    ]
+    metrics = run_distributed(trainer_body, world_size=2, args=(overrides,), timeout=900)[0]
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    _assert_rollout_matches_trainer(metrics)  # every expert arrived, from both ranks
+    assert all(m["moe/load_max_over_mean"] >= 1.0 for m in metrics[1:])
+    served = json.loads((work / "model" / "config.json").read_text())
+    assert served["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert served.get("num_experts", served.get("num_local_experts")) == 4  # transformers 5: local
 
 
 def two_node_body(rank, world_size, overrides):

@@ -99,9 +99,7 @@ def test_moe_layer_activations_by_hand(experts, topk, counted):
 
 
 def test_the_a3b_example_fits_and_is_the_plans_first_choice():
-    cfg = load_config(A3B, ["model.hf_checkpoint=null"]).validate(
-        16, this_machine=False, planning=True
-    )
+    cfg = load_config(A3B, ["model.hf_checkpoint=null"]).validate(16, this_machine=False)
     e = estimate(cfg, H200_X16)
     assert e.fits and e.layout.ep == 8 and e.layout.dp == 16
     best = alternatives(cfg, H200_X16, spec="te", logits=DEFAULT_LOGPROBS)[0]
@@ -126,19 +124,14 @@ def test_the_ep_all_to_all_costs_update_time():
     from megatron_rl_fp8.plan.hardware import GPUS
     from megatron_rl_fp8.plan.time import predict
 
-    cfg = load_config(A3B, ["model.hf_checkpoint=null"]).validate(
-        16, this_machine=False, planning=True
-    )
+    cfg = load_config(A3B, ["model.hf_checkpoint=null"]).validate(16, this_machine=False)
     lay = Layout.from_config(cfg, H200_X16.size)
     within = predict(cfg, H200_X16, GPUS["H200"], "fp8", layout=lay)
     across = predict(cfg, H200_X16, GPUS["H200"], "fp8", layout=dataclasses.replace(lay, ep=16))
     assert across.phases["update"] > within.phases["update"]
 
 
-def test_train_refuses_a_moe_run_that_plan_sizes():
-    cfg = load_config(A3B, ["model.hf_checkpoint=null"])
-    with pytest.raises(ConfigError, match="not supported yet"):
-        cfg.validate(16, this_machine=False)
+def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
     bad = load_config(A3B, ["model.hf_checkpoint=null", "parallel.tensor_model_parallel_size=2"])
     with pytest.raises(ConfigError, match="sequence_parallel"):
-        bad.validate(16, this_machine=False, planning=True)
+        bad.validate(16, this_machine=False)

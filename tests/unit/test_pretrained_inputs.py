@@ -58,6 +58,22 @@ def test_disagreeing_model_field_names_both_values(hf, tmp_path):
         _cfg(hf["dir"], "model.max_position_embeddings=512", base=_empty(tmp_path))
 
 
+def test_a_moe_checkpoint_fills_the_expert_fields(tmp_path):
+    """A Qwen3-MoE folder (scripts/make_tiny_hf_model.py --experts 4) fills the MoE fields; the
+    load-balancing coefficient is the release's but free to change, the shape is not."""
+    from megatron_rl_fp8.data.tiny_hf import make_hf_model
+
+    moe = make_hf_model(tmp_path / "moe", experts=4)["dir"]
+    m = _cfg(moe, base=_empty(tmp_path)).model
+    assert (m.num_experts, m.moe_topk, m.moe_ffn_hidden_size) == (4, 2, 48)
+    assert m.moe_aux_loss_coeff == 0.0
+    assert _cfg(
+        moe, "model.moe_aux_loss_coeff=0.01", base=_empty(tmp_path)
+    ).model.moe_aux_loss_coeff
+    with pytest.raises(ConfigError, match=r"model.num_experts=8 disagrees with .*num_experts -> 4"):
+        _cfg(moe, "model.num_experts=8", base=_empty(tmp_path))
+
+
 def _empty(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("{}\n")

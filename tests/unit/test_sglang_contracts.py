@@ -14,6 +14,7 @@ every rebuild in another process releases one).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -459,6 +460,16 @@ def test_weight_blocks_sglang_refuses_are_refused_at_config():
         assert block_quant_shape_problem(qwen8b, tp, (128, 128)) is None
     assert "o_proj input per tensor-parallel rank is 256" in block_quant_shape_problem(
         qwen8b, 16, (128, 512)
+    )
+    # A MoE model: the experts' width (Fp8MoEMethod.create_weights), not the dense MLP's.
+    a3b = dataclasses.replace(qwen8b, num_experts=128, moe_topk=8, moe_ffn_hidden_size=768)
+    assert block_quant_shape_problem(a3b, 2, (128, 128)) is None  # 384 per rank
+    assert "experts' down_proj input per tensor-parallel rank is 192" in (
+        block_quant_shape_problem(a3b, 4, (64, 128))
+    )
+    narrow = dataclasses.replace(a3b, moe_ffn_hidden_size=96)
+    assert "experts' gate_proj / up_proj output per tensor-parallel rank is 96" in (
+        block_quant_shape_problem(narrow, 1, (128, 128))
     )
     bad = ["rollout.engine=sglang", "rollout.fp8.weight_quant=blockwise"]
     with pytest.raises(ConfigError, match=r"rollout.fp8.weight_block=\[128, 128\] with "):

@@ -203,21 +203,26 @@ def block_quant_shape_problem(model, tp: int, block: tuple[int, int]) -> str | N
     every output partition of a merged linear (q/k/v, gate/up: checked even at TP 1) and of a
     column-parallel linear split over TP must be a multiple of block_n; the input partition of a
     row-parallel linear split over TP (o_proj, down_proj) a multiple of block_k. KV heads are
-    replicated, one per rank, when TP exceeds their count (``QKVParallelLinear``)."""
+    replicated, one per rank, when TP exceeds their count (``QKVParallelLinear``). A MoE model's
+    experts, ``Fp8MoEMethod.create_weights``: the same two rules on each expert's width over TP
+    (``FusedMoE``'s ``intermediate_size_per_partition``; the engines run no expert parallelism)."""
     block_n, block_k = block
     d = model.kv_channels
     kv_per_rank = max(1, model.num_query_groups // tp)
-    attention, mlp = model.num_attention_heads * d // tp, model.ffn_hidden_size // tp
+    attention = model.num_attention_heads * d // tp
+    mlp, which = model.ffn_hidden_size // tp, "gate_proj / up_proj"
+    if model.num_experts is not None:
+        mlp, which = model.expert_ffn_hidden_size // tp, "experts' gate_proj / up_proj"
     # (linear, which side, width per rank, the block's size on that side, its name)
     checks = [
         ("q_proj", "output", attention, block_n, "rows"),
         ("k_proj / v_proj", "output", kv_per_rank * d, block_n, "rows"),
-        ("gate_proj / up_proj", "output", mlp, block_n, "rows"),
+        (which, "output", mlp, block_n, "rows"),
     ]
     if tp > 1:  # a row-parallel linear's input is split only over TP > 1
         checks += [
             ("o_proj", "input", attention, block_k, "columns"),
-            ("down_proj", "input", mlp, block_k, "columns"),
+            (which.replace("gate_proj / up_proj", "down_proj"), "input", mlp, block_k, "columns"),
         ]
     for name, side, width, size, dim in checks:
         if width % size:
