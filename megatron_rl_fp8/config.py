@@ -92,8 +92,19 @@ class RunConfig:
                 section.seed = self.train.seed
 
     def _check_experts(self, dp: int) -> None:
-        """Mixture-of-experts rules (issue 47): the expert-parallel layout."""
+        """Mixture-of-experts rules (issue 47): the expert-parallel layout, routing replay."""
         m, ep = self.model, self.parallel.expert_model_parallel_size
+        replay = self.rollout.routing_replay
+        if replay != "none" and m.num_experts is None:
+            raise ConfigError(
+                f"rollout.routing_replay={replay} needs a mixture-of-experts model "
+                "(model.num_experts); set it to none for a dense one"
+            )
+        if replay != "none" and self.env.tools is not None:
+            raise ConfigError(
+                f"rollout.routing_replay={replay} with env.tools: multi-turn rollouts do not "
+                "carry their turns' routes yet; set rollout.routing_replay=none"
+            )
         if m.num_experts is None:
             if ep > 1:
                 raise ConfigError(

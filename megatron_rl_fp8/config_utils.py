@@ -77,7 +77,10 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         )
     if origin is Literal:
         if value not in get_args(tp):
-            raise ConfigError(f"{path}: {value!r} is not {_type_name(tp)}")
+            hint = ""
+            if isinstance(value, bool) and all(isinstance(a, str) for a in get_args(tp)):
+                hint = " (YAML reads on / off / yes / no unquoted as booleans: quote the word)"
+            raise ConfigError(f"{path}: {value!r} is not {_type_name(tp)}{hint}")
         return value
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from megatron_rl_fp8.sync.buckets import Bucket
@@ -56,6 +56,10 @@ class Completion:
     gets no gradient, ratio or clip statistic). None: every token was sampled (one turn)."""
     turns: int = 1
     """Policy turns in the response (``rollout/turns.py``)."""
+    routed_experts: Any = None
+    """Mixture-of-experts engines asked for their routes (``rollout.routing_replay``): the
+    experts each token of prompt + response but the last went to, per layer, an int16 tensor
+    [len(prompt_ids) + len(response_ids) - 1, layers, top-k]; None otherwise."""
     tool_calls: int = 0
     """Tool calls the environment answered or tried to."""
     end: str = ""

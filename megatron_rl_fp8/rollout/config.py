@@ -53,6 +53,13 @@ class RolloutConfig(_EngineSections):
     temperature: float = field(1.0, help="Sampling temperature (logprobs use the same).")
     top_p: float = field(1.0, help="Nucleus sampling mass; 1.0 keeps logprobs unbiased.")
     max_new_tokens: int = field(8, help="Longest completion in tokens.")
+    routing_replay: Literal["none", "measure", "replay"] = field(
+        "none",
+        help="Mixture-of-experts models: the engines return the experts they routed each token "
+        "to. measure = the trainer reports how often its own routers choose another expert set "
+        "(moe/routing_mismatch); replay = its passes also replay the engine's experts (rollout "
+        "routing replay, R3), so old and new log-probs are those of the routes sampled from.",
+    )
     seed: int | None = field(
         None,
         help="Base seed of sampling; step s samples with seed + s (resumable). null = "

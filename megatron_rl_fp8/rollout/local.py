@@ -110,7 +110,10 @@ class LocalEngine:
         dtype=torch.float32,
         fp8: RolloutFP8Config | None = None,
         device: str | torch.device = "cpu",
+        return_routes: bool = False,
     ):
+        """``return_routes``: a mixture-of-experts model's completions carry the experts each
+        token went to (``Completion.routed_experts``; ``rollout.routing_replay``)."""
         self.device = torch.device(device)
         self.model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         self.model.to(self.device).eval()
@@ -123,6 +126,25 @@ class LocalEngine:
         self.sender = InProcessSender(self)
         if self.fp8.enabled:
             self._quantize_linear_inputs()
+        # Each MoE layer's router (transformers' Qwen3MoeTopKRouter returns logits, weights,
+        # expert ids), in layer order; its expert ids of every forward while capturing.
+        self._routes: list[list[torch.Tensor]] | None = None
+        self._routers = []
+        if return_routes:
+            self._routers = [
+                layer.mlp.gate for layer in self.model.model.layers if hasattr(layer.mlp, "gate")
+            ]
+            if not self._routers:
+                raise ValueError("return_routes: the model has no mixture-of-experts layers")
+            for i, router in enumerate(self._routers):
+                router.register_forward_hook(self._capture(i))
+
+    def _capture(self, layer: int):
+        def hook(_module, _args, output) -> None:
+            if self._routes is not None:
+                self._routes[layer].append(output[2])  # [rows x positions, k]
+
+        return hook
 
     def _quantize_linear_inputs(self) -> None:
         group = self.fp8.act_group
@@ -231,20 +253,12 @@ class LocalEngine:
         # pipelined rollout generates in another thread (trainer/pipeline.py). Greedy decoding
         # of the noised scores is the sample (Gumbel-max).
         processors = [] if greedy else [GumbelSampling(temperature, top_p, seed, self.device)]
-        out = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attn,
-            max_new_tokens=max(limits),
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            logits_processor=transformers.LogitsProcessorList(processors),
-            pad_token_id=self.pad_token_id,
-            eos_token_id=list(self.eos_token_ids),
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
+        if self._routers:
+            self._routes = [[] for _ in self._routers]
+        try:
+            out = self._generate(input_ids, attn, max(limits), processors)
+        finally:
+            routes, self._routes = self._routes, None
         new_tokens = out.sequences[:, width:]
         # logits: tuple over generated positions of [N, V] raw (pre-processor) logits.
         logits = torch.stack(out.logits, dim=1).float()
@@ -252,6 +266,17 @@ class LocalEngine:
         logp = torch.log_softmax(logits / t, dim=-1).gather(-1, new_tokens[..., None])[..., 0]
         # One device-to-host copy of the whole rollout.
         new_tokens, logp = new_tokens.cpu(), logp.cpu()
+        if routes is not None:
+            # Every forward's ids per layer (the prompt's, then one position per new token) as
+            # [rows, positions fed, layers, k], on the host.
+            rows = len(expanded)
+            routes = torch.stack(
+                [
+                    torch.cat([r.reshape(rows, -1, r.shape[-1]) for r in layer], 1)
+                    for layer in routes
+                ],
+                dim=2,
+            ).to("cpu", torch.int16)
         completions = []
         for i, p in enumerate(expanded):
             # A row's own limit cuts it where generating to that limit would have stopped.
@@ -267,6 +292,29 @@ class LocalEngine:
                     response_logprobs=logp[i, :length].tolist(),
                     finished=finished,
                     version=self._version,
+                    # The prompt's positions (left padding dropped) and every response token's
+                    # but the last, which was never fed back.
+                    routed_experts=(
+                        routes[i, width - len(p) : width + length - 1].clone()
+                        if routes is not None
+                        else None
+                    ),
                 )
             )
         return completions
+
+    def _generate(self, input_ids, attn, max_new_tokens: int, processors):
+        return self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attn,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            logits_processor=transformers.LogitsProcessorList(processors),
+            pad_token_id=self.pad_token_id,
+            eos_token_id=list(self.eos_token_ids),
+            output_logits=True,
+            return_dict_in_generate=True,
+        )

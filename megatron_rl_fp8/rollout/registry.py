@@ -240,7 +240,12 @@ def _build_local(cfg, hf_cfg, *, pad_token_id, eos_token_id, device=None, dtype=
 
     kw = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
     return LocalEngine(
-        hf_cfg, pad_token_id=pad_token_id, eos_token_id=eos_token_id, fp8=cfg.fp8, **kw
+        hf_cfg,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        fp8=cfg.fp8,
+        return_routes=cfg.routing_replay != "none",
+        **kw,
     )
 
 

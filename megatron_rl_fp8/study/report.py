@@ -73,6 +73,9 @@ STEP_MEANS = {
     # Multi-turn runs (env.tools) only: None elsewhere, and their table is left out.
     "tool_use_share": "rollout/tool_used_frac",
     "turns_mean": "rollout/turns_mean",
+    # Mixture-of-experts runs only (rollout.routing_replay measure / replay for the first).
+    "routing_mismatch": "moe/routing_mismatch",
+    "expert_load_max": "moe/load_max_over_mean",
 }
 # Every statistic in report order: its column label and number format.
 STATS: dict[str, tuple[str, str]] = {
@@ -96,13 +99,16 @@ STATS: dict[str, tuple[str, str]] = {
     "tool_use_share": ("sampled tool use", ".3f"),
     "final_tool_use": ("final eval tool use", ".3f"),
     "turns_mean": ("turns", ".3f"),
+    "routing_mismatch": ("routing mismatch", ".4f"),
+    "expert_load_max": ("busiest expert / mean", ".3f"),
 }
 TABLES = {  # report.md's per-arm and difference tables: heading -> columns
     "Accuracy and stability": list(STATS)[:8],
     "Clipping, mismatch and throughput": list(STATS)[8:16],
     "Tool use": ["tool_use_share", "final_tool_use", "turns_mean"],
+    "Mixture of experts": ["routing_mismatch", "expert_load_max"],
 }
-OPTIONAL_TABLES = ("Tool use",)  # shown only where some run has the values
+OPTIONAL_TABLES = ("Tool use", "Mixture of experts")  # shown only where some run has values
 # Panels of curves.png: metric key -> title. Eval steps are sparse, so that panel has markers.
 CURVES = {
     EVAL: "Validation accuracy",

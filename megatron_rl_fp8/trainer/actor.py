@@ -46,6 +46,7 @@ from megatron_rl_fp8.models.fp8 import (
 from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
 from megatron_rl_fp8.models.logprobs import token_logprobs, token_logprobs_and_entropy
 from megatron_rl_fp8.models.memory import MemoryConfig
+from megatron_rl_fp8.models.routing_replay import ROUTES, RoutingReplay
 from megatron_rl_fp8.parallel import Groups, ParallelConfig, check_context_parallel
 from megatron_rl_fp8.trainer.config import OptimConfig
 from megatron_rl_fp8.trainer.context_parallel import gather_from_cp
@@ -88,13 +89,16 @@ class Actor:
         parallel: ParallelConfig | None = None,
         init_weights: bool = True,
         total_steps: int | None = None,
+        routing_replay: str = "none",
     ):
         """``init_weights=False`` skips Megatron's random init (minutes of host time at 8B) for
         a model whose every weight is loaded next (``convert/start_weights.py``).
         ``total_steps``: optimizer steps of the whole run (``train.steps *
         train.updates_per_step``), the decay horizon when ``optim.lr_decay_steps`` is null.
         ``parallel``: the scale features (sequence parallelism, the distributed optimizer,
-        overlapped communication); TP / PP / CP sizes come from ``groups``."""
+        overlapped communication); TP / PP / CP sizes come from ``groups``.
+        ``routing_replay``: ``rollout.routing_replay`` (MoE: a batch's engine routes replayed,
+        ``replay``, or only compared, ``measure``; ``models/routing_replay.py``)."""
         self.model_cfg = model_cfg
         self.optim_cfg = self.base_optim_cfg = optim_cfg
         self.lr_decay_steps = optim_cfg.resolved_lr_decay_steps(total_steps)
@@ -127,9 +131,16 @@ class Actor:
         )
         module = build_gpt_model(model_cfg, self.config, use_te=use_te)
         # MoE: the routers' token counts per expert, for the step's moe/ metrics.
-        self.expert_load = None
+        self.expert_load = self.routing = None
+        self.routing_replay = routing_replay
         if model_cfg.num_experts is not None:
             self.expert_load = ExpertLoad(module, model_cfg.num_layers, model_cfg.num_experts)
+            self.routing = RoutingReplay(
+                module,
+                sequence_parallel=parallel.sequence_parallel,
+                tp_rank=groups.tp_rank,
+                tp_size=groups.tp_size,
+            )
         if self.fp8_backend in ("torch", "torchao", "emulate"):
             install_fp8_linears(module, self.fp8, model_cfg.num_layers, self.fp8_backend)
         if groups.device.type == "cuda":
@@ -221,12 +232,29 @@ class Actor:
 
     # -- forward / backward ----------------------------------------------------------------------
     def _run(
-        self, micro_batches: MicroBatches, loss_fn: Callable, *, forward_only: bool
+        self,
+        micro_batches: MicroBatches,
+        loss_fn: Callable,
+        *,
+        forward_only: bool,
+        count_routes: bool = False,
     ) -> list[dict]:
+        """One schedule; a batch that carries the engine's routes (MoE) replays them or compares
+        them, as ``rollout.routing_replay`` says (``count_routes``: into the mismatch metric)."""
+        routing, feed = contextlib.nullcontext(), None
+        if self.routing is not None and self.routing_replay != "none":
+            if ROUTES in micro_batches.batches[0]:
+                routing = self.routing.passing(self.routing_replay, count=count_routes)
+                feed = self.routing.feed
         # The weights are fixed for one schedule: the torch backend quantizes each once.
-        with fp8_weight_cache(self.module):
+        with fp8_weight_cache(self.module), routing:
             return run_schedule(
-                self.model, self.groups.device, micro_batches, loss_fn, forward_only=forward_only
+                self.model,
+                self.groups.device,
+                micro_batches,
+                loss_fn,
+                forward_only=forward_only,
+                before_forward=feed,
             )
 
     def _logits_kwargs(self) -> dict:
@@ -254,12 +282,14 @@ class Actor:
         temperature: float = 1.0,
         max_tokens: int | None = None,
         entropy: bool = True,
+        count_routes: bool = False,
     ) -> dict[str, torch.Tensor] | None:
         """Per-token logprobs of ``labels`` and (with ``entropy``) entropy; [B, S] tensors on the
         last stage, else None. ``max_tokens``: micro-batches by token budget
         (``split_micro_batches``); positions past a micro-batch's longest row come back as 0 (no
         loss or metric reads them). Entropy costs one more pass over each logits chunk: only the
-        pass whose entropy is reported asks for it."""
+        pass whose entropy is reported asks for it. ``count_routes``: a MoE batch's routes
+        compared with this pass's own routing count into ``moe/routing_mismatch``."""
         self.model.eval()
         keys = ("logprobs", "entropy") if entropy else ("logprobs",)
 
@@ -272,7 +302,7 @@ class Actor:
             return torch.zeros(()), {"logprobs": self._whole(lp), "entropy": self._whole(ent)}
 
         micro_batches = self._split(batch, micro_batch_size, max_tokens)
-        out = self._run(micro_batches, loss_fn, forward_only=True)
+        out = self._run(micro_batches, loss_fn, forward_only=True, count_routes=count_routes)
         self.model.train()
         if not self.groups.is_last_stage:
             return None
@@ -342,13 +372,16 @@ class Actor:
         model."""
         return self.expert_load.counting() if self.expert_load else contextlib.nullcontext()
 
-    def expert_load_metrics(self) -> dict[str, float]:
-        """MoE: the ``moe/`` load metrics of the forward passes counted since the last call
-        (collective over all ranks; ``models/expert_load.py``); {} for a dense model."""
+    def moe_metrics(self) -> dict[str, float]:
+        """MoE: the ``moe/`` metrics since the last call, of the forward passes counted: the
+        expert load (``models/expert_load.py``) and the routing mismatch with the engine
+        (``models/routing_replay.py``, when a pass compared routes). Collective over all ranks;
+        {} for a dense model."""
         if self.expert_load is None:
             return {}
-        own_tokens = self.groups.tp_rank == 0 or self.parallel.sequence_parallel
-        return self.expert_load.metrics(device=self.groups.device, counts_here=own_tokens)
+        kw = dict(device=self.groups.device)
+        kw["counts_here"] = self.groups.tp_rank == 0 or self.parallel.sequence_parallel
+        return {**self.expert_load.metrics(**kw), **self.routing.metrics(**kw)}
 
     def finish_param_gather(self) -> None:
         """Make every rank's module hold the updated weights. With

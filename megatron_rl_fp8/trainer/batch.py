@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron_rl_fp8.loss import grpo_advantages
+from megatron_rl_fp8.models.routing_replay import ROUTES, encode_routes, route_dtype
 from megatron_rl_fp8.rollout.base import Completion
 
 
@@ -47,13 +48,26 @@ def build_rl_batch(
         end = start + len(c.response_ids)
         loss_mask[i, start:end] = torch.tensor(c.sampled(), dtype=torch.float32)
         rollout_logprobs[i, start:end] = torch.tensor(c.response_logprobs, dtype=torch.float32)
-    return {
+    batch = {
         "input_ids": input_ids,
         "labels": labels,
         "loss_mask": loss_mask,
         "rollout_logprobs": rollout_logprobs,
         "advantages": advantages.to(torch.float32).reshape(n),
     }
+    routes = [c.routed_experts for c in completions]
+    if any(r is not None for r in routes):
+        # A MoE engine's routes ([positions, layers, k] per row; models/routing_replay.py):
+        # expert + 1 at each position it ran, 0 (route freely) elsewhere.
+        layers, k = next(r for r in routes if r is not None).shape[1:]
+        dtype = route_dtype(
+            max((int(r.max()) for r in routes if r is not None and r.numel()), default=0)
+        )
+        batch[ROUTES] = torch.zeros((n, width, layers, k), dtype=dtype)
+        for i, r in enumerate(routes):
+            if r is not None:
+                batch[ROUTES][i, : r.shape[0]] = encode_routes(r, dtype)
+    return batch
 
 
 def rollout_batch(

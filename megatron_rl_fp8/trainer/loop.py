@@ -70,6 +70,7 @@ class Trainer:
             parallel=cfg.parallel,
             init_weights=not cfg.model.pretrained,
             total_steps=cfg.train.steps * cfg.train.updates_per_step,
+            routing_replay=cfg.rollout.routing_replay,
         )
         print_rank0(f"actor: {actor.describe()}")
         self.calibrator = ClipCalibrator(cfg.loss, fp8_training=cfg.fp8.enabled)

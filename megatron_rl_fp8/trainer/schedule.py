@@ -61,6 +61,11 @@ def seq_multiple(config) -> int:
     return (2 * cp if cp > 1 else 1) * tp
 
 
+def _pad_positions(v: torch.Tensor, extra: int) -> torch.Tensor:
+    """A per-token tensor ([B, S, ...]) with ``extra`` zero positions appended along S."""
+    return torch.nn.functional.pad(v, (0, 0) * (v.dim() - 2) + (0, extra))
+
+
 def split_micro_batches(
     batch: dict[str, torch.Tensor],
     micro_batch_size: int,
@@ -78,8 +83,7 @@ def split_micro_batches(
     if padded != width:
         # Right padding (token 0, no loss): causal attention keeps it from the real positions.
         batch = {
-            k: torch.nn.functional.pad(v, (0, padded - width)) if v.dim() >= 2 else v
-            for k, v in batch.items()
+            k: _pad_positions(v, padded - width) if v.dim() >= 2 else v for k, v in batch.items()
         }
     if max_tokens is None:
         return MicroBatches(
@@ -114,11 +118,19 @@ def split_for_model(
 
 
 def run_schedule(
-    model, device, micro_batches: MicroBatches, loss_fn: Callable, *, forward_only: bool
+    model,
+    device,
+    micro_batches: MicroBatches,
+    loss_fn: Callable,
+    *,
+    forward_only: bool,
+    before_forward: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Megatron's forward(/backward) schedule over ``micro_batches`` (PP=1 and PP>1 alike);
     returns the per-micro-batch dicts of ``loss_fn`` (last pipeline stage only). The actor and
-    the frozen KL reference both run their passes through it."""
+    the frozen KL reference both run their passes through it. ``before_forward(mb)``: called
+    with each micro-batch as the model will see it (on its device, this CP rank's share), just
+    before its forward (the actor's routing replay)."""
     if micro_batches.variable_shapes:
         # Micro-batches differ in rows and length (token budget): the pipeline's p2p then sends
         # each activation's [S, rows, hidden] shape ahead of it (both dims may vary), and the
@@ -140,6 +152,8 @@ def run_schedule(
         else:
             ids = mb["input_ids"]
             pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+        if before_forward is not None:
+            before_forward(mb)
         # attention_mask=None: the local spec applies a causal mask; right padding never
         # influences earlier (real) positions under a causal mask.
         output = model(mb["input_ids"], pos, None)

@@ -90,7 +90,7 @@ class PolicyUpdate:
         self.bf16 = False
         self.param_norm = 0.0  # of the weights after the last step (every rank)
 
-    def _logprobs(self, batch: dict, *, entropy: bool = True) -> dict | None:
+    def _logprobs(self, batch: dict, *, entropy: bool = True, count_routes=False) -> dict | None:
         t = self.cfg.train
         return self.actor.compute_logprobs(
             batch,
@@ -98,12 +98,14 @@ class PolicyUpdate:
             temperature=self.cfg.rollout.temperature,
             max_tokens=t.max_tokens_per_gpu,
             entropy=entropy,
+            count_routes=count_routes,
         )
 
     def old_logprobs(self, local: dict, acc: MetricAccumulator, calibrating: bool) -> float:
         """Fill ``old_logprobs`` (and ``old_logprobs_bf16`` when calibrating) into ``local`` and
-        account the rollout-vs-train mismatch; returns the BF16 shadow time."""
-        old = self._logprobs(local)
+        account the rollout-vs-train mismatch (a MoE's routing mismatch too); returns the BF16
+        shadow time."""
+        old = self._logprobs(local, count_routes=True)
         shadow_time = 0.0
         if calibrating:
             if old is not None:  # the FP8 pass's kernels are not the shadow's time
@@ -319,7 +321,7 @@ class PolicyUpdate:
             account(outs, acc, applied)
 
         metrics = reduce(acc, g, cfg.train.updates_per_step)
-        load = self.actor.expert_load_metrics()  # collective; {} for a dense model
+        load = self.actor.moe_metrics()  # collective; {} for a dense model
         if g.is_driver:
             metrics.update(load)
             metrics["train/grad_norm"] = grad_norms[-1]

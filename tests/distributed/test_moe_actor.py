@@ -85,7 +85,7 @@ def _body(rank, world, ep, fp8, aux):
         losses.append(loss.item())
     moved = (router.detach() - router0).abs().max().item()
     routed = actor.expert_load.counts.sum(dim=1).tolist()  # this rank's tokens x top-k, per layer
-    load = actor.expert_load_metrics()
+    load = actor.moe_metrics()
     parallel.destroy()
     return {
         "routed": routed,

@@ -81,10 +81,10 @@ def test_a_stage_sender_relays_its_buckets_byte_for_byte():
 
 
 def _broken_relay_body(rank, world_size):
-    import types
 
     import torch.distributed as dist
 
+    from megatron_rl_fp8.parallel import Groups
     from megatron_rl_fp8.rollout.sglang.sender import SGLangSyncPlan
     from megatron_rl_fp8.sync.buckets import Bucket
     from megatron_rl_fp8.sync.timing import SyncTimes
@@ -92,7 +92,8 @@ def _broken_relay_body(rank, world_size):
 
     os.environ["SLURMD_NODENAME"] = f"n{rank + 1}"
     # DP 2 on two nodes: rank 0 is the stage's sender, rank 1 node n2's relay rank.
-    sync = NodeSync(types.SimpleNamespace(tp=None, rank=rank, pp_rank=0, dp_rank=rank, cp_rank=0))
+    groups = Groups(None, None, None, 0, 1, 0, 1, rank, 2, True, True, rank=rank)
+    sync = NodeSync(groups)
     plan = SGLangSyncPlan(
         version=1, export_options={}, engines=[("http://a:1", 1), ("http://b:1", 1)],
         device="cpu", timeout=1.0, failed=[], transport="tensor", engine_nodes=["n1", "n2"],

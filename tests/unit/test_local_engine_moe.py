@@ -77,3 +77,35 @@ def test_a_sync_missing_one_expert_is_incomplete(moe):
     with pytest.raises(RuntimeError, match="incomplete.*down_proj"):
         engine.update_weights(export_for_rollout(partial.items(), m, RolloutFP8Config()), version=1)
     assert engine.weight_version() == -1
+
+
+def test_the_engine_returns_each_tokens_experts(moe):
+    """``return_routes``: every prompt and response position but the last, the experts each
+    layer's router chose there while generating (prefill, then one position per decode step;
+    left padding dropped), equal to a forward over the whole sequence without the KV cache (fp32;
+    up to a near-tie, which the cached and uncached attention may break differently)."""
+    _, m, megatron_state = moe
+    engine = LocalEngine(hf_config(m, bos_token_id=1, **TOKENS), return_routes=True, **TOKENS)
+    engine.update_weights(
+        export_for_rollout(megatron_state.items(), m, RolloutFP8Config()), version=1
+    )
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]  # different lengths: the shorter is left-padded
+    completions = engine.generate(prompts, n=2, max_new_tokens=6, temperature=1.0, seed=1)
+    routers = [layer.mlp.gate for layer in engine.model.model.layers]
+    differ = total = 0
+    for c in completions:
+        seq = c.prompt_ids + c.response_ids
+        assert c.routed_experts.shape == (len(seq) - 1, m.num_layers, m.moe_topk)
+        seen = []
+        hooks = [
+            r.register_forward_hook(lambda _m, _a, out, s=seen: s.append(out[2])) for r in routers
+        ]
+        with torch.no_grad():
+            engine.model(torch.tensor([seq[:-1]]))
+        for h in hooks:
+            h.remove()
+        want = torch.stack(seen, dim=1)  # [positions, layers, k]
+        same = (want.sort(-1).values == c.routed_experts.long().sort(-1).values).all(-1)
+        differ += int((~same).sum())
+        total += same.numel()
+    assert differ <= 0.01 * total, (differ, total)

@@ -39,12 +39,13 @@ def answer_round(
     eos_token_id: int | list[int],
     expected_version: str,
     in_flight=None,
+    route_shape: tuple[int, int] | None = None,
 ) -> tuple[dict[int, Completion], dict[int, str], Spans]:
     """Send ``requests`` (``/generate`` bodies by row) to ``url`` all at once and parse the
     answers; returns the completions that came back right and a one-line message per row that
     did not, by row, and the requests' spans. ``in_flight()`` is called once every request is
     submitted (the fault hook: the requests are in flight). Errors other than the engines' ones
-    (a bug) propagate."""
+    (a bug) propagate. ``route_shape``: the answers carry routes of (layers, top-k) experts."""
     http = Http(url)
     spans: Spans = []
 
@@ -57,7 +58,11 @@ def answer_round(
         if not isinstance(answer, dict):
             raise ServerGone(f"/generate returned {type(answer).__name__}")
         return parse_completion(
-            rows[i], answer, eos_token_id=eos_token_id, expected_version=expected_version
+            rows[i],
+            answer,
+            eos_token_id=eos_token_id,
+            expected_version=expected_version,
+            route_shape=route_shape,
         )
 
     out: dict[int, Completion] = {}
@@ -74,24 +79,27 @@ def answer_round(
     return out, failures, spans
 
 
-Packed = tuple[array.array, array.array, bool]
-"""A completion's response ids ('q'), their logprobs ('d') and whether it finished: what crosses
-from the answer process (arrays pickle as their bytes)."""
+Packed = tuple[array.array, array.array, bool, object]
+"""A completion's response ids ('q'), their logprobs ('d'), whether it finished and its routes
+(a MoE's [positions, layers, top-k] tensor, or None): what crosses from the answer process
+(arrays pickle as their bytes)."""
 
 
 def pack(c: Completion) -> Packed:
     """``c`` without its prompt, as it crosses from the answer process."""
-    return array.array("q", c.response_ids), array.array("d", c.response_logprobs), c.finished
+    ids, logprobs = array.array("q", c.response_ids), array.array("d", c.response_logprobs)
+    return ids, logprobs, c.finished, c.routed_experts
 
 
 def unpack(prompt: list[int], packed: Packed) -> Completion:
     """The completion of ``prompt`` that :func:`pack` sent: two lists made from bytes."""
-    ids, logprobs, finished = packed
+    ids, logprobs, finished, routes = packed
     return Completion(
         prompt_ids=list(prompt),
         response_ids=ids.tolist(),
         response_logprobs=logprobs.tolist(),
         finished=finished,
+        routed_experts=routes,
     )
 
 
@@ -120,6 +128,7 @@ class AnswerProcess:
         timeout: float,
         eos_token_id: int | list[int],
         expected_version: str,
+        route_shape: tuple[int, int] | None = None,
     ) -> concurrent.futures.Future:
         """Start a round in the helper; :meth:`result` collects it."""
         if self._pool is None:
@@ -132,6 +141,7 @@ class AnswerProcess:
             timeout=timeout,
             eos_token_id=eos_token_id,
             expected_version=expected_version,
+            route_shape=route_shape,
         )
 
     def result(

@@ -54,6 +54,7 @@ rollout while anything is, is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -71,7 +72,7 @@ from megatron_rl_fp8.rollout.errors import (
 from megatron_rl_fp8.rollout.sglang.answers import AnswerProcess, answer_round
 from megatron_rl_fp8.rollout.sglang.http import row_requests
 from megatron_rl_fp8.rollout.sglang.pool import ServerPool
-from megatron_rl_fp8.rollout.sglang.process import engine_export_options
+from megatron_rl_fp8.rollout.sglang.process import ROUTES_FLAG, engine_export_options
 from megatron_rl_fp8.rollout.sglang.sender import Senders, SGLangSyncPlan, WeightSender
 from megatron_rl_fp8.rollout.sglang.server import SGLangServer
 from megatron_rl_fp8.sync.buckets import Bucket
@@ -134,6 +135,14 @@ class SGLangFleet(ServerPool):
         # Rollout answers are decoded in a helper process unless parse_answers is "thread".
         process = cfg.sglang.parse_answers == "process"
         self._answers = AnswerProcess() if process else None
+        # A MoE's routes (rollout.routing_replay): each answer's experts, per (layer, top-k).
+        self.route_shape = None
+        if cfg.routing_replay != "none":
+            self.route_shape = (hf_config.num_hidden_layers, hf_config.num_experts_per_tok)
+            sg = cfg.sglang
+            if ROUTES_FLAG not in sg.extra_args:
+                sg = dataclasses.replace(sg, extra_args=[*sg.extra_args, ROUTES_FLAG])
+            cfg = dataclasses.replace(cfg, sglang=sg)
         super().__init__(cfg, hf_config, output_dir=output_dir, senders=senders)
         self.stats.update(retried_requests=0, update_seconds=0.0)
 
@@ -311,6 +320,7 @@ class SGLangFleet(ServerPool):
                     greedy=greedy,
                     seed=seed,
                     eos_token_id=self.eos_token_id,
+                    return_routes=self.route_shape is not None,
                 )
             )
         )
@@ -366,6 +376,7 @@ class SGLangFleet(ServerPool):
             timeout=self.cfg.request_timeout_s,
             eos_token_id=self.eos_token_id,
             expected_version=version,
+            route_shape=self.route_shape,
         )
         if self._answers is None:  # parse_answers: thread
             rows_by_id = {i: rows[i] for i in pending}

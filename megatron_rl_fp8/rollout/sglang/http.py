@@ -49,10 +49,12 @@ def generate_request(
     seed: int,
     eos_token_id: int | Iterable[int],
     first_row: int = 0,
+    return_routes: bool = False,
 ) -> dict:
     """The ``/generate`` body for ``rows`` (token ids), asking for the sampled tokens' logprobs.
     ``first_row``: the batch index of ``rows[0]`` when a batch is sent as several requests (the
-    per-row seeds follow the batch index, so the split does not change what is sampled)."""
+    per-row seeds follow the batch index, so the split does not change what is sampled).
+    ``return_routes``: a MoE model's experts of every token too (``rollout.routing_replay``)."""
     params = [
         # Distinct, reproducible per-row seeds (honoured by SGLang's deterministic sampling
         # mode; otherwise a hint).
@@ -66,12 +68,15 @@ def generate_request(
         )
         for i in range(first_row, first_row + len(rows))
     ]
-    return {
+    body = {
         "input_ids": rows,
         "sampling_params": params,
         "return_logprob": True,
         "logprob_start_len": -1,
     }
+    if return_routes:
+        body["return_routed_experts"] = True  # from position 0: the whole sequence's
+    return body
 
 
 def row_requests(rows: list[list[int]], **kwargs) -> list[dict]:
@@ -86,9 +91,16 @@ def row_requests(rows: list[list[int]], **kwargs) -> list[dict]:
 
 
 def parse_completion(
-    prompt: list[int], answer: dict, *, eos_token_id: int | Iterable[int], expected_version: str
+    prompt: list[int],
+    answer: dict,
+    *,
+    eos_token_id: int | Iterable[int],
+    expected_version: str,
+    route_shape: tuple[int, int] | None = None,
 ) -> Completion:
-    """A ``/generate`` answer -> Completion, after checking it came from ``expected_version``."""
+    """A ``/generate`` answer -> Completion, after checking it came from ``expected_version``.
+    ``route_shape`` (layers, top-k): the answer's routed experts too (requested with
+    ``return_routes``)."""
     meta = answer.get("meta_info", {})
     versions = {meta.get("weight_version")} | {
         s.get("version") for s in meta.get("weight_versions") or []
@@ -112,7 +124,33 @@ def parse_completion(
         response_ids=ids,
         response_logprobs=[float(e[0]) for e in lp],
         finished=finished,
+        routed_experts=parse_routes(meta, route_shape) if route_shape else None,
     )
+
+
+def parse_routes(meta: dict, route_shape: tuple[int, int]):
+    """``meta_info["routed_experts"]``: SGLang 0.5.23's base64 of an int32 array [positions,
+    layers, top-k] (``RoutedExpertsCapturer``; ``DetokenizerManager._b64_encode_per_request``),
+    every position of prompt + output but the last -> an int16 tensor of that shape."""
+    import base64
+
+    import numpy as np
+    import torch  # lazy: the answer process imports torch only for a MoE's routes
+
+    encoded = meta.get("routed_experts")
+    if not encoded:
+        raise RolloutEngineError(
+            "SGLang returned no routed_experts: rollout.routing_replay needs servers started "
+            "with --enable-return-routed-experts (launched ones are; add it to attached ones)"
+        )
+    flat = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
+    layers, topk = route_shape
+    if flat.size % (layers * topk):
+        raise RolloutEngineError(
+            f"SGLang's routed_experts hold {flat.size} ids, not a whole number of positions of "
+            f"{layers} layers x top-{topk}"
+        )
+    return torch.from_numpy(flat.reshape(-1, layers, topk).astype(np.int16))
 
 
 POOL_SIZE = 64

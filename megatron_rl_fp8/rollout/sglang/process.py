@@ -255,6 +255,9 @@ def router_command(
 
 
 MEMORY_SAVER_FLAG = "--enable-memory-saver"
+# Each answer's routed experts (a MoE's, for rollout.routing_replay): SGLang's capturer pins its
+# host buffer with cudaHostRegister, so only GPU servers take it (state_capturer/base.py).
+ROUTES_FLAG = "--enable-return-routed-experts"
 # SGLang 0.5.23 refuses to start a TP > 1 engine when one of its GPUs has < 90% of the free
 # memory another has (distributed/bootstrap.py: _check_tp_memory_balance) unless this is false;
 # colocated trainer ranks make that likely. Peers (slime, verl) switch it off for colocated runs.

@@ -53,17 +53,34 @@ def _check(cfg) -> None:
         )
 
 
+def _on_cpu(r, this_machine: bool) -> bool:
+    """Whether the engines serve on CPUs: ``rollout.sglang.device`` says so, or ``auto`` on this
+    machine without a GPU (a run planned for another machine counts as a GPU one)."""
+    if r.sglang.device != "auto":
+        return r.sglang.device == "cpu"
+    if not this_machine:
+        return False
+    import torch  # lazy: loading a config imports no torch unless a GPU question is asked
+
+    return not torch.cuda.is_available()
+
+
 def _check_run(run, this_machine: bool) -> None:
     """SGLang engines that load FP8 checkpoints (on GPUs: on this machine when it has one, else
-    wherever the run is planned for) refuse weight blocks their shards cannot hold."""
+    wherever the run is planned for) refuse weight blocks their shards cannot hold; CPU engines
+    cannot return a MoE's routes."""
     r = run.rollout
-    if r.fp8.weight_quant != "blockwise" or r.sglang.device == "cpu":
-        return
-    if this_machine and r.sglang.device == "auto":
-        import torch  # lazy: loading a config imports no torch unless a GPU question is asked
-
-        if not torch.cuda.is_available():
-            return  # SGLang's CPU engine: the FP8-rounded weights are served unquantized
+    on_cpu = _on_cpu(r, this_machine)
+    if r.routing_replay != "none" and on_cpu:
+        # SGLang 0.5.23, state_capturer/base.py: BaseHostCache pins the routes' host buffer with
+        # cudaHostRegister (mem_cache/pool_host/common.py), which asserts CUDA at start-up.
+        raise ConfigError(
+            f"rollout.routing_replay={r.routing_replay} with SGLang engines on CPUs: SGLang "
+            "returns routes only from GPU servers (its route capture pins host memory through "
+            "CUDA); use rollout.engine=local on a CPU, or GPU engines"
+        )
+    if r.fp8.weight_quant != "blockwise" or on_cpu:
+        return  # SGLang's CPU engine: the FP8-rounded weights are served unquantized
     tp = r.sglang.tp_size
     problem = block_quant_shape_problem(run.model, tp, r.fp8.weight_block)
     if problem:
