@@ -92,6 +92,11 @@ class ModelConfig:
         help="MoE: weight of the load-balancing loss (Switch-style, per layer; Qwen3-MoE "
         "pretrained with 0.001); 0 = none.",
     )
+    moe_z_loss_coeff: float = field(
+        0.0,
+        help="MoE: weight of the router z-loss (the squared log-sum-exp of the router logits, "
+        "which keeps them small; ST-MoE); 0 = none.",
+    )
 
     def __post_init__(self):
         for name in ("hf_checkpoint", "load", "ref_checkpoint"):
@@ -130,10 +135,9 @@ class ModelConfig:
                 raise ValueError(
                     f"model.moe_ffn_hidden_size must be > 0, got {self.moe_ffn_hidden_size}"
                 )
-            if not self.moe_aux_loss_coeff >= 0:
-                raise ValueError(
-                    f"model.moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}"
-                )
+            for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+                if not getattr(self, name) >= 0:
+                    raise ValueError(f"model.{name} must be >= 0, got {getattr(self, name)}")
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by num_attention_heads="

@@ -155,6 +155,7 @@ def moe_config(model: ModelConfig, *, use_te: bool) -> dict:
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=use_te,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model.moe_z_loss_coeff or None,
         moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
     )
 

@@ -38,7 +38,7 @@ def _set_weights_by_global_name(module, ep_rank: int, local_experts: int) -> Non
             )
 
 
-def _body(rank, world, ep, fp8, aux):
+def _body(rank, world, ep, fp8, aux, z=0.0):
     from megatron.core import parallel_state as ps
 
     from megatron_rl_fp8 import parallel
@@ -52,7 +52,7 @@ def _body(rank, world, ep, fp8, aux):
     g = parallel.initialize(cfg, seed=1)
     model = ModelConfig(
         vocab_size=53, num_experts=EXPERTS, moe_topk=2, moe_ffn_hidden_size=32,
-        moe_aux_loss_coeff=aux,
+        moe_aux_loss_coeff=aux, moe_z_loss_coeff=z,
     )  # fmt: skip
     fp8_cfg = FP8Config(recipe="blockwise", backend="emulate") if fp8 else None
     actor = Actor(model, OptimConfig(lr=1e-3), g, fp8_cfg, parallel=cfg)
@@ -93,12 +93,13 @@ def _body(rank, world, ep, fp8, aux):
         "losses": losses,
         "local_experts": experts,
         "router_moved": moved,
+        "router_norm": router.detach().norm().item(),
         "fp8_expert_linears": fp8_experts,
     }
 
 
-def _run(ep, *, fp8=False, aux=0.0):
-    return run_distributed(_body, world_size=2, args=(ep, fp8, aux), timeout=600)[0]
+def _run(ep, *, fp8=False, aux=0.0, z=0.0):
+    return run_distributed(_body, world_size=2, args=(ep, fp8, aux, z), timeout=600)[0]
 
 
 def test_expert_parallel_trains_as_one_rank_of_experts():
@@ -141,6 +142,13 @@ def test_fp8_experts_with_expert_parallelism():
 def test_the_load_balancing_loss_trains_the_router():
     r = _run(2, aux=0.01)
     assert all(math.isfinite(x) for x in r["losses"]) and r["router_moved"] > 0
+
+
+def test_the_z_loss_keeps_the_router_logits_small():
+    """``model.moe_z_loss_coeff``: Megatron's router z-loss (the squared log-sum-exp of the
+    logits) pulls the router's weights in; a large coefficient makes that visible in 3 steps."""
+    free, z = _run(2), _run(2, z=1.0)
+    assert math.isfinite(z["losses"][-1]) and z["router_norm"] < free["router_norm"]
 
 
 def _shadow_body(rank, world, ep):

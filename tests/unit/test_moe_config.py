@@ -28,7 +28,8 @@ def test_bad_expert_layouts_are_one_line(overrides, world, message):
 @pytest.mark.parametrize(
     "fields, message",
     [({"num_experts": 1}, "num_experts=1"), ({"num_experts": 4, "moe_topk": 5}, "moe_topk=5"),
-     ({"num_experts": 4, "moe_aux_loss_coeff": -1.0}, "moe_aux_loss_coeff")],
+     ({"num_experts": 4, "moe_aux_loss_coeff": -1.0}, "moe_aux_loss_coeff"),
+     ({"num_experts": 4, "moe_z_loss_coeff": -1.0}, "moe_z_loss_coeff")],
 )  # fmt: skip
 def test_bad_moe_fields_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -44,3 +45,7 @@ def test_moe_config_routes_as_qwen3_moe():
         moe_config(ModelConfig(num_experts=8), use_te=True)["moe_router_load_balancing_type"]
         == "none"
     )
+    assert c["moe_z_loss_coeff"] is None  # Megatron's "off"
+    assert moe_config(ModelConfig(num_experts=8, moe_z_loss_coeff=1e-3), use_te=False)[
+        "moe_z_loss_coeff"
+    ] == pytest.approx(1e-3)
