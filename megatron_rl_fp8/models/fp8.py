@@ -80,7 +80,9 @@ class _EmulatedGemm:
         tp_group=None,
         **kwargs,
     ):
-        if not self.enabled:
+        # An expert that received no tokens multiplies an empty input: nothing to quantize (a
+        # tensorwise or rowwise amax of no values is undefined), so Megatron's own GEMM runs it.
+        if not self.enabled or (input.numel() == 0 and not sequence_parallel):
             return self.original(
                 input,
                 weight,

@@ -139,6 +139,44 @@ def test_fp8_experts_with_expert_parallelism():
     assert abs(two["losses"][1] - one["losses"][1]) < abs(one["losses"][1] - ref["losses"][1])
 
 
+def _idle_body(rank, world, recipe):
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.fp8.config import FP8Config
+    from megatron_rl_fp8.models.config import ModelConfig
+    from megatron_rl_fp8.trainer.actor import Actor
+    from megatron_rl_fp8.trainer.config import OptimConfig
+
+    g = parallel.initialize(parallel.ParallelConfig(), seed=1)
+    model = ModelConfig(vocab_size=53, num_experts=EXPERTS, moe_topk=2, moe_ffn_hidden_size=32)
+    fp8 = FP8Config(recipe=recipe, backend="emulate")
+    actor = Actor(model, OptimConfig(lr=1e-3), g, fp8)
+    with torch.no_grad():  # equal router logits: every token goes to the same top-2 experts
+        for n, p in actor.module.named_parameters():
+            if n.endswith("router.weight"):
+                p.zero_()
+    actor.params_changed()
+    ids = torch.randint(0, 53, (4, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": torch.roll(ids, -1, 1), "loss_mask": torch.ones(4, 12)}
+
+    def nll(mb, lp):
+        return -(lp * mb["loss_mask"]).sum() / batch["loss_mask"].sum(), {}
+
+    with actor.counting_experts():
+        outs, grad_norm, applied = actor.train_step(batch, 4, nll)
+    idle = int((actor.expert_load.counts == 0).sum())
+    parallel.destroy()
+    return sum(o["loss"].item() for o in outs), grad_norm, applied, idle
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise_delayed", "rowwise"])
+def test_fp8_experts_that_receive_no_tokens(recipe):
+    """An expert no token was routed to multiplies an empty input; tensorwise and rowwise FP8
+    have no amax of no values, so that GEMM runs unquantized (models/fp8.py)."""
+    loss, grad_norm, applied, idle = run_distributed(_idle_body, world_size=1, args=(recipe,))[0]
+    assert idle >= 2 * 2  # 2 of the 4 experts idle in both layers
+    assert applied and math.isfinite(loss) and math.isfinite(grad_norm)
+
+
 def test_the_load_balancing_loss_trains_the_router():
     r = _run(2, aux=0.01)
     assert all(math.isfinite(x) for x in r["losses"]) and r["router_moved"] > 0
