@@ -137,3 +137,52 @@ def test_a_relay_rank_that_dies_fails_the_sync_in_one_line():
     assert gone == "gone"
     assert "\n" not in line and line.startswith("per-node weight sync, stage 0: the relay between")
     assert "n1 (rank 0), n2 (rank 1)" in line and "resumes from the last checkpoint" in line
+
+
+def _moe_per_node_body(rank, world):
+    """A MoE actor at EP 2 on 4 ranks, DP 4, over two "nodes" (ranks 0-1 on n1, 2-3 on n2), an
+    engine on each: rank 0 gathers its stage and sends, rank 1 (its expert-parallel peer, which
+    holds experts 2-3) joins each expert's gather, rank 2 relays to n2's engine. Each node's
+    pushing rank returns the names it pushed."""
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.config import load_config
+    from megatron_rl_fp8.rollout.sglang.sender import SGLangSyncPlan
+    from megatron_rl_fp8.sync.timing import SyncTimes
+    from megatron_rl_fp8.trainer.actor import Actor
+    from megatron_rl_fp8.trainer.engine_link import EngineLink
+
+    os.environ["SLURMD_NODENAME"] = f"n{rank // 2 + 1}"
+    cfg = load_config(None, [*MOE, "parallel.expert_model_parallel_size=2"])
+    g = parallel.initialize(cfg.parallel, seed=1)
+    actor = Actor(cfg.model, cfg.optim, g, parallel=cfg.parallel)
+    link = EngineLink(cfg, g, actor, None, None)
+    pushed: list[str] = []
+
+    class Takes:
+        times = SyncTimes()
+
+        def push(self, plan, buckets):
+            pushed.extend(n for b in buckets for n, _ in b.tensors)
+
+    link._sender = lambda plan: Takes()
+    plan = SGLangSyncPlan(
+        version=1, export_options={}, engines=[("http://a:1", 1), ("http://b:1", 1)],
+        device="cpu", timeout=1.0, failed=[], transport="tensor", engine_nodes=["n1", "n2"],
+    )  # fmt: skip
+    assert link.node_sync.relayed(plan)
+    error, _ = link._push(plan)
+    parallel.destroy()
+    return error, pushed
+
+
+MOE = ["model.num_experts=4", "model.moe_topk=2", "model.moe_ffn_hidden_size=64"]
+
+
+def test_a_moe_per_node_sync_gathers_the_experts_of_every_expert_parallel_rank():
+    results = run_distributed(_moe_per_node_body, world_size=4, timeout=300)
+    n1, peer, n2, idle = results
+    assert peer == idle == (None, [])  # an EP peer gathers only; rank 3 neither gathers nor relays
+    for error, names in (n1, n2):
+        experts = [n for n in names if ".mlp.experts." in n]
+        assert error is None and len(experts) == len(set(experts)) == 2 * 4 * 3
+        assert sorted(names) == sorted(n1[1])  # both nodes' engines get the same tensors
