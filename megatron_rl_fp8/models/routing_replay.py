@@ -84,7 +84,7 @@ class _Router:
         have = target[:, 0] >= 0
         if not recomputed and self.owner.counting:
             own = idx.sort(dim=1).values != target.sort(dim=1).values
-            self.owner.count(int((own.any(dim=1) & have).sum()), int(have.sum()))
+            self.owner.count((own.any(dim=1) & have).sum(), have.sum())
         if self.owner.mode != "replay":
             return probs, idx
         idx = torch.where(have[:, None], target, idx)
@@ -108,14 +108,15 @@ class RoutingReplay:
         self.tp_rank = tp_rank
         self.mode: str | None = None
         self.counting = False
-        # Routes whose expert set differed from the engine's, and routes compared (this rank).
-        self.differ = 0
-        self.compared = 0
+        # Routes whose expert set differed from the engine's, and routes compared (this rank):
+        # device tensors, read once by metrics() (no host sync per router call).
+        self.differ: torch.Tensor | int = 0
+        self.compared: torch.Tensor | int = 0
 
-    def count(self, differ: int, compared: int) -> None:
+    def count(self, differ: torch.Tensor, compared: torch.Tensor) -> None:
         if self.counting:
-            self.differ += differ
-            self.compared += compared
+            self.differ = self.differ + differ
+            self.compared = self.compared + compared
 
     @contextlib.contextmanager
     def passing(self, mode: str, *, count: bool = False) -> Iterator[None]:
@@ -159,8 +160,10 @@ class RoutingReplay:
         routers chose another expert set than the engine's, over every rank since the last call
         (collective over all ranks; ``counts_here``: this rank's tokens are its own, not a
         tensor-parallel copy). {} when nothing was compared."""
-        mine = [self.differ, self.compared] if counts_here else [0, 0]
-        total = torch.tensor(mine, dtype=torch.float64, device=device)
+        total = torch.zeros(2, dtype=torch.float64, device=device)
+        if counts_here:
+            total[0] += self.differ
+            total[1] += self.compared
         dist.all_reduce(total)
         self.differ = self.compared = 0
         differ, compared = total.tolist()
