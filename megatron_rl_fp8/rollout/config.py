@@ -60,6 +60,23 @@ class RolloutConfig(_EngineSections):
         "(moe/routing_mismatch); replay = its passes also replay the engine's experts (rollout "
         "routing replay, R3), so old and new log-probs are those of the routes sampled from.",
     )
+    delta_sync: bool = field(
+        False,
+        help="Per-node weight syncs (engines on several nodes, trainer/node_sync.py): each "
+        "pipeline stage's sender sends the other nodes' relay ranks only the elements that "
+        "changed since the last sync (FP8 codes, block scales and BF16 tensors alike; the whole "
+        "tensor where that is smaller). Each relay rank keeps its node's copy in host memory, "
+        "applies the delta and pushes full tensors to its engines; a relay rank on another "
+        "version gets a full sync, with the reason logged. Costs host memory for one copy of "
+        "the exported weights on every stage sender and relay rank; no effect on other syncs. "
+        "docs/sglang.md says when it pays.",
+    )
+    delta_verify_every: int = field(
+        1,
+        help="With delta_sync: every K-th sync carries each tensor's digest, which the relay "
+        "ranks check after applying (a mismatch fails the sync, and its retry goes in full); "
+        "0 = never.",
+    )
     seed: int | None = field(
         None,
         help="Base seed of sampling; step s samples with seed + s (resumable). null = "
@@ -84,6 +101,10 @@ class RolloutConfig(_EngineSections):
             )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.delta_verify_every < 0:
+            raise ValueError(
+                f"rollout.delta_verify_every must be >= 0 (0 = never), got {self.delta_verify_every}"
+            )
         if self.max_new_tokens < 1:
             raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         spec = engine_spec(self.engine)

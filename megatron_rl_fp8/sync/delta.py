@@ -110,77 +110,127 @@ def delta_of(old: torch.Tensor, new: torch.Tensor) -> TensorDelta:
 
 
 class DeltaSender:
-    """The sending side: the last version it sent of every tensor (host copies)."""
+    """The sending side: the last version it sent of every tensor (host copies).
+
+    One sync is either :meth:`encode` (all tensors at once) or a stream: :meth:`begin`, then
+    :meth:`encode_tensor` per tensor, then :meth:`finish`. The copies are updated in place as the
+    stream goes, so a sync that does not finish leaves ``version`` None: the next one is full."""
 
     def __init__(self) -> None:
         self.version: int | None = None
         self._last: dict[str, torch.Tensor] = {}
+        self._base: int | None = None
+        self._next: int | None = None
+        self._seen: set[str] = set()
+
+    def begin(self, version: int, *, full: str = "") -> tuple[int | None, str]:
+        """Start sync ``version``: returns (its base: the version its deltas apply to, or None
+        for a full sync; why it is full, or ""). ``full``: a reason to send it in full (a
+        receiver on another version)."""
+        reason = full or ("" if self.version is not None else self._why_full())
+        self._base = None if reason else self.version
+        self._next, self._seen, self.version = version, set(), None
+        return self._base, reason
+
+    def _why_full(self) -> str:
+        return "the last sync did not finish" if self._next is not None else "the first sync"
+
+    def encode_tensor(self, name: str, t: torch.Tensor) -> torch.Tensor | TensorDelta:
+        """``t`` as this sync sends it: a delta against the last version sent, where that is
+        smaller, else ``t`` itself (on the host)."""
+        t = t.detach().contiguous().cpu()
+        old = self._last.get(name)
+        self._seen.add(name)
+        if (
+            self._base is not None
+            and old is not None
+            and old.shape == t.shape
+            and old.dtype == t.dtype
+        ):
+            delta = delta_of(old, t)
+            if delta.positions.numel():
+                old.view(-1)[delta.positions.long()] = delta.values
+            if delta.nbytes < t.numel() * t.element_size():
+                return delta
+            return t
+        self._last[name] = t.clone()
+        return t
+
+    def finish(self) -> None:
+        """The sync went out whole: later deltas apply to it."""
+        for name in set(self._last) - self._seen:
+            del self._last[name]
+        self.version = self._next
 
     def encode(
         self, named: Iterable[tuple[str, torch.Tensor]], *, version: int, full: str = ""
     ) -> DeltaSync:
-        """Sync ``version`` of the ``named`` tensors: per tensor a delta against the last
+        """Sync ``version`` of the ``named`` tensors, whole: per tensor a delta against the last
         version sent, where smaller than the tensor; all full when ``full`` gives a reason (a
         receiver on another version) or nothing was sent before."""
-        reason = full or ("" if self.version is not None else "the first sync")
-        base = None if reason else self.version
+        base, reason = self.begin(version, full=full)
         tensors: dict[str, torch.Tensor | TensorDelta] = {}
         digests: dict[str, str] = {}
-        last: dict[str, torch.Tensor] = {}
         for name, t in named:
-            t = t.detach().contiguous().cpu()
-            old = self._last.get(name)
-            item: torch.Tensor | TensorDelta = t
-            if (
-                base is not None
-                and old is not None
-                and old.shape == t.shape
-                and old.dtype == t.dtype
-            ):
-                delta = delta_of(old, t)
-                if delta.nbytes < t.numel() * t.element_size():
-                    item = delta
-            tensors[name] = item
-            digests[name] = digest(t)
-            last[name] = t.clone()
-        self._last, self.version = last, version
+            tensors[name] = self.encode_tensor(name, t)
+            digests[name] = digest(self._last[name])
+        self.finish()
         return DeltaSync(version, base, tensors, digests, reason)
 
 
 class DeltaReceiver:
-    """The receiving side: its current version and tensors. ``verify``: check every tensor's
-    digest after applying (the chain's end-to-end check)."""
+    """The receiving side: its current version and tensors (host copies). ``verify``: check
+    each tensor's digest after applying, where the sync carries one (the chain's end-to-end
+    check).
+
+    Like the sender, a sync is whole (:meth:`apply`) or a stream (:meth:`begin`,
+    :meth:`apply_tensor` per tensor, :meth:`finish`), applied in place: a sync that fails
+    half way leaves ``version`` None, so the next one must be full."""
 
     def __init__(self, *, verify: bool = True) -> None:
         self.version: int | None = None
         self.tensors: dict[str, torch.Tensor] = {}
         self.verify = verify
+        self._next: int | None = None
+
+    def begin(self, version: int, base: int | None) -> None:
+        """Start sync ``version`` made from ``base`` (None: full). Raises :class:`NeedFullSync`
+        (changing nothing) when it is a delta from another version than this receiver's."""
+        if base is not None and base != self.version:
+            raise NeedFullSync(
+                f"a delta from version {base} reached a receiver at version {self.version}"
+            )
+        self._next, self.version = version, None
+
+    def apply_tensor(
+        self, name: str, item: torch.Tensor | TensorDelta, expect: str | None = None
+    ) -> torch.Tensor:
+        """The full tensor ``name`` after ``item`` (this receiver's own copy: copy it before
+        handing it on). ``expect``: its digest on the sender, checked when verifying."""
+        if isinstance(item, TensorDelta):
+            t = self.tensors.get(name)
+            if t is None or tuple(t.shape) != item.shape or t.dtype != item.dtype:
+                raise NeedFullSync(f"a delta for {name}, which this receiver does not hold as is")
+            if item.positions.numel():
+                t.view(-1)[item.positions.long()] = item.values
+        else:
+            t = self.tensors[name] = item.detach().contiguous().cpu().clone()
+        if self.verify and expect is not None and digest(t) != expect:
+            raise NeedFullSync(f"{name} differs from the sender's after the sync")
+        return t
+
+    def finish(self) -> None:
+        self.version = self._next
 
     def apply(self, sync: DeltaSync) -> dict[str, torch.Tensor]:
-        """Apply ``sync``; returns the full tensors it changed or sent (what to push on to the
-        engines). Raises :class:`NeedFullSync` (and changes nothing) when a delta does not apply
-        here."""
-        if sync.base is not None and sync.base != self.version:
-            raise NeedFullSync(
-                f"a delta from version {sync.base} reached a receiver at version {self.version}"
-            )
+        """Apply ``sync`` whole; returns the full tensors it sent or changed (what to push on to
+        the engines). Raises :class:`NeedFullSync` when a delta does not apply here (on another
+        version: nothing changed; a digest mismatch: ``version`` is then None)."""
+        self.begin(sync.version, sync.base)
         out: dict[str, torch.Tensor] = {}
         for name, item in sync.tensors.items():
-            if not isinstance(item, TensorDelta):
-                out[name] = item.clone()
-                continue
-            old = self.tensors.get(name)
-            if old is None or tuple(old.shape) != item.shape or old.dtype != item.dtype:
-                raise NeedFullSync(f"a delta for {name}, which this receiver does not hold as is")
-            if item.positions.numel() == 0:
-                continue
-            new = old.clone()
-            new.view(-1)[item.positions.long()] = item.values
-            out[name] = new
-        if self.verify:
-            for name, t in out.items():
-                if digest(t) != sync.digests[name]:
-                    raise NeedFullSync(f"{name} differs from the sender's after the sync")
-        self.tensors.update(out)
-        self.version = sync.version
+            t = self.apply_tensor(name, item, sync.digests.get(name))
+            if not isinstance(item, TensorDelta) or item.positions.numel():
+                out[name] = t.clone()
+        self.finish()
         return out

@@ -10,6 +10,14 @@ a 16-byte aligned offset), preceded by its layout as a pickled object: one broad
 layout and one of the bytes per bucket, then a ``None`` layout that ends the stream. Bytes,
 not typed tensors, because gloo has no float8 types and FP8 codes are most of a sync's bytes.
 
+With ``delta`` (``rollout.delta_sync``, sync/delta.py), the members first gather their versions
+and the sender encodes each tensor as the elements that changed since the version every
+receiver holds (a ``DeltaSender`` on the sender, a ``DeltaReceiver`` on each receiver, one pair
+per stream, kept between syncs): a delta entry's bytes are its int32 positions, then its new
+values. A receiver on another version makes the sender send in full, saying why in one line;
+a receiver whose apply fails (a digest mismatch) yields no more buckets and records the failure
+(``DeltaLink.failure``), so the sync fails and its retry goes in full.
+
 On GPU the group is NCCL and the buffers live on ``device`` (the rank's GPU); a member's
 received bucket is fresh memory, allocated to be shared by CUDA IPC (``Bucket.handover``): the
 ``tensor`` transport hands that buffer itself to every engine, and the member drops it after.
@@ -17,6 +25,7 @@ received bucket is fresh memory, allocated to be shared by CUDA IPC (``Bucket.ha
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Iterator
 
@@ -24,35 +33,83 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_fp8.sync.buckets import Bucket
+from megatron_rl_fp8.sync.delta import DeltaReceiver, DeltaSender, NeedFullSync, TensorDelta, digest
 from megatron_rl_fp8.sync.ipc import ipc_allocations
 from megatron_rl_fp8.sync.timing import SyncTimes
 
 _ALIGN = 16  # bytes: every dtype's element size divides it, so each view is aligned
 
 
-def _layout(bucket: Bucket) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...], int]], int]:
-    """(name, dtype, shape, byte offset) of each tensor, and the buffer's size."""
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclasses.dataclass
+class DeltaLink:
+    """One relay stream's delta state on one member (``rollout.delta_sync``): its sender's
+    last version sent (on the stream's sender) or its receiver's copy (on the others), kept
+    from sync to sync. ``verify``: this sync's tensors carry digests, checked on receipt;
+    ``failure``: why this member's last receipt failed (None: it did not)."""
+
+    sender: DeltaSender = dataclasses.field(default_factory=DeltaSender)
+    receiver: DeltaReceiver = dataclasses.field(default_factory=DeltaReceiver)
+    version: int = 0
+    verify: bool = True
+    failure: str | None = None
+    log: list[str] = dataclasses.field(default_factory=list)  # the sender's full-sync reasons
+
+
+# One tensor on the wire: (name, dtype, shape, byte offset, changed elements: -1 = sent
+# whole, digest or None).
+_Entry = tuple[str, torch.dtype, tuple[int, ...], int, int, "str | None"]
+
+
+def _layout(items) -> tuple[list[_Entry], int]:
+    """The wire layout of ``items``: (name, tensor or TensorDelta, digest) each."""
     entries, offset = [], 0
-    for name, t in bucket.tensors:
-        entries.append((name, t.dtype, tuple(t.shape), offset))
-        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    for name, t, dg in items:
+        if isinstance(t, TensorDelta):
+            n = t.positions.numel()
+            entries.append((name, t.dtype, t.shape, offset, n, dg))
+            offset += _aligned(n * 4) + _aligned(t.values.numel() * t.values.element_size())
+        else:
+            entries.append((name, t.dtype, tuple(t.shape), offset, -1, dg))
+            offset += _aligned(t.numel() * t.element_size())
     return entries, offset
 
 
-def _pack(bucket: Bucket, entries, size: int, device: torch.device) -> torch.Tensor:
+def _pack(items, entries, size: int, device: torch.device) -> torch.Tensor:
     buf = torch.empty(size, dtype=torch.uint8, device=device)
-    for (_, t), (_, _, _, offset) in zip(bucket.tensors, entries):
-        n = t.numel() * t.element_size()
-        buf[offset : offset + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+    for (_, t, _), (*_, offset, n, _) in zip(items, entries):
+        parts = [t] if n < 0 else [t.positions, t.values]
+        for part in parts:
+            raw = part.contiguous().view(-1).view(torch.uint8)
+            buf[offset : offset + raw.numel()].copy_(raw)
+            offset += _aligned(raw.numel())
     return buf
 
 
+def _view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return buf[offset : offset + n].view(dtype).view(shape)
+
+
 def _unpack(index: int, entries, buf: torch.Tensor) -> Bucket:
-    tensors = []
-    for name, dtype, shape, offset in entries:
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        tensors.append((name, buf[offset : offset + n].view(dtype).view(shape)))
+    tensors = [
+        (name, _view(buf, offset, dtype, shape)) for name, dtype, shape, offset, *_ in entries
+    ]
     return Bucket(index, tensors, handover=True)
+
+
+def _received(entries, buf: torch.Tensor):
+    """What the wire carries of each entry: (name, full tensor or TensorDelta, digest)."""
+    for name, dtype, shape, offset, n, dg in entries:
+        if n < 0:
+            yield name, _view(buf, offset, dtype, shape), dg
+            continue
+        positions = _view(buf, offset, torch.int32, (n,)).cpu()
+        values = _view(buf, offset + _aligned(n * 4), dtype, (n,)).cpu()
+        yield name, TensorDelta(tuple(shape), dtype, positions, values), dg
 
 
 def relay(
@@ -62,37 +119,103 @@ def relay(
     group,
     device: torch.device,
     times: SyncTimes | None = None,
+    delta: DeltaLink | None = None,
 ) -> Iterator[Bucket]:
     """``src``'s ``buckets`` on every member of ``group`` (``buckets`` is read on ``src`` only;
     pass None elsewhere). Collective: every member must drain the returned iterator. ``times``:
-    on ``src``, the seconds of its broadcasts go to ``relay`` (the receivers' waits include the
-    sender's export, so they add nothing)."""
+    on ``src``, the seconds of its broadcasts go to ``relay`` and the bytes to ``relay_mb`` (the
+    receivers' waits include the sender's export, so they add nothing). ``delta``: every
+    member's, or None on all (full buckets)."""
+    head = _negotiate(delta, src, group, device) if delta is not None else None
     if dist.get_rank() == src:
-        yield from _send(buckets, src=src, group=group, device=device, times=times)
+        yield from _send(buckets, src=src, group=group, device=device, times=times, delta=delta)
         return
+    failed = False
+    if delta is not None:
+        try:
+            delta.receiver.begin(*head)
+        except NeedFullSync as e:
+            failed, delta.failure = True, str(e)
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=src, group=group, device=_object_device(device))
         if box[0] is None:
+            if delta is not None and not failed:
+                delta.receiver.finish()
             return
         index, entries, size = box[0]
-        with ipc_allocations(device):  # the engines get this buffer itself (CUDA IPC)
+        with ipc_allocations(device if delta is None else torch.device("cpu")):
             buf = torch.empty(size, dtype=torch.uint8, device=device)
         dist.broadcast(buf, src=src, group=group)
-        yield _unpack(index, entries, buf)
+        if delta is None:  # the engines get this buffer itself (CUDA IPC)
+            yield _unpack(index, entries, buf)
+        elif not failed:  # else drained: the sync fails, and its retry goes in full
+            try:
+                full = [
+                    (name, delta.receiver.apply_tensor(name, item, dg), None)
+                    for name, item, dg in _received(entries, buf)
+                ]
+            except NeedFullSync as e:
+                failed, delta.failure = True, str(e)
+                continue
+            yield _handover(index, full, device)
 
 
-def _send(buckets, *, src, group, device, times) -> Iterator[Bucket]:
+def _negotiate(delta: DeltaLink, src: int, group, device) -> tuple[int, int | None]:
+    """This sync's (version, base: the version its deltas apply to, or None when full), the
+    same on every member: the members' versions are gathered, and ``src`` sends in full when
+    one differs from its own (the reason goes to ``delta.log``)."""
+    me = dist.get_rank()
+    mine = delta.sender.version if me == src else delta.receiver.version
+    versions: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(versions, (me, mine), group=group)
+    delta.failure = None
+    box = [None]
+    if me == src:
+        behind = [(r, v) for r, v in versions if r != src and v != mine]
+        why = f"rank {behind[0][0]} holds version {behind[0][1]}, not {mine}" if behind else ""
+        base, why = delta.sender.begin(delta.version, full=why)
+        if why:
+            delta.log.append(why)
+        box = [(delta.version, base)]
+    dist.broadcast_object_list(box, src=src, group=group, device=_object_device(device))
+    return box[0]
+
+
+def _handover(index: int, full, device: torch.device) -> Bucket:
+    """Full tensors (a receiver's copies) in one fresh buffer on ``device`` to hand the engines,
+    as a received full bucket is."""
+    layout, size = _layout(full)
+    with ipc_allocations(device):
+        buf = _pack(full, layout, size, device)
+    return _unpack(index, layout, buf)
+
+
+def _send(buckets, *, src, group, device, times, delta) -> Iterator[Bucket]:
     for bucket in buckets:
         t0 = time.perf_counter()
-        entries, size = _layout(bucket)
+        if delta is None:
+            items = [(name, t, None) for name, t in bucket.tensors]
+        else:
+            items = [
+                (name, item, digest(t) if delta.verify else None)
+                for name, t in bucket.tensors
+                for item in [delta.sender.encode_tensor(name, t)]
+            ]
+        entries, size = _layout(items)
         box = [(bucket.index, entries, size)]
         dist.broadcast_object_list(box, src=src, group=group, device=_object_device(device))
-        dist.broadcast(_pack(bucket, entries, size, device), src=src, group=group)
+        dist.broadcast(_pack(items, entries, size, device), src=src, group=group)
         if times is not None:
             times.relay += time.perf_counter() - t0
+            times.relay_mb += size / 2**20
+            times.relay_full_mb += (
+                sum(t.numel() * t.element_size() for _, t in bucket.tensors) / 2**20
+            )
         yield bucket
     dist.broadcast_object_list([None], src=src, group=group, device=_object_device(device))
+    if delta is not None:
+        delta.sender.finish()
 
 
 def _object_device(device: torch.device) -> torch.device | None:

@@ -14,7 +14,8 @@ tensor at a time, so no stage runs on its own. Each stage's time is the time spe
                broadcast (the tensor transport's update call) and the begin / end calls
     relay    = per-node syncs (``sync/relay.py``): a stage's sending rank broadcasting its
                buckets to the other nodes' relay ranks, which push them to their own engines
-               (every node's push is counted, though the nodes push at the same time)
+               (every node's push is counted, though the nodes push at the same time); with
+               its megabytes, and a full sync's (``rollout.delta_sync``: fewer are sent)
 
 GPU: collectives and quantization kernels run asynchronously, so each stage's clock stops after
 ``torch.cuda.synchronize`` when what it yields lives on a GPU (one synchronize per tensor of
@@ -43,6 +44,8 @@ class SyncTimes:
     transfer: float = 0.0
     load: float = 0.0
     relay: float = 0.0  # per-node syncs: a stage's buckets broadcast to other nodes' relay ranks
+    relay_mb: float = 0.0  # ... the megabytes those broadcasts carried (less under delta syncs)
+    relay_full_mb: float = 0.0  # ... and what they carry as full buckets
 
     @property
     def quantize(self) -> float:
@@ -54,7 +57,12 @@ class SyncTimes:
 
     def metrics(self) -> dict[str, float]:
         """The parts as metrics; the relay's only in per-node syncs (the rest: always)."""
-        relay = {"perf/sync_relay_time_s": self.relay} if self.relay else {}
+        relay = {
+            "perf/sync_relay_time_s": self.relay,
+            "perf/sync_relay_mb": self.relay_mb,
+            "perf/sync_relay_full_mb": self.relay_full_mb,
+        }
+        relay = relay if self.relay else {}
         return {
             "perf/sync_gather_time_s": self.gather,
             "perf/sync_quantize_time_s": self.quantize,

@@ -64,7 +64,9 @@ class EngineLink:
         # A non-driver sending rank's side of the syncs (the driver's is its engine's ``sender``),
         # made from the first plan that has this rank send.
         self.weight_sender: SyncSender | None = None
-        self.node_sync = NodeSync(groups)  # per-node syncs (trainer/node_sync.py)
+        self.node_sync = NodeSync(  # per-node syncs (trainer/node_sync.py)
+            groups, delta=cfg.rollout.delta_sync, verify_every=cfg.rollout.delta_verify_every
+        )
         self.synced_version = -1
         self.times = SyncTimes()  # the last sync's parts (the driver's; sync/timing.py)
 

@@ -12,6 +12,10 @@ replica that gathers the weights. Stage by stage, as in every sync:
         group per stage, NCCL on GPU, gloo on CPU; the nodes' own interconnect)
     every relay rank pushes each bucket to its own node's engines (``plan.on_node``)
 
+With ``rollout.delta_sync`` the broadcast carries only what changed since the last sync
+(sync/relay.py, sync/delta.py): each stage sender and relay rank keep a copy per stage, and a
+relay rank whose apply fails reports its node's error, so the sync runs again, in full.
+
 The driver still begins and ends the sync and checks every engine's version
 (``EngineLink._sync_once``); a relay rank's failed push is its node's error in that check.
 """
@@ -28,7 +32,7 @@ from megatron_rl_fp8.parallel import Groups, current_device, node_name
 from megatron_rl_fp8.rollout.base import SyncPlan, SyncSender
 from megatron_rl_fp8.rollout.errors import RolloutEngineError
 from megatron_rl_fp8.sync.buckets import Bucket
-from megatron_rl_fp8.sync.relay import relay
+from megatron_rl_fp8.sync.relay import DeltaLink, relay
 from megatron_rl_fp8.sync.timing import SyncTimes
 
 
@@ -93,10 +97,15 @@ def stage_senders(places: list[RankPlace]) -> list[int]:
 class NodeSync:
     """This rank's side of per-node syncs; every method is collective over all ranks."""
 
-    def __init__(self, groups: Groups):
+    def __init__(self, groups: Groups, *, delta: bool = False, verify_every: int = 1):
         self.groups = groups
         self._places: list[RankPlace] | None = None
         self._relay_groups: dict[tuple[int, ...], object] = {}
+        # rollout.delta_sync: each stage's stream's delta state on this rank, by stage
+        self.delta = delta
+        self.verify_every = verify_every
+        self.links: dict[int, DeltaLink] = {}
+        self.syncs = 0
 
     def places(self) -> list[RankPlace]:
         """Every rank's place (one all-gather, the first time)."""
@@ -146,9 +155,15 @@ class NodeSync:
         me = places[g.rank]
         relaying = relays.get(me.node) == g.rank
         error, mine = None, SyncTimes()
+        verify = self.verify_every > 0 and self.syncs % self.verify_every == 0
+        self.syncs += 1
         for stage, src in enumerate(senders):
             members = tuple(sorted({src, *relays.values()}))
             group = self._group(members)
+            link = None
+            if self.delta and g.rank in members:
+                link = self.links.setdefault(stage, DeltaLink())
+                link.version, link.verify, link.log = plan.version, verify, []
             stream: Iterable[Bucket] | None = None
             if me.gathers and me.pp_rank == stage:
                 stream = export(mine)
@@ -156,11 +171,18 @@ class NodeSync:
                     collections.deque(stream, maxlen=0)
                     stream, mine = None, SyncTimes()
             if g.rank in members:
-                stream = relay(stream, src=src, group=group, device=current_device(), times=mine)
+                stream = relay(
+                    stream, src=src, group=group, device=current_device(), times=mine, delta=link
+                )
                 try:
                     if relaying:
                         pusher = sender()
                         failed = pusher.push(plan.on_node(me.node), stream)
+                        if link is not None and link.failure:
+                            failed = failed or (
+                                f"node {me.node}'s relay rank could not apply the delta sync of "
+                                f"stage {stage} ({link.failure}); the sync runs again, in full"
+                            )
                         error = error or failed
                         mine.transfer += pusher.times.transfer
                         mine.load += pusher.times.load
@@ -168,5 +190,7 @@ class NodeSync:
                         collections.deque(stream, maxlen=0)
                 except (RuntimeError, dist.DistError) as e:
                     raise RelayFailed(relay_failure(stage, members, places, e)) from None
+                for why in link.log if link is not None and g.rank == src else ():
+                    print(f"sync: stage {stage}'s delta sync goes in full: {why}", flush=True)
             dist.barrier()
         return error, mine

@@ -113,4 +113,17 @@ def test_a_corrupted_delta_fails_its_digest():
     )
     with pytest.raises(NeedFullSync, match="differs from the sender's"):
         receiver.apply(DeltaSync(sync.version, sync.base, bad, sync.digests))
-    assert receiver.version == 0
+    assert receiver.version is None  # its copy is now unknown: only a full sync applies
+    with pytest.raises(NeedFullSync, match="at version None"):
+        receiver.apply(sync)
+    receiver.apply(sender.encode(weights.export(), version=2, full="the receiver failed"))
+    assert receiver.version == 2 and _equal(receiver.tensors, weights.export())
+
+
+def test_a_sync_that_does_not_finish_makes_the_next_one_full():
+    weights, sender = _Weights(), DeltaSender()
+    sender.encode(weights.export(), version=0)
+    sender.begin(1)
+    sender.encode_tensor(*weights.export()[0])  # the stream broke here
+    assert sender.version is None
+    assert sender.begin(2) == (None, "the last sync did not finish")
