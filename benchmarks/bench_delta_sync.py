@@ -12,6 +12,13 @@ delta-encoded against the previous step's (``DeltaSender``) and applied by a rec
 full vs delta megabytes (the delta: int32 positions + new values, or the whole tensor where
 smaller), and the encode and apply seconds; the first (full) sync is left out. ``--pow2``:
 power-of-two block scales (UE8M0).
+
+``--relay``: the same steps through the per-node sync's relay itself (``sync/relay.py``), two
+gloo ranks on this host, each step's buckets sent both ways in one run: full, and as a delta
+(``rollout.delta_sync``: encoded on rank 0, applied to rank 1's copy, digests checked, full
+buckets rebuilt for the engines). Seconds from the stream's start to rank 1's last bucket, and
+the megabytes broadcast. Over loopback the link is nearly free, so these seconds are the
+encode / apply cost; ``plan --time`` prices the bytes over a real link.
 """
 
 from __future__ import annotations
@@ -85,6 +92,79 @@ def run(size: str, lr: float, steps: int, pow2: bool) -> list[dict]:
     return rows
 
 
+def _relay_rank(rank: int, port: int, size: str, lr: float, steps: int, pow2: bool, out) -> None:
+    """One rank of ``--relay``: rank 0 trains and sends, rank 1 receives."""
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_rl_fp8.sync.buckets import Bucket
+    from megatron_rl_fp8.sync.relay import DeltaLink, relay
+    from megatron_rl_fp8.sync.timing import SyncTimes
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    group = dist.new_group([0, 1])
+    link = DeltaLink()
+    fp8 = RolloutFP8Config(weight_quant="blockwise", pow2_scale=pow2)
+    model = opt = None
+    if rank == 0:
+        model, vocab = build(size)
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        gen = torch.Generator().manual_seed(1)
+    rows = []
+    for step in range(steps + 1):
+        buckets = None
+        if rank == 0:
+            if step:
+                ids = torch.randint(0, vocab, (4, 64), generator=gen)
+                loss = model(input_ids=ids, labels=ids).loss
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            named = export(model, fp8)
+            buckets = [Bucket(i, named[i : i + 8]) for i in range(0, len(named), 8)]
+        row = dict(size=size, lr=lr, step=step)
+        for mode in ("full", "delta"):
+            times = SyncTimes()
+            dist.barrier()
+            t0 = time.perf_counter()
+            link.version = step
+            stream = relay(
+                buckets, src=0, group=group, device=torch.device("cpu"), times=times,
+                delta=link if mode == "delta" else None,
+            )  # fmt: skip
+            for _ in stream:
+                pass
+            dist.barrier()
+            row[f"{mode}_s"] = time.perf_counter() - t0
+            row[f"{mode}_mb"] = times.relay_mb
+            if mode == "delta" and rank == 1:
+                assert link.failure is None, link.failure
+        if rank == 0 and step:
+            rows.append(row)
+    dist.destroy_process_group()
+    if rank == 0:
+        out.put(rows)
+
+
+def run_relay(size: str, lr: float, steps: int, pow2: bool) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    from megatron_rl_fp8.parallel import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    args = (free_port(), size, lr, steps, pow2, out)
+    procs = [ctx.Process(target=_relay_rank, args=(r, *args)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = out.get()
+    for p in procs:
+        p.join()
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="+", default=["tiny", "100M"], choices=sorted(SIZES))
@@ -92,9 +172,24 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--pow2", action="store_true", help="power-of-two (UE8M0) block scales")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--relay", action="store_true", help="through sync/relay.py, full vs delta")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.relay:
+        print(
+            f"{'size':>5} {'lr':>7} {'step':>4} {'full MB':>9} {'delta MB':>9} {'full s':>8} "
+            f"{'delta s':>8} {'delta/full s':>12}"
+        )
+        for size in args.sizes:
+            for lr in args.lrs:
+                for r in run_relay(size, lr, args.steps, args.pow2):
+                    print(
+                        f"{r['size']:>5} {r['lr']:>7.0e} {r['step']:>4} {r['full_mb']:>9.2f} "
+                        f"{r['delta_mb']:>9.2f} {r['full_s']:>8.3f} {r['delta_s']:>8.3f} "
+                        f"{r['delta_s'] / r['full_s']:>12.2f}"
+                    )
+        return
     print(
         f"{'size':>5} {'lr':>7} {'step':>4} {'codes changed':>13} {'full MB':>9} "
         f"{'delta MB':>9} {'delta/full':>10} {'encode s':>9} {'apply s':>8}"

@@ -296,7 +296,6 @@ def _per_node_rank(rank: int, world: int, port: int, size: str, bucket_mb: float
     """One rank of ``--per-node``: rank 0 drives the fleet and exports; both push."""
     import os
     import tempfile
-    import types
 
     import torch.distributed as dist
 
@@ -304,6 +303,7 @@ def _per_node_rank(rank: int, world: int, port: int, size: str, bucket_mb: float
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron_rl_fp8.models.hf_mapping import hf_config
+    from megatron_rl_fp8.parallel import Groups
     from megatron_rl_fp8.rollout.config import RolloutConfig
     from megatron_rl_fp8.rollout.sglang import SGLangFleet
     from megatron_rl_fp8.rollout.sglang.config import SGLangConfig
@@ -313,9 +313,7 @@ def _per_node_rank(rank: int, world: int, port: int, size: str, bucket_mb: float
     mc = model_config(*SHAPES[size])
     state = random_mcore_state(mc) if rank == 0 else None
     # A DP 2 trainer: rank 0 is the stage's sender, rank 1 n2's relay rank.
-    node_sync = NodeSync(
-        types.SimpleNamespace(tp=None, rank=rank, pp_rank=0, dp_rank=rank, cp_rank=0)
-    )
+    node_sync = NodeSync(Groups(None, None, None, 0, 1, 0, 1, rank, 2, True, True, rank=rank))
     sender = None if rank == 0 else WeightSender()
     with tempfile.TemporaryDirectory() as work:
         fleet = None

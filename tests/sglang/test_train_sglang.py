@@ -179,6 +179,7 @@ def test_per_node_sync_feeds_each_nodes_engine_from_its_own_rank(sglang_py, tmp_
         *_pp2_colocated(sglang_py, tmp_path, work),
         "rollout.sglang.transport=tensor",
         "rollout.sglang.num_engines=2",
+        "rollout.delta_sync=true",  # issue 48: the relay carries what changed since the last sync
     ]
     (metrics, engines, pushed_by_n1), pushed_by_n2 = run_distributed(
         two_node_body, world_size=2, args=(overrides,), timeout=900
@@ -188,6 +189,10 @@ def test_per_node_sync_feeds_each_nodes_engine_from_its_own_rank(sglang_py, tmp_
     for m in metrics[1:]:
         assert m["perf/sync_relay_time_s"] > 0, m  # each stage's buckets crossed to the other node
         assert m["rollout/engines_used"] == 2, m
+    # The first sync is full; the next a delta, applied on n2 (exact: the check above).
+    one, two = metrics[1:]
+    assert one["perf/sync_relay_mb"] >= 0.99 * one["perf/sync_relay_full_mb"]
+    assert two["perf/sync_relay_mb"] < two["perf/sync_relay_full_mb"], two
     # Each node's rank pushed to its own node's engine only.
     (url1, node1), (url2, node2) = engines
     assert (node1, node2) == ("n1", "n2")
