@@ -17,6 +17,9 @@ seeds, each an ordinary run, and a report with intervals over seeds (see docs/st
 
 ``megatron-rl-fp8 launch CONFIG.yaml [section.key=value ...] --dry-run [--nodes N ...]``: check a
 Slurm layout and print every node role's command (see slurm/README.md).
+
+``megatron-rl-fp8 receiver --port PORT``: a delta-sync receiver beside rollout engines the
+trainer cannot reach (see docs/delta_sync.md).
 """
 
 from __future__ import annotations
@@ -220,6 +223,16 @@ def _main(argv: list[str]) -> int:
         help="Slurm: check a multi-node layout and print every node role's command "
         "(`megatron-rl-fp8 launch -h`).",
     )
+    sub.add_parser(
+        "receiver",
+        allow_abbrev=False,
+        help="A delta-sync receiver beside rollout engines the trainer cannot reach "
+        "(`megatron-rl-fp8 receiver -h`).",
+    )
+    if argv[:1] == ["receiver"]:  # its own parser, as plan's
+        from megatron_rl_fp8.rollout.receiver import main as receiver_main  # lazy: start-up
+
+        return receiver_main(argv[1:])
     if argv[:1] == ["convert"]:  # its own parser owns every argument after the word
         from megatron_rl_fp8.convert.cli import main as convert_main  # lazy: start-up
 

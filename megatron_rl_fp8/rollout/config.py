@@ -8,6 +8,7 @@ from typing import Literal
 
 from megatron_rl_fp8.config_utils import check_literals, field
 from megatron_rl_fp8.fp8.config import RolloutFP8Config
+from megatron_rl_fp8.rollout.receiver import parse_address
 from megatron_rl_fp8.rollout.registry import ENGINES, choices, engine_spec, sections
 
 
@@ -69,7 +70,7 @@ class RolloutConfig(_EngineSections):
         "applies the delta and pushes full tensors to its engines; a relay rank on another "
         "version gets a full sync, with the reason logged. Costs host memory for one copy of "
         "the exported weights on every stage sender and relay rank; no effect on other syncs. "
-        "docs/sglang.md says when it pays.",
+        "docs/delta_sync.md says when it pays.",
     )
     delta_verify_every: int = field(
         10,
@@ -77,6 +78,14 @@ class RolloutConfig(_EngineSections):
         "tensor, which the relay ranks check after applying (a mismatch fails the sync, and its "
         "rerun goes in full); 0 = never. Each check reads the exported weights once on the "
         "sender and once on every relay rank (~2-3 GB/s per core).",
+    )
+    delta_receivers: list[str] = field(
+        default_factory=list,
+        help="Engines on nodes no trainer rank runs on (or outside the cluster): NODE=HOST:PORT "
+        "per such node (NODE as the engine's settings name the engines' nodes), where a delta receiver "
+        "runs beside them (`megatron-rl-fp8 receiver --port PORT`). Each stage's sender streams "
+        "it the delta sync over TCP; it applies it and pushes full tensors to its engines. "
+        "Needs delta_sync. docs/delta_sync.md.",
     )
     seed: int | None = field(
         None,
@@ -106,6 +115,13 @@ class RolloutConfig(_EngineSections):
             raise ValueError(
                 f"rollout.delta_verify_every must be >= 0 (0 = never), got {self.delta_verify_every}"
             )
+        if self.delta_receivers and not self.delta_sync:
+            raise ValueError(
+                "rollout.delta_receivers needs rollout.delta_sync=true (a receiver keeps its "
+                "node's copy and takes deltas)"
+            )
+        for entry in self.delta_receivers:
+            parse_address(entry)
         if self.max_new_tokens < 1:
             raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         spec = engine_spec(self.engine)

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,23 @@ from megatron_rl_fp8.sync.buckets import Bucket
 from megatron_rl_fp8.sync.delta import DeltaReceiver, DeltaSender, NeedFullSync, TensorDelta, digest
 from megatron_rl_fp8.sync.ipc import ipc_allocations
 from megatron_rl_fp8.sync.timing import SyncTimes
+
+
+class RemoteReceiver(Protocol):
+    """A delta receiver outside the trainer, as a stage's sender streams to it
+    (``rollout/receiver.py``); it never raises: its first failure is ``error``."""
+
+    name: str
+    error: str | None
+
+    def version(self) -> int | None: ...
+
+    def begin(self, version: int, base: int | None, *, verify: bool) -> None: ...
+
+    def send(self, index: int, entries: list, buf: torch.Tensor) -> None: ...
+
+    def end(self) -> None: ...
+
 
 _ALIGN = 16  # bytes: every dtype's element size divides it, so each view is aligned
 
@@ -64,7 +82,7 @@ class DeltaLink:
 _Entry = tuple[str, torch.dtype, tuple[int, ...], int, int, "str | None"]
 
 
-def _layout(items) -> tuple[list[_Entry], int]:
+def wire_layout(items) -> tuple[list[_Entry], int]:
     """The wire layout of ``items``: (name, tensor or TensorDelta, digest) each."""
     entries, offset = [], 0
     for name, t, dg in items:
@@ -78,7 +96,7 @@ def _layout(items) -> tuple[list[_Entry], int]:
     return entries, offset
 
 
-def _pack(items, entries, size: int, device: torch.device) -> torch.Tensor:
+def pack(items, entries, size: int, device: torch.device) -> torch.Tensor:
     buf = torch.empty(size, dtype=torch.uint8, device=device)
     for (_, t, _), (*_, offset, n, _) in zip(items, entries):
         parts = [t] if n < 0 else [t.positions, t.values]
@@ -101,7 +119,7 @@ def _unpack(index: int, entries, buf: torch.Tensor) -> Bucket:
     return Bucket(index, tensors, handover=True)
 
 
-def _received(entries, buf: torch.Tensor):
+def received_items(entries, buf: torch.Tensor):
     """What the wire carries of each entry: (name, full tensor or TensorDelta, digest)."""
     for name, dtype, shape, offset, n, dg in entries:
         if n < 0:
@@ -120,15 +138,19 @@ def relay(
     device: torch.device,
     times: SyncTimes | None = None,
     delta: DeltaLink | None = None,
+    remotes: Sequence[RemoteReceiver] = (),
 ) -> Iterator[Bucket]:
     """``src``'s ``buckets`` on every member of ``group`` (``buckets`` is read on ``src`` only;
     pass None elsewhere). Collective: every member must drain the returned iterator. ``times``:
     on ``src``, the seconds of its broadcasts go to ``relay`` and the bytes to ``relay_mb`` (the
     receivers' waits include the sender's export, so they add nothing). ``delta``: every
-    member's, or None on all (full buckets)."""
-    head = _negotiate(delta, src, group, device) if delta is not None else None
+    member's, or None on all (full buckets). ``remotes`` (``src`` only, with ``delta``): delta
+    receivers outside the trainer (``rollout/receiver.py``) that get the same stream over a socket;
+    each one's failure is its ``error`` afterwards."""
+    head = _negotiate(delta, src, group, device, remotes) if delta is not None else None
     if dist.get_rank() == src:
-        yield from _send(buckets, src=src, group=group, device=device, times=times, delta=delta)
+        yield from _send(buckets, src=src, group=group, device=device, times=times, delta=delta,
+                         remotes=remotes)  # fmt: skip
         return
     failed = False
     if delta is not None:
@@ -153,18 +175,18 @@ def relay(
             try:
                 full = [
                     (name, delta.receiver.apply_tensor(name, item, dg), None)
-                    for name, item, dg in _received(entries, buf)
+                    for name, item, dg in received_items(entries, buf)
                 ]
             except NeedFullSync as e:
                 failed, delta.failure = True, str(e)
                 continue
-            yield _handover(index, full, device)
+            yield handover_bucket(index, full, device)
 
 
-def _negotiate(delta: DeltaLink, src: int, group, device) -> tuple[int, int | None]:
+def _negotiate(delta: DeltaLink, src: int, group, device, remotes) -> tuple[int, int | None]:
     """This sync's (version, base: the version its deltas apply to, or None when full), the
-    same on every member: the members' versions are gathered, and ``src`` sends in full when
-    one differs from its own (the reason goes to ``delta.log``)."""
+    same on every member: the members' versions (and the remote receivers') are gathered, and
+    ``src`` sends in full when one differs from its own (the reason goes to ``delta.log``)."""
     me = dist.get_rank()
     mine = delta.sender.version if me == src else delta.receiver.version
     versions: list = [None] * dist.get_world_size(group)
@@ -172,26 +194,33 @@ def _negotiate(delta: DeltaLink, src: int, group, device) -> tuple[int, int | No
     delta.failure = None
     box = [None]
     if me == src:
-        behind = [(r, v) for r, v in versions if r != src and v != mine]
-        why = f"rank {behind[0][0]} holds version {behind[0][1]}, not {mine}" if behind else ""
+        holders = [(f"rank {r}", v) for r, v in versions if r != src]
+        for remote in remotes:
+            v = remote.version()
+            if remote.error is None:  # else it fails this sync, and is asked again at the next
+                holders.append((remote.name, v))
+        behind = [(who, v) for who, v in holders if v != mine]
+        why = f"{behind[0][0]} holds version {behind[0][1]}, not {mine}" if behind else ""
         base, why = delta.sender.begin(delta.version, full=why)
         if why:
             delta.log.append(why)
+        for remote in remotes:
+            remote.begin(delta.version, base, verify=delta.verify)
         box = [(delta.version, base)]
     dist.broadcast_object_list(box, src=src, group=group, device=_object_device(device))
     return box[0]
 
 
-def _handover(index: int, full, device: torch.device) -> Bucket:
+def handover_bucket(index: int, full, device: torch.device) -> Bucket:
     """Full tensors (a receiver's copies) in one fresh buffer on ``device`` to hand the engines,
     as a received full bucket is."""
-    layout, size = _layout(full)
+    layout, size = wire_layout(full)
     with ipc_allocations(device):
-        buf = _pack(full, layout, size, device)
+        buf = pack(full, layout, size, device)
     return _unpack(index, layout, buf)
 
 
-def _send(buckets, *, src, group, device, times, delta) -> Iterator[Bucket]:
+def _send(buckets, *, src, group, device, times, delta, remotes) -> Iterator[Bucket]:
     for bucket in buckets:
         t0 = time.perf_counter()
         if delta is None:
@@ -202,10 +231,13 @@ def _send(buckets, *, src, group, device, times, delta) -> Iterator[Bucket]:
                 for name, t in bucket.tensors
                 for item in [delta.sender.encode_tensor(name, t)]
             ]
-        entries, size = _layout(items)
+        entries, size = wire_layout(items)
         box = [(bucket.index, entries, size)]
         dist.broadcast_object_list(box, src=src, group=group, device=_object_device(device))
-        dist.broadcast(_pack(items, entries, size, device), src=src, group=group)
+        buf = pack(items, entries, size, device)
+        dist.broadcast(buf, src=src, group=group)
+        for remote in remotes:
+            remote.send(bucket.index, entries, buf)
         if times is not None:
             times.relay += time.perf_counter() - t0
             times.relay_mb += size / 2**20
@@ -214,6 +246,8 @@ def _send(buckets, *, src, group, device, times, delta) -> Iterator[Bucket]:
             )
         yield bucket
     dist.broadcast_object_list([None], src=src, group=group, device=_object_device(device))
+    for remote in remotes:
+        remote.end()
     if delta is not None:
         delta.sender.finish()
 

@@ -65,7 +65,10 @@ class EngineLink:
         # made from the first plan that has this rank send.
         self.weight_sender: SyncSender | None = None
         self.node_sync = NodeSync(  # per-node syncs (trainer/node_sync.py)
-            groups, delta=cfg.rollout.delta_sync, verify_every=cfg.rollout.delta_verify_every
+            groups,
+            delta=cfg.rollout.delta_sync,
+            verify_every=cfg.rollout.delta_verify_every,
+            receivers=cfg.rollout.delta_receivers,
         )
         self.synced_version = -1
         self.times = SyncTimes()  # the last sync's parts (the driver's; sync/timing.py)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron_rl_fp8.parallel import Groups, current_device, node_name
 from megatron_rl_fp8.rollout.base import SyncPlan, SyncSender
 from megatron_rl_fp8.rollout.errors import RolloutEngineError
+from megatron_rl_fp8.rollout.receiver import RemoteReceiver, parse_address
 from megatron_rl_fp8.sync.buckets import Bucket
 from megatron_rl_fp8.sync.relay import DeltaLink, relay
 from megatron_rl_fp8.sync.timing import SyncTimes
@@ -97,7 +98,14 @@ def stage_senders(places: list[RankPlace]) -> list[int]:
 class NodeSync:
     """This rank's side of per-node syncs; every method is collective over all ranks."""
 
-    def __init__(self, groups: Groups, *, delta: bool = False, verify_every: int = 1):
+    def __init__(
+        self,
+        groups: Groups,
+        *,
+        delta: bool = False,
+        verify_every: int = 1,
+        receivers: Iterable[str] = (),
+    ):
         self.groups = groups
         self._places: list[RankPlace] | None = None
         self._relay_groups: dict[tuple[int, ...], object] = {}
@@ -106,6 +114,8 @@ class NodeSync:
         self.verify_every = verify_every
         self.links: dict[int, DeltaLink] = {}
         self.syncs = 0
+        # rollout.delta_receivers: node -> (host, port) of the delta receiver beside its engines
+        self.receivers = {node: (host, port) for node, host, port in map(parse_address, receivers)}
 
     def places(self) -> list[RankPlace]:
         """Every rank's place (one all-gather, the first time)."""
@@ -127,8 +137,10 @@ class NodeSync:
         if not plan.nodes:
             return False
         places = self.places()
-        return len(plan.nodes) > 1 or any(
-            places[r].node not in plan.nodes for r in stage_senders(places)
+        return (
+            len(plan.nodes) > 1
+            or any(n in self.receivers for n in plan.nodes)
+            or any(places[r].node not in plan.nodes for r in stage_senders(places))
         )
 
     def _group(self, members: tuple[int, ...]):
@@ -150,7 +162,9 @@ class NodeSync:
         ``sender()``: this rank's sending side, called on relay ranks."""
         g = self.groups
         places = self.places()
-        relays = relay_ranks(places, plan.nodes, plan.reach_every_node)
+        remote = [n for n in plan.nodes if n in self.receivers]
+        fix = f"{plan.reach_every_node}, or a delta receiver there (rollout.delta_receivers)"
+        relays = relay_ranks(places, [n for n in plan.nodes if n not in remote], fix)
         senders = stage_senders(places)
         me = places[g.rank]
         relaying = relays.get(me.node) == g.rank
@@ -170,10 +184,18 @@ class NodeSync:
                 if g.rank != src:  # a sender's peer: drives the gather's collectives
                     collections.deque(stream, maxlen=0)
                     stream, mine = None, SyncTimes()
+            remotes = []
+            if g.rank == src:  # the stage's stream also goes to every delta receiver
+                remotes = [
+                    RemoteReceiver(n, *self.receivers[n], stage=stage, plan=plan.on_node(n),
+                                   timeout=getattr(plan, "timeout", 600.0))
+                    for n in remote
+                ]  # fmt: skip
             if g.rank in members:
                 stream = relay(
-                    stream, src=src, group=group, device=current_device(), times=mine, delta=link
-                )
+                    stream, src=src, group=group, device=current_device(), times=mine,
+                    delta=link, remotes=remotes,
+                )  # fmt: skip
                 try:
                     if relaying:
                         pusher = sender()
@@ -192,5 +214,8 @@ class NodeSync:
                     raise RelayFailed(relay_failure(stage, members, places, e)) from None
                 for why in link.log if link is not None and g.rank == src else ():
                     print(f"sync: stage {stage}'s delta sync goes in full: {why}", flush=True)
+                for r in remotes:
+                    if r.error:
+                        error = error or f"stage {stage}: {r.error}"
             dist.barrier()
         return error, mine

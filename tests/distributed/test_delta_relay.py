@@ -18,6 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -122,3 +127,115 @@ def test_twenty_delta_syncs_keep_both_nodes_engines_equal_to_a_full_sync():
             assert logs[0] == [] and 0 < mb < 0.5 * full_mb, (version, mb, full_mb)
     assert n2[11][1] == n2[10][1]  # sync 12 never reached n2's engine
     assert n1[11][1] != n1[10][1]  # the weights moved at every step
+
+
+def _start_receiver(port: int, log: Path) -> tuple[subprocess.Popen, int]:
+    """``megatron-rl-fp8 receiver`` in a process of its own (port 0: one it picks), its output
+    appended to ``log``; returns it and the port it listens on."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root))  # it rebuilds tests.recording_plan's plans
+    start = log.stat().st_size if log.exists() else 0
+    cmd = [sys.executable, "-m", "megatron_rl_fp8", "receiver", "--host", "127.0.0.1",
+           "--port", str(port)]  # fmt: skip
+    with log.open("ab") as f:
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT)
+    for _ in range(1200):
+        text = log.read_bytes()[start:].decode(errors="replace")
+        found = re.search(r"listening on 127.0.0.1:(\d+)", text)
+        if found:
+            return proc, int(found.group(1))
+        if proc.poll() is not None:
+            raise RuntimeError(f"the receiver exited: {text[-500:]}")
+        time.sleep(0.1)
+    raise RuntimeError("the receiver did not start")
+
+
+def _receiver_body(rank, world, out):
+    import json
+
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.config import load_config
+    from megatron_rl_fp8.trainer.actor import Actor
+    from megatron_rl_fp8.trainer.engine_link import EngineLink
+    from tests.recording_plan import RecordingPlan, RecordingSender
+
+    os.environ["SLURMD_NODENAME"] = "n1"  # both trainer ranks; n3 has engines and no trainer rank
+    log = Path(out) / "receiver.log"
+    proc, port = _start_receiver(0, log) if rank == 0 else (None, None)
+    g = parallel.initialize(load_config(None, CFG).parallel, seed=1)
+    box = [port]
+    torch.distributed.broadcast_object_list(box, src=0)
+    port = box[0]
+    cfg = load_config(None, [*CFG, f"rollout.delta_receivers=[n3=127.0.0.1:{port}]"])
+    actor = Actor(cfg.model, cfg.optim, g, parallel=cfg.parallel)
+    link = EngineLink(cfg, g, actor, None, None)
+    n1 = RecordingSender()
+    link._sender = lambda plan: n1
+    params = list(actor.model.parameters())
+    master = [p.detach().float().clone() for p in params]
+    records = []
+    try:
+        for version in range(1, 9):
+            if version > 1:
+                gen = torch.Generator().manual_seed(version)
+                with torch.no_grad():
+                    for p, m in zip(params, master):
+                        m.add_(1e-5 * torch.randn(m.shape, generator=gen).sign())
+                        p.copy_(m)
+            if rank == 0 and version in (4, 5):
+                proc.kill()  # 4: relaunched (its copy is gone); 5: down for one attempt
+                proc.wait()
+                if version == 4:
+                    proc, _ = _start_receiver(port, log)
+            torch.distributed.barrier()
+            plan = RecordingPlan(
+                version=version, export_options={}, engine_nodes=["n1", "n3"], out=out
+            )
+            attempts = []
+            for _ in range(2):
+                error, times = link._push(plan)
+                errors = [None] * world
+                torch.distributed.all_gather_object(errors, error)
+                logs = {s: list(d.log) for s, d in link.node_sync.links.items()}
+                attempts.append((errors, times.relay_mb, times.relay_full_mb, logs))
+                if not any(errors):
+                    break
+                if rank == 0:
+                    proc, _ = _start_receiver(port, log)
+                torch.distributed.barrier()
+            held = [json.loads((Path(out) / f"{n}.json").read_text()) for n in ("n1", "n3")]
+            records.append((attempts, held))
+            torch.distributed.barrier()
+    finally:
+        if proc is not None:
+            proc.kill()
+        parallel.destroy()
+    return records
+
+
+def test_a_delta_receiver_beside_engines_no_trainer_rank_reaches(tmp_path):
+    """``megatron-rl-fp8 receiver`` (a process of its own) serves node n3's engine: each stage's
+    sender streams it the sync over TCP, it applies deltas to its copy and pushes full tensors;
+    its engine holds what n1's (which gets the senders' full buckets) holds, bit for bit, at
+    every sync. Relaunched (its copy gone): the next sync goes in full, saying why. Down: the sync
+    fails in one line naming it and the command to start it, and its rerun goes in full."""
+    r0, r1 = run_distributed(_receiver_body, world_size=2, args=(str(tmp_path),), timeout=600)
+    for version, ((attempts, (n1, n3)), (attempts1, _)) in enumerate(zip(r0, r1), start=1):
+        assert n1 and n1 == n3, version
+        errors, mb, full_mb, logs = attempts[-1]
+        assert not any(errors), (version, errors)
+        sent = [a for a in (attempts, attempts1)]
+        if version == 4:
+            why = "node n3's delta receiver (127.0.0.1:"
+            assert any(why in line and "holds version None, not 3" in line
+                       for a in sent for line in a[-1][3].get(0, []) + a[-1][3].get(1, []))  # fmt: skip
+        if version == 5:
+            first = [e for e in attempts[0][0] if e]
+            assert len(attempts) == 2 and first, attempts
+            assert "asking its version failed" in first[0] and "\n" not in first[0]
+            assert "megatron-rl-fp8 receiver --port" in first[0]
+        if version in (2, 3, 6, 7, 8):  # deltas: every stage sent a fraction of its bytes
+            assert all(not lines for a in sent for lines in a[-1][3].values()), version
+            assert all(0 < a[-1][1] < 0.5 * a[-1][2] for a in sent), version
+    log = (tmp_path / "receiver.log").read_text()
+    assert "(delta from 1)" in log and "full" in log
