@@ -57,8 +57,19 @@ def parse_address(text: str, field: str = "rollout.delta_receivers") -> tuple[st
     return node.strip(), host.strip(), int(port)
 
 
+def _jsonable(obj):
+    """JSON for the one non-JSON value plans carry: a torch dtype (``export_options``)."""
+    if isinstance(obj, torch.dtype):
+        return {"torch.dtype": str(obj)}
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
+def _from_json(obj: dict):
+    return _dtype(obj["torch.dtype"]) if set(obj) == {"torch.dtype"} else obj
+
+
 def _send_json(sock: socket.socket, obj) -> None:
-    data = json.dumps(obj).encode()
+    data = json.dumps(obj, default=_jsonable).encode()
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
@@ -75,7 +86,7 @@ def _recv_json(sock: socket.socket):
     _recv_exact(sock, memoryview(head))
     data = bytearray(_LEN.unpack(head)[0])
     _recv_exact(sock, memoryview(data))
-    return json.loads(data)
+    return json.loads(data, object_hook=_from_json)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -119,7 +130,7 @@ class RemoteReceiver:
             return None
         try:
             return call()
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             self.error = (
                 f"{self.name}: {what} failed ({type(e).__name__}: {str(e)[:200]}); is "
                 f"`megatron-rl-fp8 receiver --port {self.port}` running on {self.host}?"

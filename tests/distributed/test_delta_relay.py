@@ -18,10 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -129,27 +125,6 @@ def test_twenty_delta_syncs_keep_both_nodes_engines_equal_to_a_full_sync():
     assert n1[11][1] != n1[10][1]  # the weights moved at every step
 
 
-def _start_receiver(port: int, log: Path) -> tuple[subprocess.Popen, int]:
-    """``megatron-rl-fp8 receiver`` in a process of its own (port 0: one it picks), its output
-    appended to ``log``; returns it and the port it listens on."""
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=str(root))  # it rebuilds tests.recording_plan's plans
-    start = log.stat().st_size if log.exists() else 0
-    cmd = [sys.executable, "-m", "megatron_rl_fp8", "receiver", "--host", "127.0.0.1",
-           "--port", str(port)]  # fmt: skip
-    with log.open("ab") as f:
-        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT)
-    for _ in range(1200):
-        text = log.read_bytes()[start:].decode(errors="replace")
-        found = re.search(r"listening on 127.0.0.1:(\d+)", text)
-        if found:
-            return proc, int(found.group(1))
-        if proc.poll() is not None:
-            raise RuntimeError(f"the receiver exited: {text[-500:]}")
-        time.sleep(0.1)
-    raise RuntimeError("the receiver did not start")
-
-
 def _receiver_body(rank, world, out):
     import json
 
@@ -157,11 +132,11 @@ def _receiver_body(rank, world, out):
     from megatron_rl_fp8.config import load_config
     from megatron_rl_fp8.trainer.actor import Actor
     from megatron_rl_fp8.trainer.engine_link import EngineLink
-    from tests.recording_plan import RecordingPlan, RecordingSender
+    from tests.delta_utils import RecordingPlan, RecordingSender, start_receiver
 
     os.environ["SLURMD_NODENAME"] = "n1"  # both trainer ranks; n3 has engines and no trainer rank
     log = Path(out) / "receiver.log"
-    proc, port = _start_receiver(0, log) if rank == 0 else (None, None)
+    proc, port = start_receiver(0, log) if rank == 0 else (None, None)
     g = parallel.initialize(load_config(None, CFG).parallel, seed=1)
     box = [port]
     torch.distributed.broadcast_object_list(box, src=0)
@@ -186,7 +161,7 @@ def _receiver_body(rank, world, out):
                 proc.kill()  # 4: relaunched (its copy is gone); 5: down for one attempt
                 proc.wait()
                 if version == 4:
-                    proc, _ = _start_receiver(port, log)
+                    proc, _ = start_receiver(port, log)
             torch.distributed.barrier()
             plan = RecordingPlan(
                 version=version, export_options={}, engine_nodes=["n1", "n3"], out=out
@@ -201,7 +176,7 @@ def _receiver_body(rank, world, out):
                 if not any(errors):
                     break
                 if rank == 0:
-                    proc, _ = _start_receiver(port, log)
+                    proc, _ = start_receiver(port, log)
                 torch.distributed.barrier()
             held = [json.loads((Path(out) / f"{n}.json").read_text()) for n in ("n1", "n3")]
             records.append((attempts, held))

@@ -10,6 +10,8 @@
 * A per-node sync: PP=2 on two "nodes" (``SLURMD_NODENAME`` n1 and n2, one rank each), a
   colocated engine on each, ``transport=tensor``: each node's rank relays its stage's buckets to
   the other and pushes both stages' to its own node's engine over shared memory.
+* A delta receiver: one trainer rank on n1, the fleet's second engine on n3 (no trainer rank),
+  fed by ``megatron-rl-fp8 receiver`` beside it, which takes each sync as a delta over TCP.
 * A tiny Qwen3-MoE at expert parallelism 2: every sync gathers the experts from both ranks.
 * ``train.pipeline=one_step_off`` with one dedicated engine, SIGKILLed while it generates the
   next step's rollout during an update: that rollout is lost, the engine relaunched and synced
@@ -199,6 +201,60 @@ def test_per_node_sync_feeds_each_nodes_engine_from_its_own_rank(sglang_py, tmp_
     assert (pushed_by_n1, pushed_by_n2) == ([url1], [url2])
     for i in range(2):  # no distributed-transport group was ever formed
         assert "mrf8_sync" not in (work / f"engine{i}-1.log").read_text()
+
+
+def _remote_receiver_body(rank, world_size, overrides, log):
+    """``trainer_body`` on n1 with the fleet's second engine placed on n3, served by a delta
+    receiver process (``megatron-rl-fp8 receiver``) started here."""
+    import os
+
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.config import load_config
+    from megatron_rl_fp8.trainer.loop import Trainer
+    from tests.delta_utils import start_receiver
+
+    os.environ["SLURMD_NODENAME"] = "n1"
+    proc, port = start_receiver(0, Path(log))
+    trainer = Trainer(
+        load_config(None, [*overrides, f"rollout.delta_receivers=[n3=127.0.0.1:{port}]"])
+    )
+    trainer.engine.engines[1].node = "n3"
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+        parallel.destroy()
+        proc.kill()
+    return read_metrics(trainer.cfg.train.output_dir)
+
+
+def test_a_delta_receiver_feeds_an_engine_no_trainer_rank_reaches(sglang_py, tmp_path):
+    """Issue 48: the engine on n3 gets every sync from the receiver beside it (the first in
+    full, the next as a delta over TCP) and samples with exactly the trainer's weights."""
+    work = tmp_path / "sglang"
+    overrides = [
+        *SMALL,
+        "train.steps=2",
+        f"train.output_dir={tmp_path / 'run'}",
+        f"train.cache_dir={tmp_path / 'cache'}",
+        *_sglang_args(sglang_py, work),
+        "rollout.sglang.transport=tensor",
+        "rollout.sglang.num_engines=2",
+        "rollout.delta_sync=true",
+        "rollout.delta_verify_every=1",
+    ]
+    log = tmp_path / "receiver.log"
+    metrics = run_distributed(
+        _remote_receiver_body, world_size=1, args=(overrides, str(log)), timeout=900
+    )[0]
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    _assert_rollout_matches_trainer(metrics)  # both engines hold the trainer's weights, exactly
+    for m in metrics[1:]:
+        assert m["rollout/engines_used"] == 2, m
+    one, two = metrics[1:]
+    assert two["perf/sync_relay_mb"] < two["perf/sync_relay_full_mb"], two
+    text = log.read_text()
+    assert "stage 0 version 0 (full)" in text and "(delta from 0)" in text, text[-2000:]
 
 
 def test_a_moe_trainer_with_expert_parallelism_feeds_an_sglang_engine(sglang_py, tmp_path):
