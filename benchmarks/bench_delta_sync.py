@@ -8,14 +8,15 @@ is the tiny CPU job's shape, ``100M`` bench_sync.py's) takes ``--steps`` Adam st
 next-token loss over random tokens; after each, its weights go through the rollout export
 (``sync.buckets.rollout_stream``: block-FP8 codes + float32 scales, the rest as is), are
 delta-encoded against the previous step's (``DeltaSender``) and applied by a receiver
-(``DeltaReceiver``, digests checked). Printed per step: the share of FP8 codes that changed,
-full vs delta megabytes (the delta: int32 positions + new values, or the whole tensor where
-smaller), and the encode and apply seconds; the first (full) sync is left out. ``--pow2``:
-power-of-two block scales (UE8M0).
+(``DeltaReceiver``). Printed per step: the share of FP8 codes that changed, full vs delta
+megabytes (the delta: int32 positions + new values, or the whole tensor where smaller; and how
+much of it is the FP8 codes'), the encode and apply seconds of a sync without digests, and what
+a verifying sync adds (a CRC-32 of every tensor, on each side); the first (full) sync is left
+out. ``--pow2``: power-of-two block scales (UE8M0).
 
 ``--relay``: the same steps through the per-node sync's relay itself (``sync/relay.py``), two
 gloo ranks on this host, each step's buckets sent both ways in one run: full, and as a delta
-(``rollout.delta_sync``: encoded on rank 0, applied to rank 1's copy, digests checked, full
+(``rollout.delta_sync``: encoded on rank 0, applied to rank 1's copy, no digests, full
 buckets rebuilt for the engines). Seconds from the stream's start to rank 1's last bucket, and
 the megabytes broadcast. Over loopback the link is nearly free, so these seconds are the
 encode / apply cost; ``plan --time`` prices the bytes over a real link.
@@ -32,7 +33,7 @@ from megatron_rl_fp8.fp8.config import RolloutFP8Config
 from megatron_rl_fp8.models.config import ModelConfig
 from megatron_rl_fp8.models.hf_mapping import hf_config
 from megatron_rl_fp8.sync.buckets import rollout_stream
-from megatron_rl_fp8.sync.delta import DeltaReceiver, DeltaSender, TensorDelta
+from megatron_rl_fp8.sync.delta import DeltaReceiver, DeltaSender, TensorDelta, digest
 
 # name -> (hidden, layers, ffn, heads, groups, vocab)
 SIZES = {"tiny": (128, 2, 512, 4, 2, 53), "100M": (768, 10, 2048, 12, 4, 32000)}
@@ -73,20 +74,25 @@ def run(size: str, lr: float, steps: int, pow2: bool) -> list[dict]:
         opt.step()
         named = export(model, fp8)
         t0 = time.perf_counter()
-        sync = sender.encode(named, version=step)
+        sync = sender.encode(named, version=step, verify=False)  # a sync without digests
         encode_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         receiver.apply(sync)
         apply_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for name, _ in named:  # what a verifying sync adds: a digest on each side
+            digest(receiver.tensors[name])
+        digest_s = time.perf_counter() - t0
         codes = [t for t in sync.tensors.values() if isinstance(t, TensorDelta)]
         fp8_codes = [t for t in codes if t.dtype == torch.float8_e4m3fn]
         changed = sum(t.positions.numel() for t in fp8_codes)
         total = sum(t.numel for t in fp8_codes) or 1
+        fp8_delta = sum(t.nbytes for t in fp8_codes) / 2**20
         rows.append(
             dict(
                 size=size, lr=lr, step=step, density=changed / total,
                 full_mb=sync.full_nbytes / 2**20, delta_mb=sync.nbytes / 2**20,
-                encode_s=encode_s, apply_s=apply_s,
+                fp8_delta_mb=fp8_delta, encode_s=encode_s, apply_s=apply_s, digest_s=digest_s,
             )
         )  # fmt: skip
     return rows
@@ -105,7 +111,7 @@ def _relay_rank(rank: int, port: int, size: str, lr: float, steps: int, pow2: bo
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     group = dist.new_group([0, 1])
-    link = DeltaLink()
+    link = DeltaLink(verify=False)  # a sync between two verifying ones
     fp8 = RolloutFP8Config(weight_quant="blockwise", pow2_scale=pow2)
     model = opt = None
     if rank == 0:
@@ -192,16 +198,17 @@ def main(argv=None) -> None:
         return
     print(
         f"{'size':>5} {'lr':>7} {'step':>4} {'codes changed':>13} {'full MB':>9} "
-        f"{'delta MB':>9} {'delta/full':>10} {'encode s':>9} {'apply s':>8}"
+        f"{'delta MB':>9} {'of it FP8':>9} {'delta/full':>10} {'encode s':>9} {'apply s':>8} "
+        f"{'digests s':>9}"
     )
     for size in args.sizes:
         for lr in args.lrs:
             for r in run(size, lr, args.steps, args.pow2):
                 print(
                     f"{r['size']:>5} {r['lr']:>7.0e} {r['step']:>4} {r['density']:>13.4%} "
-                    f"{r['full_mb']:>9.2f} {r['delta_mb']:>9.2f} "
+                    f"{r['full_mb']:>9.2f} {r['delta_mb']:>9.2f} {r['fp8_delta_mb']:>9.2f} "
                     f"{r['delta_mb'] / r['full_mb']:>10.3f} {r['encode_s']:>9.3f} "
-                    f"{r['apply_s']:>8.3f}"
+                    f"{r['apply_s']:>8.3f} {r['digest_s']:>9.3f}"
                 )
 
 

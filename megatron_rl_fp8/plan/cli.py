@@ -16,6 +16,7 @@ from megatron_rl_fp8.config_utils import ConfigError
 from megatron_rl_fp8.fp8.recipes import planned_recipe
 from megatron_rl_fp8.launch.layout import plan_layout
 from megatron_rl_fp8.launch.slurm import SlurmEnv
+from megatron_rl_fp8.plan.efficiency import EFFICIENCY
 from megatron_rl_fp8.plan.hardware import get_gpu
 from megatron_rl_fp8.plan.layouts import alternatives
 from megatron_rl_fp8.plan.memory import GB, PHASES, RUNTIME_ALLOWANCE_GB, Estimate, World, estimate
@@ -112,6 +113,21 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="--time, multi-turn runs: seconds of one tool call (default 0).",
+    )
+    p.add_argument(
+        "--engine-link-gbps",
+        type=float,
+        default=None,
+        help="--time: Gb/s from each pipeline stage's sender to engines off its node (default: "
+        "the GPU's InfiniBand; e.g. 10 for rollout workers outside the cluster).",
+    )
+    p.add_argument(
+        "--delta-fraction",
+        type=float,
+        default=None,
+        help="--time with rollout.delta_sync: a delta sync's share of a full one's bytes "
+        f"(default {EFFICIENCY.delta_fraction:g}, measured at lr 1e-5; a run's "
+        "perf/sync_relay_mb / perf/sync_relay_full_mb).",
     )
     p.add_argument(
         "--spec",
@@ -268,11 +284,21 @@ def _shadow_schedule(cfg) -> str:
     return f"every {calib.interval} steps"
 
 
-def run_time(cfg, world: World, gpu, fill: float, spec: str, turns=None, inserted=0.0, tool_s=0.0):
+def run_time(cfg, world: World, gpu, fill: float, spec: str, turns=None, inserted=0.0, tool_s=0.0,
+             link_gbps=None, delta_fraction=None):  # fmt: skip
     """The ``--time`` table and its notes; ``turns``, ``inserted``, ``tool_s`` as
-    :func:`~megatron_rl_fp8.plan.time.predict` takes them."""
+    :func:`~megatron_rl_fp8.plan.time.predict` takes them; ``link_gbps``: the senders' link to
+    engines off their node; ``delta_fraction``: a delta sync's share of the bytes."""
     fleet, stand_in = planned_fleet(cfg, world)
-    multi = dict(turns=turns, inserted=inserted, tool_s=tool_s)
+    eff = EFFICIENCY
+    if delta_fraction is not None:
+        if not 0 <= delta_fraction <= 1:
+            raise ConfigError(f"--delta-fraction={delta_fraction} must be in [0, 1]")
+        eff = dataclasses.replace(eff, delta_fraction=delta_fraction)
+    if link_gbps is not None and link_gbps <= 0:
+        raise ConfigError(f"--engine-link-gbps={link_gbps} must be > 0")
+    link = link_gbps * 1e9 / 8 if link_gbps else None
+    multi = dict(turns=turns, inserted=inserted, tool_s=tool_s, eff=eff, engine_link=link)
     preds = [
         predict(cfg, world, gpu, p, fill=fill, spec=spec, fleet=fleet, **multi) for p in PRECISIONS
     ]
@@ -296,6 +322,17 @@ def run_time(cfg, world: World, gpu, fill: float, spec: str, turns=None, inserte
             f"rollout/turns_mean, rollout/inserted_token_frac), {tool_s:g} s per tool call "
             "(--tool-s)"
         )
+    if "sync/transfer_full" in d:
+        notes.append(
+            "rollout.delta_sync: the sync's transfer "
+            + " / ".join(f"{p.detail['sync/transfer']:.2f}" for p in preds)
+            + " s by deltas (encode + "
+            f"{eff.delta_fraction:g} of the bytes on the link + apply), "
+            + " / ".join(f"{p.detail['sync/transfer_full']:.2f}" for p in preds)
+            + f" s in full ({' / '.join(PRECISIONS)}; docs/delta_sync.md)"
+        )
+    elif link is not None:
+        notes.append(f"the senders' link to the engines: {link_gbps:g} Gb/s (--engine-link-gbps)")
     if stand_in:
         notes.append(stand_in)
     if cfg.train.pipeline == "one_step_off":
@@ -400,7 +437,18 @@ def run(args) -> int:
     if args.time:
         print()
         print(
-            run_time(cfg, world, gpu, args.fill, args.spec, args.turns, args.inserted, args.tool_s)
+            run_time(
+                cfg,
+                world,
+                gpu,
+                args.fill,
+                args.spec,
+                args.turns,
+                args.inserted,
+                args.tool_s,
+                args.engine_link_gbps,
+                args.delta_fraction,
+            )  # fmt: skip
         )
     return 0
 

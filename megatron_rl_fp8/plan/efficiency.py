@@ -67,6 +67,18 @@ class Efficiency:
     """ASSUMPTION: per-sync HTTP calls and engine-side loading (bench_sync's projection: 0.1-0.2
     s)."""
 
+    delta_fraction: float = 0.2
+    """A delta sync's bytes / a full sync's (``rollout.delta_sync``): 0.17-0.29 measured on a 100M
+    Qwen3 at lr 1e-5, 0.03-0.05 at lr 1e-6 (``bench_delta_sync.py``, docs/delta_sync.md); the
+    larger is kept. ``plan --delta-fraction`` takes a run's own ``perf/sync_relay_mb /
+    perf/sync_relay_full_mb``."""
+
+    delta_encode_bytes_s: float = 1e9
+    """Bytes per second a sender delta-encodes (compare with its last sync's copy, CRC-32s) and a
+    receiver applies, each: 0.2-1.2 and 0.6-1.7 GB/s measured on this 2-core box
+    (``bench_delta_sync.py``); ASSUMPTION that a cluster host does no worse (both are
+    memory-bound torch ops on the host)."""
+
     turn_request_s: float = 0.02
     """ASSUMPTION: a multi-turn trajectory's later turn as a new engine request, less its
     tokens: the HTTP round trip and the scheduler taking the request in, once per turn (the

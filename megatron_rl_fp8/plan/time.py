@@ -30,7 +30,9 @@ shadow         full FP8 with ``loss.calib.enabled``: a BF16 forward of the batch
 update         forward + backward = 3 forwards (+1 forward under full recompute), the optimizer
                step per mini-batch, the TP collectives and the DP gradient reduction.
 sync           TP gather on NVLink, FP8 quantization (FP8 rollout), the broadcast to the
-               engines (NVLink when they share the first node, else InfiniBand), engine load.
+               engines (NVLink when they share the first node, else InfiniBand or the
+               ``engine_link`` given), engine load; ``rollout.delta_sync``: off the node, the
+               encode, the changed bytes on the link and the apply (:func:`delta_transfer`).
 checkpoint     weights + optimizer state at the file system's rate / ``train.save_interval``.
 =============  ===============================================================================
 
@@ -119,6 +121,14 @@ def _rest_seconds_per_flop(eff: Efficiency) -> float:
     opt = optimizer_seconds(stage_params(m, tp=1, pp=1, stage=0), REFERENCE_GPU, eff)
     rest = eff.actor_step_s - gemm - opt
     return rest / (tokens * (lin + attn))
+
+
+def delta_transfer(sent: float, link: float, eff: Efficiency) -> float:
+    """Seconds of a delta sync of ``sent`` bytes over ``link`` bytes/s: the senders' encode, the
+    changed bytes (``eff.delta_fraction``) on the link, the receivers' apply (docs/delta_sync.md:
+    it pays where ``1 / link`` exceeds ``2 / encode rate`` by ``1 - fraction``)."""
+    rate = eff.delta_encode_bytes_s
+    return sent / rate + eff.delta_fraction * sent / link + sent / rate
 
 
 # -- inputs -------------------------------------------------------------------------------------
@@ -345,6 +355,7 @@ def predict(
     recipe: str | None = None,
     spec: Spec = "te",
     eff: Efficiency = EFFICIENCY,
+    engine_link: float | None = None,
 ) -> Prediction:
     """Predicted seconds per phase of one step of ``cfg`` on ``world`` (trainer GPUs) of
     ``gpu``, for ``precision``: ``bf16``, ``fp8-rollout`` (FP8 engines, BF16 trainer) or ``fp8``
@@ -352,7 +363,9 @@ def predict(
     ``fill``: mean response length / ``rollout.max_new_tokens``. A multi-turn run's
     (``env.tools``) ``turns``: mean turns per trajectory (default ``env.max_turns``, the most);
     ``inserted``: the share of its response tokens the environment inserted; ``tool_s``: seconds
-    per tool call (the run's ``rollout/turns_mean``, ``rollout/inserted_token_frac``). Memory is
+    per tool call (the run's ``rollout/turns_mean``, ``rollout/inserted_token_frac``).
+    ``engine_link``: bytes per second from a sender to engines off its node (default: the GPU's
+    InfiniBand). Memory is
     the planner's
     :func:`~megatron_rl_fp8.plan.memory.estimate` for the same layout and ``spec``, with the
     trainer's FP8 as ``precision`` has it (its FP8 weight copies only under ``fp8``). The step
@@ -459,8 +472,11 @@ def predict(
         quantize = 2 * lin / lay.pp / rate
     sent = 2 * total - (lin if fp8_rollout else 0)  # e4m3 linears (scales: ~0.01%), bf16 rest
     same_node = fleet.placement == "colocated" and fleet.engines * fleet.tp <= world.gpus_per_node
-    link = nvlink if same_node else gpu.ib_bytes_s * eff.ib
+    link = nvlink if same_node else engine_link or gpu.ib_bytes_s * eff.ib
     transfer = sent / link
+    if r.delta_sync and not same_node:
+        detail["sync/transfer_full"] = transfer
+        transfer = delta_transfer(sent, link, eff)
     detail.update(
         {
             "sync/gather": gather,

@@ -174,17 +174,24 @@ class DeltaSender:
         self.version = self._next
 
     def encode(
-        self, named: Iterable[tuple[str, torch.Tensor]], *, version: int, full: str = ""
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        full: str = "",
+        verify: bool = True,
     ) -> DeltaSync:
         """Sync ``version`` of the ``named`` tensors, whole: per tensor a delta against the last
         version sent, where smaller than the tensor; all full when ``full`` gives a reason (a
-        receiver on another version) or nothing was sent before."""
+        receiver on another version) or nothing was sent before. ``verify``: with each tensor's
+        digest."""
         base, reason = self.begin(version, full=full)
         tensors: dict[str, torch.Tensor | TensorDelta] = {}
         digests: dict[str, str] = {}
         for name, t in named:
             tensors[name] = self.encode_tensor(name, t)
-            digests[name] = digest(self._last[name])
+            if verify:
+                digests[name] = digest(self._last[name])
         self.finish()
         return DeltaSync(version, base, tensors, digests, reason)
 

@@ -165,6 +165,30 @@ def test_dedicated_engines_add_gpus_and_sync_over_infiniband():
     assert dedicated.phases["rollout"] == colocated.phases["rollout"]
 
 
+def test_a_delta_sync_trades_the_link_for_encode_and_apply():
+    """``rollout.delta_sync`` prices the sync off the node as encode + the delta's share of the
+    bytes on the link + apply (docs/delta_sync.md): slower over InfiniBand, faster on a link
+    slow enough, and equal to the full sync where the two lines cross."""
+    w, gpu, eff = world(), GPUS["H200"], EFFICIENCY
+    run = ("rollout.placement=dedicated",)
+    full = predict(config(1, 64, *run), w, gpu, "fp8-rollout")
+    delta = predict(config(1, 64, *run, "rollout.delta_sync=true"), w, gpu, "fp8-rollout")
+    sent = full.detail["sync/transfer"] * gpu.ib_bytes_s * eff.ib
+    assert delta.detail["sync/transfer_full"] == full.detail["sync/transfer"]
+    expected = (
+        2 * sent / eff.delta_encode_bytes_s + eff.delta_fraction * full.detail["sync/transfer"]
+    )
+    assert math.isclose(delta.detail["sync/transfer"], expected, rel_tol=1e-9)
+    assert delta.phases["sync"] > full.phases["sync"]  # over InfiniBand: never pays
+    cross = (1 - eff.delta_fraction) * eff.delta_encode_bytes_s / 2  # bytes/s where they meet
+    for link, faster in ((cross / 2, True), (cross * 2, False)):
+        cfg = config(1, 64, *run, "rollout.delta_sync=true")
+        d = predict(cfg, w, gpu, "fp8-rollout", engine_link=link).detail
+        assert (d["sync/transfer"] < d["sync/transfer_full"]) == faster, link
+    colocated = predict(config(1, 64, "rollout.delta_sync=true"), w, gpu, "fp8-rollout")
+    assert "sync/transfer_full" not in colocated.detail  # on the senders' node: no delta
+
+
 def test_presets_match_the_examples_shapes():
     for name, example in (
         ("qwen3-8b", "qwen3_8b_grpo_math.yaml"),
@@ -202,6 +226,8 @@ def test_cli_plan_time_prints_the_table(capsys):
         (["--gpu", "A100"], "--gpu"),
         (["--model", "llama-70b"], "--model"),
         (["--fill", "2"], "--fill"),
+        (["--delta-fraction", "2"], "--delta-fraction"),
+        (["--engine-link-gbps", "0"], "--engine-link-gbps"),
     ],
 )
 def test_cli_bad_gpu_or_preset_is_one_line(args, field, capsys):
