@@ -182,34 +182,39 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.relay:
-        print(
-            f"{'size':>5} {'lr':>7} {'step':>4} {'full MB':>9} {'delta MB':>9} {'full s':>8} "
-            f"{'delta s':>8} {'delta/full s':>12}"
-        )
-        for size in args.sizes:
-            for lr in args.lrs:
-                for r in run_relay(size, lr, args.steps, args.pow2):
-                    print(
-                        f"{r['size']:>5} {r['lr']:>7.0e} {r['step']:>4} {r['full_mb']:>9.2f} "
-                        f"{r['delta_mb']:>9.2f} {r['full_s']:>8.3f} {r['delta_s']:>8.3f} "
-                        f"{r['delta_s'] / r['full_s']:>12.2f}"
-                    )
-        return
+    columns = RELAY_COLUMNS if args.relay else COLUMNS
     print(
-        f"{'size':>5} {'lr':>7} {'step':>4} {'codes changed':>13} {'full MB':>9} "
-        f"{'delta MB':>9} {'of it FP8':>9} {'delta/full':>10} {'encode s':>9} {'apply s':>8} "
-        f"{'digests s':>9}"
+        " ".join(f"{title:>{len(title) if i > 2 else 5}}" for i, (title, _) in enumerate(columns))
     )
     for size in args.sizes:
         for lr in args.lrs:
-            for r in run(size, lr, args.steps, args.pow2):
-                print(
-                    f"{r['size']:>5} {r['lr']:>7.0e} {r['step']:>4} {r['density']:>13.4%} "
-                    f"{r['full_mb']:>9.2f} {r['delta_mb']:>9.2f} {r['fp8_delta_mb']:>9.2f} "
-                    f"{r['delta_mb'] / r['full_mb']:>10.3f} {r['encode_s']:>9.3f} "
-                    f"{r['apply_s']:>8.3f} {r['digest_s']:>9.3f}"
-                )
+            rows = (run_relay if args.relay else run)(size, lr, args.steps, args.pow2)
+            for r in rows:
+                print(" ".join(cell(r) for _, cell in columns))
+
+
+# (title, the row's cell) of each printed column
+_KEY = [(" size", lambda r: f"{r['size']:>5}"), ("     lr", lambda r: f"{r['lr']:>7.0e}"),
+        ("step", lambda r: f"{r['step']:>4}")]  # fmt: skip
+COLUMNS = [
+    *_KEY,
+    ("codes changed", lambda r: f"{r['density']:>13.4%}"),
+    ("  full MB", lambda r: f"{r['full_mb']:>9.2f}"),
+    (" delta MB", lambda r: f"{r['delta_mb']:>9.2f}"),
+    ("of it FP8", lambda r: f"{r['fp8_delta_mb']:>9.2f}"),
+    ("delta/full", lambda r: f"{r['delta_mb'] / r['full_mb']:>10.3f}"),
+    (" encode s", lambda r: f"{r['encode_s']:>9.3f}"),
+    (" apply s", lambda r: f"{r['apply_s']:>8.3f}"),
+    ("digests s", lambda r: f"{r['digest_s']:>9.3f}"),
+]
+RELAY_COLUMNS = [
+    *_KEY,
+    ("  full MB", lambda r: f"{r['full_mb']:>9.2f}"),
+    (" delta MB", lambda r: f"{r['delta_mb']:>9.2f}"),
+    ("  full s", lambda r: f"{r['full_s']:>8.3f}"),
+    (" delta s", lambda r: f"{r['delta_s']:>8.3f}"),
+    ("delta/full s", lambda r: f"{r['delta_s'] / r['full_s']:>12.2f}"),
+]
 
 
 if __name__ == "__main__":

@@ -84,18 +84,30 @@ def _body(rank, world):
             version=version, export_options={}, engines=[(f"http://{n}:1", 1) for n in nodes],
             device="cpu", timeout=1.0, failed=[], transport="tensor", engine_nodes=nodes,
         )  # fmt: skip
-        attempts = []
-        for _ in range(2):  # a failed sync runs again (EngineLink.sync on SyncFailed)
-            error, times = link._push(plan)
-            errors = [None] * world
-            torch.distributed.all_gather_object(errors, error)
-            logs = {s: list(d.log) for s, d in link.node_sync.links.items()}
-            attempts.append((errors, times.relay_mb, times.relay_full_mb, logs))
-            if not any(errors):
-                break
+        attempts = _sync(link, plan, world)
         records.append((attempts, {n: _hash(t) for n, t in engine.items()}))
     parallel.destroy()
     return records
+
+
+def _sync(link, plan, world, before_rerun=None) -> list:
+    """``link``'s part of ``plan``, run again once if any rank failed (as ``EngineLink.sync``
+    reruns a failed sync; ``before_rerun()`` first): per attempt every rank's error, this rank's
+    relayed and full megabytes, and its delta links' full-sync reasons by stage."""
+    attempts = []
+    for attempt in range(2):
+        if attempt:
+            if before_rerun is not None:
+                before_rerun()
+            torch.distributed.barrier()
+        error, times = link._push(plan)
+        errors = [None] * world
+        torch.distributed.all_gather_object(errors, error)
+        logs = {s: list(d.log) for s, d in link.node_sync.links.items()}
+        attempts.append((errors, times.relay_mb, times.relay_full_mb, logs))
+        if not any(errors):
+            break
+    return attempts
 
 
 def test_twenty_delta_syncs_keep_both_nodes_engines_equal_to_a_full_sync():
@@ -166,18 +178,13 @@ def _receiver_body(rank, world, out):
             plan = RecordingPlan(
                 version=version, export_options={}, engine_nodes=["n1", "n3"], out=out
             )
-            attempts = []
-            for _ in range(2):
-                error, times = link._push(plan)
-                errors = [None] * world
-                torch.distributed.all_gather_object(errors, error)
-                logs = {s: list(d.log) for s, d in link.node_sync.links.items()}
-                attempts.append((errors, times.relay_mb, times.relay_full_mb, logs))
-                if not any(errors):
-                    break
+
+            def restart():
+                nonlocal proc
                 if rank == 0:
                     proc, _ = start_receiver(port, log)
-                torch.distributed.barrier()
+
+            attempts = _sync(link, plan, world, before_rerun=restart)
             held = [json.loads((Path(out) / f"{n}.json").read_text()) for n in ("n1", "n3")]
             records.append((attempts, held))
             torch.distributed.barrier()
