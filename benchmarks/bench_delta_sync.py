@@ -196,11 +196,12 @@ def main(argv=None) -> None:
 # (title, the row's cell) of each printed column
 _KEY = [(" size", lambda r: f"{r['size']:>5}"), ("     lr", lambda r: f"{r['lr']:>7.0e}"),
         ("step", lambda r: f"{r['step']:>4}")]  # fmt: skip
+_MB = [("  full MB", lambda r: f"{r['full_mb']:>9.2f}"),
+       (" delta MB", lambda r: f"{r['delta_mb']:>9.2f}")]  # fmt: skip
 COLUMNS = [
     *_KEY,
     ("codes changed", lambda r: f"{r['density']:>13.4%}"),
-    ("  full MB", lambda r: f"{r['full_mb']:>9.2f}"),
-    (" delta MB", lambda r: f"{r['delta_mb']:>9.2f}"),
+    *_MB,
     ("of it FP8", lambda r: f"{r['fp8_delta_mb']:>9.2f}"),
     ("delta/full", lambda r: f"{r['delta_mb'] / r['full_mb']:>10.3f}"),
     (" encode s", lambda r: f"{r['encode_s']:>9.3f}"),
@@ -209,8 +210,7 @@ COLUMNS = [
 ]
 RELAY_COLUMNS = [
     *_KEY,
-    ("  full MB", lambda r: f"{r['full_mb']:>9.2f}"),
-    (" delta MB", lambda r: f"{r['delta_mb']:>9.2f}"),
+    *_MB,
     ("  full s", lambda r: f"{r['full_s']:>8.3f}"),
     (" delta s", lambda r: f"{r['delta_s']:>8.3f}"),
     ("delta/full s", lambda r: f"{r['delta_s'] / r['full_s']:>12.2f}"),
