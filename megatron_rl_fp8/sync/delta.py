@@ -167,6 +167,10 @@ class DeltaSender:
         self._last[name] = t.clone()
         return t
 
+    def digest(self, name: str) -> str:
+        """The digest of ``name`` as this sync sends it (of the host copy: no device read)."""
+        return digest(self._last[name])
+
     def finish(self) -> None:
         """The sync went out whole: later deltas apply to it."""
         for name in set(self._last) - self._seen:
@@ -191,7 +195,7 @@ class DeltaSender:
         for name, t in named:
             tensors[name] = self.encode_tensor(name, t)
             if verify:
-                digests[name] = digest(self._last[name])
+                digests[name] = self.digest(name)
         self.finish()
         return DeltaSync(version, base, tensors, digests, reason)
 

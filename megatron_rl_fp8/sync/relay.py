@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_fp8.sync.buckets import Bucket
-from megatron_rl_fp8.sync.delta import DeltaReceiver, DeltaSender, NeedFullSync, TensorDelta, digest
+from megatron_rl_fp8.sync.delta import DeltaReceiver, DeltaSender, NeedFullSync, TensorDelta
 from megatron_rl_fp8.sync.ipc import ipc_allocations
 from megatron_rl_fp8.sync.timing import SyncTimes
 
@@ -227,9 +227,11 @@ def _send(buckets, *, src, group, device, times, delta, remotes) -> Iterator[Buc
             items = [(name, t, None) for name, t in bucket.tensors]
         else:
             items = [
-                (name, item, digest(t) if delta.verify else None)
-                for name, t in bucket.tensors
-                for item in [delta.sender.encode_tensor(name, t)]
+                (name, delta.sender.encode_tensor(name, t), None) for name, t in bucket.tensors
+            ]
+            items = [
+                (name, item, delta.sender.digest(name) if delta.verify else None)
+                for name, item, _ in items
             ]
         entries, size = wire_layout(items)
         box = [(bucket.index, entries, size)]
