@@ -71,6 +71,7 @@ class EngineLink:
             receivers=cfg.rollout.delta_receivers,
         )
         self.synced_version = -1
+        self._noted = False  # the note that rollout.delta_sync does nothing here, printed once
         self.times = SyncTimes()  # the last sync's parts (the driver's; sync/timing.py)
 
     def sync(self, version: int) -> float:
@@ -140,6 +141,13 @@ class EngineLink:
         peers; a MoE model's other expert-parallel ranks) drive its collectives and report no
         parts."""
         g = self.groups
+        if self.cfg.rollout.delta_sync and not self.node_sync.relayed(plan) and not self._noted:
+            self._noted = True
+            print_rank0(
+                "sync: rollout.delta_sync has no effect on this run: its senders reach every "
+                "engine directly (delta syncs are for per-node syncs and delta receivers, "
+                "docs/delta_sync.md)"
+            )
         if self.node_sync.relayed(plan):  # each node's engines from a relay rank of that node
             return self.node_sync.push(
                 plan,
