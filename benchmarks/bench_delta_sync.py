@@ -58,6 +58,15 @@ def export(model, fp8: RolloutFP8Config):
     return list(rollout_stream(state, fp8))
 
 
+def train_step(model, opt, vocab: int, gen: torch.Generator) -> None:
+    """One Adam step on a next-token loss over random tokens."""
+    ids = torch.randint(0, vocab, (4, 64), generator=gen)
+    loss = model(input_ids=ids, labels=ids).loss
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
 def run(size: str, lr: float, steps: int, pow2: bool) -> list[dict]:
     model, vocab = build(size)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -67,11 +76,7 @@ def run(size: str, lr: float, steps: int, pow2: bool) -> list[dict]:
     gen = torch.Generator().manual_seed(1)
     rows = []
     for step in range(1, steps + 1):
-        ids = torch.randint(0, vocab, (4, 64), generator=gen)
-        loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        train_step(model, opt, vocab, gen)
         named = export(model, fp8)
         t0 = time.perf_counter()
         sync = sender.encode(named, version=step, verify=False)  # a sync without digests
@@ -123,11 +128,7 @@ def _relay_rank(rank: int, port: int, size: str, lr: float, steps: int, pow2: bo
         buckets = None
         if rank == 0:
             if step:
-                ids = torch.randint(0, vocab, (4, 64), generator=gen)
-                loss = model(input_ids=ids, labels=ids).loss
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+                train_step(model, opt, vocab, gen)
             named = export(model, fp8)
             buckets = [Bucket(i, named[i : i + 8]) for i in range(0, len(named), 8)]
         row = dict(size=size, lr=lr, step=step)
