@@ -284,20 +284,26 @@ def _shadow_schedule(cfg) -> str:
     return f"every {calib.interval} steps"
 
 
+def _sync_inputs(link_gbps, delta_fraction):
+    """(the efficiencies with ``--delta-fraction``, ``--engine-link-gbps`` in bytes/s or None);
+    a ConfigError names a bad flag."""
+    eff = EFFICIENCY
+    if delta_fraction is not None:
+        if not 0 <= delta_fraction <= 1:
+            raise ConfigError(f"--delta-fraction={delta_fraction} must be in [0, 1]")
+        eff = dataclasses.replace(eff, delta_fraction=delta_fraction)
+    if link_gbps is not None and not link_gbps > 0:
+        raise ConfigError(f"--engine-link-gbps={link_gbps} must be > 0")
+    return eff, (link_gbps * 1e9 / 8 if link_gbps else None)
+
+
 def run_time(cfg, world: World, gpu, fill: float, spec: str, turns=None, inserted=0.0, tool_s=0.0,
              link_gbps=None, delta_fraction=None):  # fmt: skip
     """The ``--time`` table and its notes; ``turns``, ``inserted``, ``tool_s`` as
     :func:`~megatron_rl_fp8.plan.time.predict` takes them; ``link_gbps``: the senders' link to
     engines off their node; ``delta_fraction``: a delta sync's share of the bytes."""
     fleet, stand_in = planned_fleet(cfg, world)
-    eff = EFFICIENCY
-    if delta_fraction is not None:
-        if not 0 <= delta_fraction <= 1:
-            raise ConfigError(f"--delta-fraction={delta_fraction} must be in [0, 1]")
-        eff = dataclasses.replace(eff, delta_fraction=delta_fraction)
-    if link_gbps is not None and link_gbps <= 0:
-        raise ConfigError(f"--engine-link-gbps={link_gbps} must be > 0")
-    link = link_gbps * 1e9 / 8 if link_gbps else None
+    eff, link = _sync_inputs(link_gbps, delta_fraction)
     multi = dict(turns=turns, inserted=inserted, tool_s=tool_s, eff=eff, engine_link=link)
     preds = [
         predict(cfg, world, gpu, p, fill=fill, spec=spec, fleet=fleet, **multi) for p in PRECISIONS
@@ -397,8 +403,10 @@ def run(args) -> int:
     # The rules `train` applies, with the same one-line errors; not what this machine lacks
     # (TE, logger packages): plans are usually made away from the GPUs.
     cfg.validate(world.size, this_machine=False)
-    if args.time:
+    if args.time:  # the step-time model's refusals, before any table is printed
         check_turns(cfg, args.turns, args.inserted, args.tool_s)
+        planned_fleet(cfg, world)
+        _sync_inputs(args.engine_link_gbps, args.delta_fraction)
     e = estimate(cfg, world, spec=args.spec, logits=DEFAULT_LOGPROBS)
     refused = launcher_note(cfg, world)
     notes = [*notes, refused] if refused else notes

@@ -232,8 +232,17 @@ def test_cli_plan_time_prints_the_table(capsys):
 )
 def test_cli_bad_gpu_or_preset_is_one_line(args, field, capsys):
     assert cli.main(["plan", str(EXAMPLE), "--time", *args]) == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
     assert field in line
+    assert out == ""  # refused before any table
+
+
+def test_cli_engines_the_time_model_refuses_are_one_line_before_any_table(capsys):
+    args = ["plan", str(EXAMPLE), "--time", "rollout.placement=dedicated"]
+    assert cli.main([*args, "rollout.sglang.num_engines=0"]) == 2  # the example's 0: colocated
+    out, err = capsys.readouterr()
+    assert out == "" and "rollout.sglang.num_engines=0" in err
 
 
 @pytest.mark.parametrize(
