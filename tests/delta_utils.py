@@ -61,7 +61,7 @@ class RecordingSender:
         return None
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the record is written after every push."""
 
 
 def start_receiver(port: int, log: Path) -> tuple[subprocess.Popen, int]:

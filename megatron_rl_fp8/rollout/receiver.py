@@ -39,7 +39,7 @@ import torch
 from megatron_rl_fp8.rollout.base import SyncPlan, SyncSender
 from megatron_rl_fp8.rollout.errors import RolloutEngineError
 from megatron_rl_fp8.sync.delta import DeltaReceiver, NeedFullSync
-from megatron_rl_fp8.sync.relay import handover_bucket, received_items
+from megatron_rl_fp8.sync.relay import applied_bucket
 
 TOKEN_ENV = "MRF8_RECEIVER_TOKEN"
 _LEN = struct.Struct("!I")
@@ -214,6 +214,7 @@ class ReceiverServer:
         head = _recv_json(conn)
         plan = _plan_from_json(head["plan"])
         receiver.verify = bool(head["verify"])
+        device = torch.device(getattr(plan, "device", "cpu"))  # the engines' (CUDA IPC on cuda)
         failure = None
         try:
             receiver.begin(head["version"], head["base"])
@@ -232,17 +233,15 @@ class ReceiverServer:
                     continue  # drained: the sync fails, and its rerun goes in full
                 entries = [(n, _dtype(d), tuple(s), o, k, dg) for n, d, s, o, k, dg in frame["entries"]]  # fmt: skip
                 try:
-                    full = [(n, receiver.apply_tensor(n, item, dg), None)
-                            for n, item, dg in received_items(entries, buf)]  # fmt: skip
+                    yield applied_bucket(receiver, int(frame["index"]), entries, buf, device)
                 except NeedFullSync as e:
                     failure = str(e)
-                    continue
-                yield handover_bucket(int(frame["index"]), full, device)
 
         t0 = time.perf_counter()
-        device = torch.device(getattr(plan, "device", "cpu"))  # the engines' (CUDA IPC on cuda)
         key = type(plan).__qualname__
-        sender = self.senders.get(key) or self.senders.setdefault(key, plan.new_sender())
+        if key not in self.senders:
+            self.senders[key] = plan.new_sender()
+        sender = self.senders[key]
         try:
             error = sender.push(plan, buckets())
         except RolloutEngineError as e:

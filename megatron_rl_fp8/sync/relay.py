@@ -119,7 +119,7 @@ def _unpack(index: int, entries, buf: torch.Tensor) -> Bucket:
     return Bucket(index, tensors, handover=True)
 
 
-def received_items(entries, buf: torch.Tensor):
+def _received_items(entries, buf: torch.Tensor):
     """What the wire carries of each entry: (name, full tensor or TensorDelta, digest)."""
     for name, dtype, shape, offset, n, dg in entries:
         if n < 0:
@@ -166,21 +166,20 @@ def relay(
                 delta.receiver.finish()
             return
         index, entries, size = box[0]
-        with ipc_allocations(device if delta is None else torch.device("cpu")):
-            buf = torch.empty(size, dtype=torch.uint8, device=device)
-        dist.broadcast(buf, src=src, group=group)
         if delta is None:  # the engines get this buffer itself (CUDA IPC)
+            with ipc_allocations(device):
+                buf = torch.empty(size, dtype=torch.uint8, device=device)
+            dist.broadcast(buf, src=src, group=group)
             yield _unpack(index, entries, buf)
-        elif not failed:  # else drained: the sync fails, and its retry goes in full
-            try:
-                full = [
-                    (name, delta.receiver.apply_tensor(name, item, dg), None)
-                    for name, item, dg in received_items(entries, buf)
-                ]
-            except NeedFullSync as e:
-                failed, delta.failure = True, str(e)
-                continue
-            yield handover_bucket(index, full, device)
+            continue
+        buf = torch.empty(size, dtype=torch.uint8, device=device)
+        dist.broadcast(buf, src=src, group=group)
+        if failed:
+            continue  # drained: the sync fails, and its retry goes in full
+        try:
+            yield applied_bucket(delta.receiver, index, entries, buf, device)
+        except NeedFullSync as e:
+            failed, delta.failure = True, str(e)
 
 
 def _negotiate(delta: DeltaLink, src: int, group, device, remotes) -> tuple[int, int | None]:
@@ -211,9 +210,16 @@ def _negotiate(delta: DeltaLink, src: int, group, device, remotes) -> tuple[int,
     return box[0]
 
 
-def handover_bucket(index: int, full, device: torch.device) -> Bucket:
-    """Full tensors (a receiver's copies) in one fresh buffer on ``device`` to hand the engines,
-    as a received full bucket is."""
+def applied_bucket(
+    receiver: DeltaReceiver, index: int, entries, buf: torch.Tensor, device: torch.device
+) -> Bucket:
+    """A received bucket (``entries`` over ``buf``) applied to ``receiver``'s copy: its full
+    tensors in one fresh buffer on ``device`` to hand the engines, as a received full bucket
+    is. Raises :class:`NeedFullSync` where a delta does not apply."""
+    full = [
+        (name, receiver.apply_tensor(name, item, dg), None)
+        for name, item, dg in _received_items(entries, buf)
+    ]
     layout, size = wire_layout(full)
     with ipc_allocations(device):
         buf = pack(full, layout, size, device)

@@ -57,12 +57,15 @@ class SyncTimes:
 
     def metrics(self) -> dict[str, float]:
         """The parts as metrics; the relay's only in per-node syncs (the rest: always)."""
-        relay = {
-            "perf/sync_relay_time_s": self.relay,
-            "perf/sync_relay_mb": self.relay_mb,
-            "perf/sync_relay_full_mb": self.relay_full_mb,
-        }
-        relay = relay if self.relay else {}
+        relay = (
+            {
+                "perf/sync_relay_time_s": self.relay,
+                "perf/sync_relay_mb": self.relay_mb,
+                "perf/sync_relay_full_mb": self.relay_full_mb,
+            }
+            if self.relay
+            else {}
+        )
         return {
             "perf/sync_gather_time_s": self.gather,
             "perf/sync_quantize_time_s": self.quantize,

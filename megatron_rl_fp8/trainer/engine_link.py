@@ -141,14 +141,15 @@ class EngineLink:
         peers; a MoE model's other expert-parallel ranks) drive its collectives and report no
         parts."""
         g = self.groups
-        if self.cfg.rollout.delta_sync and not self.node_sync.relayed(plan) and not self._noted:
+        relayed = self.node_sync.relayed(plan)
+        if self.cfg.rollout.delta_sync and not relayed and not self._noted:
             self._noted = True
             print_rank0(
                 "sync: rollout.delta_sync has no effect on this run: its senders reach every "
                 "engine directly (delta syncs are for per-node syncs and delta receivers, "
                 "docs/delta_sync.md)"
             )
-        if self.node_sync.relayed(plan):  # each node's engines from a relay rank of that node
+        if relayed:  # each node's engines from a relay rank of that node
             return self.node_sync.push(
                 plan,
                 export=lambda times: self._export(plan, times),
