@@ -186,6 +186,8 @@ def resolve_backend(config: FP8Config, *, capability=...) -> str | None:
     for backend in ("te", "torch"):
         if backend == "te" and not config.keep_lm_head_bf16:
             continue  # Megatron's output layer is no TE module: TE cannot run it in FP8
+        if backend == "te" and config.scales_per_step:
+            continue  # TE's modules keep their own histories: the step cannot pin them
         if backend_problem(backend, config.recipe, capability, fmt=config.format) is None:
             return backend
     return "emulate"

@@ -73,6 +73,15 @@ class FP8Config:
         help="Delayed scaling: derive the scale from the 'max' of the history (safe "
         "against spikes) or the 'most_recent' entry (tracks drift faster).",
     )
+    scales_per_step: bool = field(
+        default=False,
+        help="Delayed scaling, backends emulate and torch: every forward pass of an RL step "
+        "(old logprobs, calibration, the updates) quantizes activations and weights with the "
+        "scales the step began with; their amaxes still enter the history, which sets the next "
+        "step's scales. Without it a micro-batch's update forward takes other scales than its "
+        "old-logprob pass (other micro-batches moved the history) and its ratios shift together "
+        "(docs/reproduction.md). Not on TE, whose modules keep their own histories.",
+    )
     margin: int = field(
         default=0,
         help="Delayed scaling: extra headroom, scale = fp8_max / amax / 2^margin. Raise "
@@ -161,6 +170,7 @@ class FP8Config:
                 "it must be an integer >= 1 (1 = use only the previous step's amax)"
             )
         _check_non_negative_int("FP8Config.margin", self.margin)
+        self._check_scales_per_step()
         _check_non_negative_int("FP8Config.bf16_first_layers", self.bf16_first_layers)
         _check_non_negative_int("FP8Config.bf16_last_layers", self.bf16_last_layers)
         self._check_accumulation()
@@ -174,6 +184,24 @@ class FP8Config:
                 f"{self.bf16_first_layers}/{self.bf16_last_layers} is not supported with "
                 f"recipe={self.recipe!r} (Megatron-Core forbids BF16 first/last layers under "
                 "delayed scaling); use recipe='tensorwise_current' or set both to 0"
+            )
+
+    def _check_scales_per_step(self) -> None:
+        if not isinstance(self.scales_per_step, bool):
+            raise ValueError(
+                f"FP8Config.scales_per_step={self.scales_per_step!r} is not valid; use true or false"
+            )
+        if not self.scales_per_step or not self.enabled:
+            return
+        if not self.spec.delayed:
+            raise ValueError(
+                f"FP8Config.scales_per_step=true has no effect with recipe={self.recipe!r} (it "
+                "keeps no amax history); use recipe 'tensorwise_delayed' or drop it"
+            )
+        if self.backend == "te":
+            raise ValueError(
+                "FP8Config.scales_per_step=true cannot run on backend='te' (TE's modules keep "
+                "their own amax histories); use backend 'torch' or 'emulate', or drop it"
             )
 
     def _check_backend(self) -> None:

@@ -103,6 +103,9 @@ class DelayedScalingState:
         self.margin = margin
         self.history: torch.Tensor | None = None  # float32 ring buffer [history_len]
         self.num_updates = 0
+        # (amax,) while pinned (``fp8.scales_per_step``): scales stay as they were at pin();
+        # amaxes are still recorded. None: not pinned.
+        self.pinned: tuple[torch.Tensor | None] | None = None
 
     def amax(self) -> torch.Tensor | None:
         """The amax the next scale is derived from, or None before the first update."""
@@ -113,9 +116,19 @@ class DelayedScalingState:
         filled = min(self.num_updates, self.history_len)
         return self.history[:filled].max()
 
-    def scale_inv(self, fmt: str) -> torch.Tensor | None:
-        """``amax * 2^margin / fp8_max`` from the history (None before the first update)."""
+    def pin(self) -> None:
+        """Keep the scale the history gives now until :meth:`unpin`, while later passes still
+        record their amaxes (before any update: each pass uses its own amax, as unpinned)."""
         amax = self.amax()
+        self.pinned = (None if amax is None else amax.clone(),)
+
+    def unpin(self) -> None:
+        self.pinned = None
+
+    def scale_inv(self, fmt: str) -> torch.Tensor | None:
+        """``amax * 2^margin / fp8_max`` from the history, or from the pinned amax (None before
+        the first update)."""
+        amax = self.amax() if self.pinned is None else self.pinned[0]
         if amax is None:
             return None
         return compute_scale_inv(amax * (2.0**self.margin), fmt)

@@ -191,6 +191,30 @@ def frozen_fp8_scaling(model) -> Iterator[None]:
             s.history, s.num_updates = history, num_updates
 
 
+@contextlib.contextmanager
+def step_fp8_scaling(model) -> Iterator[None]:
+    """Forward passes inside the block (one RL step's: old logprobs, calibration, updates)
+    quantize activations and weights with the delayed scales the block began with; their amaxes
+    still enter the histories, and the scales move once the block ends (``fp8.scales_per_step``).
+    So a token's old and new log-probs compare two policies under one set of scales: without it,
+    a micro-batch's update forward takes the scales other micro-batches left in the history, and
+    its ratios shift together. Gradient scales move as before. No effect without history or on TE
+    (docs/gpu_contracts.md, TE-7)."""
+    states = [
+        s
+        for _, _, gemm in emulated_linears(model)
+        for role, s in gemm.emulator.scaling_states().items()
+        if role != "grad_output"
+    ]
+    for s in states:
+        s.pin()
+    try:
+        yield
+    finally:
+        for s in states:
+            s.unpin()
+
+
 def weight_quantization_errors(model, fp8: FP8Config) -> dict[str, float]:
     """Relative quantization error (||q(W) - W|| / ||W||) of each FP8 linear's weight shard under
     the trainer's recipe, keyed ``L<layer>.<linear>`` (``lm_head`` for the output layer)."""

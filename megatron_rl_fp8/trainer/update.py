@@ -39,6 +39,7 @@ from megatron_rl_fp8.loss import (
 )
 from megatron_rl_fp8.metrics.accumulator import MetricAccumulator
 from megatron_rl_fp8.metrics.ratios import log_ratio_histogram
+from megatron_rl_fp8.models.fp8 import step_fp8_scaling
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.trainer.actor import Actor
 from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
@@ -233,7 +234,9 @@ class PolicyUpdate:
         calibrating = self.calibrator.due(step) and not self.bf16
         oracle = self.calibrator.oracle and not self.bf16
         precision = self.actor.full_precision() if self.bf16 else contextlib.nullcontext()
-        with precision:
+        pinned = self.cfg.fp8.scales_per_step and not self.bf16
+        scales = step_fp8_scaling(self.actor.module) if pinned else contextlib.nullcontext()
+        with precision, scales:
             metrics, logprob_time, shadow_time = self._update(local, acc, step, calibrating, oracle)
         # The rollout sync, checkpoints and the norm read the weights next: gather them now
         # when the distributed optimizer left that to the next forward pass.

@@ -393,3 +393,36 @@ def test_frozen_fp8_scaling_leaves_the_delayed_histories_and_the_next_pass_alone
     )[0]
     assert same_state and calibration_is_update
     assert not update_is_next  # unfrozen, a pass moves the next one's scales
+
+
+def _step_scaling_body(rank, world):
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.models.fp8 import fp8_scaling_state, step_fp8_scaling
+
+    actor, _ = _actor(dict(recipe="tensorwise_delayed"))
+    lin = actor.module.decoder.layers[0].mlp.linear_fc1
+    gen = torch.Generator().manual_seed(0)
+    small, large = torch.randn(6, 2, 128, generator=gen), 4 * torch.randn(6, 2, 128, generator=gen)
+    updates = lambda: fp8_scaling_state(actor.module)["decoder.layers.0.mlp.linear_fc1"]["input"][  # noqa: E731
+        "num_updates"
+    ]
+    with torch.no_grad():
+        lin(small)  # the history holds the small input's amax
+        n0 = updates()
+        with step_fp8_scaling(actor.module):
+            y_old, _ = lin(large)  # the step's old-logprob pass
+            y_new, _ = lin(large)  # its update: the same scales, although y_old recorded more
+        recorded = updates() - n0
+        y_next, _ = lin(large)  # the next step: scales from the history, large amax included
+    parallel.destroy()
+    return torch.equal(y_old, y_new), recorded, torch.equal(y_new, y_next)
+
+
+def test_step_fp8_scaling_keeps_the_steps_scales_and_records_its_amaxes():
+    """``fp8.scales_per_step``: inside one step two passes over the same input quantize alike
+    (unpinned, the first pass's amax moves the second's scale: the frozen test above), the
+    amaxes still enter the history, and the step after takes the scales they make."""
+    step_is_one_scale, recorded, next_moved = run_distributed(_step_scaling_body, world_size=1)[0]
+    assert step_is_one_scale
+    assert recorded == 2
+    assert not next_moved

@@ -1,8 +1,8 @@
 """Calibrated clipping in the real tiny full-FP8 job, 2 steps each (one spawned rank, the three
 runs in it one after another): the sign-wise ``quantile`` rule, the invariant's fallback to the
 nominal bounds with its guard event, the oracle mode, the share mode thinning the nominal clip set
-to BF16's share, and calibration under delayed scaling leaving the amax histories as the update
-will find them.
+to BF16's share, calibration under delayed scaling leaving the amax histories as the update
+will find them, and delayed scales held for a step (``fp8.scales_per_step``).
 
 What is asserted holds on any machine: the quantile rule matches the histogram's own shares (to
 float rounding), the forced violation compares BF16's share of A>0 tokens past 1.01 (about half
@@ -54,6 +54,8 @@ DELAYED = ["fp8.recipe=tensorwise_delayed", "fp8.format=hybrid", "loss.calib.ema
 RUNS |= {
     "delayed_calibrated": [*DELAYED, "loss.calib.interval=1"],
     "delayed_nominal": [*DELAYED, "loss.calib.enabled=false"],
+    # fp8.scales_per_step: the step's passes keep its first scales and still record their amaxes.
+    "delayed_per_step": [*DELAYED, "loss.calib.enabled=false", "fp8.scales_per_step=true"],
 }
 # Share mode calibrating at every step, stopped after step 2 and resumed: the smoothed counts and
 # the seeded rounding must come back as they were (compared with 3 uninterrupted steps).
@@ -102,7 +104,7 @@ def _run_with_amax_counts(overrides):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("calib_runs")
-    # Ten short runs in one rank: ~4 min on CI's 2 cores, so the hang guard is wider than the
+    # Eleven short runs in one rank: ~4 min on CI's 2 cores, so the hang guard is wider than the
     # default 300 s (a loaded machine took 243 s).
     (got,) = run_distributed(_runs, world_size=1, args=(RUNS, str(tmp)), timeout=900)
     metrics = {name: {r["step"]: r for r in m} for name, (m, _) in got.items()}
@@ -158,6 +160,18 @@ def test_calibrating_under_delayed_scaling_leaves_the_amax_histories_alone(runs)
         counts["delayed_calibrated"] and counts["delayed_calibrated"] == counts["delayed_nominal"]
     )
     assert not counts["quantile"]  # blockwise keeps no history
+
+
+def test_scales_per_step_records_every_amax_and_changes_the_steps_scales(runs):
+    _, m, counts = runs
+    # Held scales still let every pass record: the histories fill as in the unheld run.
+    assert counts["delayed_per_step"] and counts["delayed_per_step"] == counts["delayed_nominal"]
+    held, moving = m["delayed_per_step"], m["delayed_nominal"]
+    assert all(math.isfinite(held[step]["train/loss"]) for step in (1, 2))
+    # Same rollouts at step 1 (same weights, seed and rollout quantizer); the update's log ratios
+    # differ because its scales do: before any history every pass of step 1 takes its own amax.
+    assert held[1]["rollout/reward_mean"] == moving[1]["rollout/reward_mean"]
+    assert held[1]["train/ratio_mean"] != moving[1]["train/ratio_mean"]
 
 
 def test_share_mode_clips_bf16s_count_at_the_nominal_bounds(runs):

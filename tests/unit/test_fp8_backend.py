@@ -89,6 +89,18 @@ def test_te_backend_needs_the_lm_head_in_bf16():
         FP8Config(recipe="blockwise", backend="te", keep_lm_head_bf16=False)
 
 
+def test_scales_per_step_needs_a_delayed_recipe_off_te():
+    with pytest.raises(
+        ValueError, match="scales_per_step=true has no effect with recipe='blockwise'"
+    ):
+        FP8Config(recipe="blockwise", scales_per_step=True)
+    with pytest.raises(ValueError, match="scales_per_step=true cannot run on backend='te'"):
+        FP8Config(recipe="tensorwise_delayed", backend="te", scales_per_step=True)
+    with pytest.raises(ValueError, match="scales_per_step='yes' is not valid"):
+        FP8Config(recipe="tensorwise_delayed", scales_per_step="yes")
+    assert FP8Config(scales_per_step=True).scales_per_step  # BF16: nothing to pin, no refusal
+
+
 # -- resolving for this machine --------------------------------------------------------------------
 @pytest.fixture
 def machine(monkeypatch):
@@ -136,6 +148,13 @@ def test_auto_picks_te_then_torch_then_emulate(machine, capability, te, block_mm
 def test_auto_skips_te_for_an_fp8_lm_head(machine):
     machine(te=True)
     cfg = FP8Config(recipe="tensorwise_current", keep_lm_head_bf16=False)
+    assert resolve_backend(cfg, capability=H200) == "torch"
+
+
+def test_auto_skips_te_for_scales_per_step(machine):
+    machine(te=True)
+    assert resolve_backend(FP8Config(recipe="tensorwise_delayed"), capability=H200) == "te"
+    cfg = FP8Config(recipe="tensorwise_delayed", scales_per_step=True)
     assert resolve_backend(cfg, capability=H200) == "torch"
 
 
