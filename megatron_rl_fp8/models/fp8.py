@@ -172,6 +172,12 @@ def full_precision(model, config=None):
             config.fp8 = saved_fp8
 
 
+def _scaling_states(model) -> Iterator[tuple[str, object]]:
+    """(operand role, delayed-scaling state) of every FP8 linear this project runs."""
+    for _, _, gemm in emulated_linears(model):
+        yield from gemm.emulator.scaling_states().items()
+
+
 @contextlib.contextmanager
 def frozen_fp8_scaling(model) -> Iterator[None]:
     """Forward passes inside the block leave the delayed-scaling amax histories of ``model``'s
@@ -181,8 +187,7 @@ def frozen_fp8_scaling(model) -> Iterator[None]:
     TE, whose modules keep their own (docs/gpu_contracts.md, TE-7)."""
     saved = [
         (s, None if s.history is None else s.history.clone(), s.num_updates)
-        for _, _, gemm in emulated_linears(model)
-        for s in gemm.emulator.scaling_states().values()
+        for _, s in _scaling_states(model)
     ]
     try:
         yield
@@ -200,12 +205,7 @@ def step_fp8_scaling(model) -> Iterator[None]:
     a micro-batch's update forward takes the scales other micro-batches left in the history, and
     its ratios shift together. Gradient scales move as before. No effect without history or on TE
     (docs/gpu_contracts.md, TE-7)."""
-    states = [
-        s
-        for _, _, gemm in emulated_linears(model)
-        for role, s in gemm.emulator.scaling_states().items()
-        if role != "grad_output"
-    ]
+    states = [s for role, s in _scaling_states(model) if role != "grad_output"]
     for s in states:
         s.pin()
     try:
