@@ -47,6 +47,8 @@ class ConfigError(ValueError):
 
 
 def _type_name(tp) -> str:
+    if tp is bool:
+        return "true / false"
     if get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
     return getattr(tp, "__name__", str(tp))
@@ -72,9 +74,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 return _coerce(value, opt, path)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(
-            errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {tp}"
-        )
+        names = " or ".join(_type_name(o) for o in options if o is not type(None))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} is not {names}")
     if origin is Literal:
         if value not in get_args(tp):
             hint = ""

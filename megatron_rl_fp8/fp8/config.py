@@ -73,14 +73,16 @@ class FP8Config:
         help="Delayed scaling: derive the scale from the 'max' of the history (safe "
         "against spikes) or the 'most_recent' entry (tracks drift faster).",
     )
-    scales_per_step: bool = field(
-        default=False,
+    scales_per_step: bool | Literal["auto"] = field(
+        default="auto",
         help="Delayed scaling, backends emulate and torch: every forward pass of an RL step "
         "(old logprobs, calibration, the updates) quantizes activations and weights with the "
         "scales the step began with; their amaxes still enter the history, which sets the next "
         "step's scales. Without it a micro-batch's update forward takes other scales than its "
         "old-logprob pass (other micro-batches moved the history) and its ratios shift together "
-        "(docs/reproduction.md). Not on TE, whose modules keep their own histories.",
+        "(docs/reproduction.md). 'auto': on wherever it can run (a delayed recipe on emulate or "
+        "torch), off elsewhere; true insists (refused on TE, whose modules keep their own "
+        "histories, and on recipes without history; backend auto then skips TE).",
     )
     margin: int = field(
         default=0,
@@ -187,21 +189,22 @@ class FP8Config:
             )
 
     def _check_scales_per_step(self) -> None:
-        if not isinstance(self.scales_per_step, bool):
+        if not isinstance(self.scales_per_step, bool) and self.scales_per_step != "auto":
             raise ValueError(
-                f"FP8Config.scales_per_step={self.scales_per_step!r} is not valid; use true or false"
+                f"FP8Config.scales_per_step={self.scales_per_step!r} is not valid; use true, "
+                "false or 'auto'"
             )
-        if not self.scales_per_step or not self.enabled:
+        if self.scales_per_step is not True or not self.enabled:
             return
         if not self.spec.delayed:
             raise ValueError(
                 f"FP8Config.scales_per_step=true has no effect with recipe={self.recipe!r} (it "
-                "keeps no amax history); use recipe 'tensorwise_delayed' or drop it"
+                "keeps no amax history); use recipe 'tensorwise_delayed', or 'auto'"
             )
         if self.backend == "te":
             raise ValueError(
                 "FP8Config.scales_per_step=true cannot run on backend='te' (TE's modules keep "
-                "their own amax histories); use backend 'torch' or 'emulate', or drop it"
+                "their own amax histories); use backend 'torch' or 'emulate', or 'auto'"
             )
 
     def _check_backend(self) -> None:

@@ -20,7 +20,8 @@ STRATEGIES = tuple(UPPER_RULES)
 """The upper rules ``loss.calib.strategy`` accepts: every one registered in ``upper_rules.py``."""
 Strategy = Literal[STRATEGIES]
 DEFAULT_STRATEGY = "balance"
-"""The default upper rule (docs/reproduction.md has the evidence it was chosen on)."""
+"""The default upper rule of ``mode: calibrate`` (docs/reproduction.md has the evidence it was
+chosen on; the default mode, ``share``, has none)."""
 Mode = Literal["calibrate", "oracle", "share"]
 
 DEFAULT_BINS = 4096
@@ -39,20 +40,22 @@ class CalibConfig:
         "meaningful when training runs in FP8.",
     )
     interval: int = field(
-        default=20,
+        default=5,
         help="Calibrate every this many optimizer steps (each calibration costs one "
-        "BF16 shadow forward of pi_old and pi_theta).",
+        "BF16 shadow forward of pi_old and pi_theta; the paper calibrates every 20, the share "
+        "mode's default every 5: docs/reproduction.md).",
     )
     mode: Mode = field(
-        default="calibrate",
-        help="'calibrate': bounds from a BF16 shadow pass every `interval` steps; 'oracle': "
+        default="share",
+        help="'share' (the default, docs/reproduction.md): the bounds stay nominal and each sign "
+        "clips only the share of the tokens past them that BF16 clipped at the last calibrations "
+        "(each row's most extreme ones; the counts smoothed with ema_decay per mini-batch "
+        "position and summed over positions; strategy is unused). 'calibrate': bounds from a "
+        "BF16 shadow pass every `interval` steps by `strategy` (the paper's method). 'oracle': "
         "every mini-batch runs the BF16 shadow forward and the clip decision of each token comes "
         "from its BF16 ratio at the nominal bounds (gradient still FP8): what calibration "
-        "approximates, at one shadow forward per mini-batch (a study arm, not a production mode); "
-        "'share': the bounds stay nominal and each sign clips only the share of the tokens past "
-        "them that BF16 clipped at the last calibrations (each row's most extreme ones; the "
-        "counts smoothed with ema_decay per mini-batch position and summed over positions; "
-        "strategy is unused).",
+        "approximates, at one shadow forward per mini-batch (a study arm, not a production "
+        "mode).",
     )
     strategy: Strategy = field(
         default=DEFAULT_STRATEGY,
@@ -77,9 +80,9 @@ class CalibConfig:
         "clamped into the edge bins. Must contain the safety limits.",
     )
     ema_decay: float = field(
-        default=0.5,
-        help="Weight of the previous bounds when smoothing a new calibration "
-        "(0 = use each calibration as is).",
+        default=0.0,
+        help="Weight of the previous bounds (share mode: counts) when smoothing a new "
+        "calibration (0, the default = use each calibration as is; the paper smooths with 0.5).",
     )
     lower_limits: tuple[float, float] = field(
         default=DEFAULT_LOWER_LIMITS,
@@ -98,7 +101,7 @@ class CalibConfig:
         if self.interval < 1:
             raise ValueError(
                 f"CalibConfig.interval={self.interval!r} must be >= 1 "
-                "(calibrate every `interval` steps; 20 is the paper's default)."
+                "(calibrate every `interval` steps; 5 is the default, 20 the paper's)."
             )
         if self.ema_decay < 0 or self.ema_decay >= 1:
             raise ValueError(
@@ -112,8 +115,8 @@ class CalibConfig:
             )
         if self.mode not in ("calibrate", "oracle", "share"):
             raise ValueError(
-                f"CalibConfig.mode={self.mode!r} is not supported; use 'calibrate' (default), "
-                "'share' or 'oracle'."
+                f"CalibConfig.mode={self.mode!r} is not supported; use 'share' (default), "
+                "'calibrate' or 'oracle'."
             )
         if self.mode == "oracle" and not self.enabled:
             # Off, the BF16 shadow never runs: the "oracle" would silently be nominal FP8.

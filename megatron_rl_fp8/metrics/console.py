@@ -28,6 +28,7 @@ SHOWN = (
     "fp8/token_mult_prob_error",
     "calib/lower",
     "calib/upper",
+    "calib/keep_neg_lower",
     "perf/step_time_s",
     "sft/final_loss",
 )

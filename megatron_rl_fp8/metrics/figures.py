@@ -66,6 +66,11 @@ BOUNDS = Panel(
     (("calib/lower", "lower"), ("calib/upper", "upper")),
     ppo_bounds=True,
 )
+KEEP = Panel(
+    "Share-mode keep fractions",
+    "calib/keep_neg_lower, calib/keep_pos_upper",
+    (("calib/keep_neg_lower", "A<0, lower"), ("calib/keep_pos_upper", "A>0, upper")),
+)
 MISMATCH = Panel(
     "Rollout vs train mismatch",
     "fp8/token_mult_prob_error",
@@ -97,7 +102,7 @@ FIGURES: dict[str, tuple[str, tuple[Panel, ...]]] = {
     "overview": ("Overview", (REWARD, EVAL, ENTROPY, CLIP_BY_SIGN, BOUNDS, MISMATCH)),
     "clipping": (
         "Clipping and importance ratios",
-        (CLIP_BY_SIGN, CLIP_BY_SIDE, BOUNDS, RATIO_OUTLIERS, RATIO_QUANTILES),
+        (CLIP_BY_SIGN, CLIP_BY_SIDE, BOUNDS, KEEP, RATIO_OUTLIERS, RATIO_QUANTILES),
     ),
     "mismatch": ("Rollout vs train mismatch", (MISMATCH, KL, GARBLED)),
     "throughput": ("Throughput", (THROUGHPUT, STEP_TIME)),

@@ -177,6 +177,7 @@ class ClipCalibrator:
                     bounds = self.nominal
                 stats |= shares
             stats |= {"fallback": float(bool(violated))}
+            stats["hist_bytes"] = float(packed.numel() * packed.element_size())  # all-reduced
             stats |= {f"invariant_violated/{sign}": 1.0 for sign in violated}
             result = (*bounds, stats, kept)
         self.lower, self.upper, stats, kept = broadcast_object(result, g.last_stage_rank)

@@ -22,7 +22,7 @@ from megatron_rl_fp8 import parallel
 from megatron_rl_fp8.config import RunConfig
 from megatron_rl_fp8.config_utils import to_dict
 from megatron_rl_fp8.metrics.console import StepProgress
-from megatron_rl_fp8.metrics.logger import MetricsLogger, print_rank0
+from megatron_rl_fp8.metrics.logger import MetricsLogger
 from megatron_rl_fp8.metrics.step_time import StepClock, Throughput
 from megatron_rl_fp8.models.fp8 import gather_weight_quantization_errors
 from megatron_rl_fp8.trainer import run_dir, startup
@@ -72,7 +72,7 @@ class Trainer:
             total_steps=cfg.train.steps * cfg.train.updates_per_step,
             routing_replay=cfg.rollout.routing_replay,
         )
-        print_rank0(f"actor: {actor.describe()}")
+        startup.describe_actor(cfg, actor)
         self.calibrator = ClipCalibrator(cfg.loss, fp8_training=cfg.fp8.enabled)
         # The frozen reference of the KL penalty exists only when the penalty is on.
         self.reference = Reference(actor) if cfg.loss.kl_coef > 0 else None

@@ -13,6 +13,7 @@ from megatron_rl_fp8.config_utils import to_dict
 from megatron_rl_fp8.convert.start_weights import load_converted, load_hf_weights
 from megatron_rl_fp8.data import build_datasets, load_prompt_encoder
 from megatron_rl_fp8.data.prompts import check_vocab
+from megatron_rl_fp8.fp8.backend import moving_scales_note
 from megatron_rl_fp8.metrics.console import print_step
 from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.models.hf_mapping import hf_config_with_tokens
@@ -39,6 +40,15 @@ def load_prompts(cfg: RunConfig):
             f"than task.max_prompt_len={cfg.task.max_prompt_len} tokens"
         )
     return tokenizer, train, val
+
+
+def describe_actor(cfg: RunConfig, actor: Actor) -> None:
+    """The actor's line in the run log, and a note where calibrated clipping runs with delayed
+    scales that move within a step (``fp8/backend.py: moving_scales_note``)."""
+    print_rank0(f"actor: {actor.describe()}")
+    note = moving_scales_note(cfg.fp8, actor.fp8_backend)
+    if note and cfg.loss.calib.enabled:
+        print_rank0(f"note: {note}")
 
 
 def rollout_engine(cfg: RunConfig, tokenizer, actor: Actor, groups: Groups, out_dir: str):

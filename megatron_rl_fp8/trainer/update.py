@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl_fp8.config import RunConfig
+from megatron_rl_fp8.fp8.backend import holds_step_scales
 from megatron_rl_fp8.loss import (
     aggregate_loss,
     kl_penalty,
@@ -234,7 +235,7 @@ class PolicyUpdate:
         calibrating = self.calibrator.due(step) and not self.bf16
         oracle = self.calibrator.oracle and not self.bf16
         precision = self.actor.full_precision() if self.bf16 else contextlib.nullcontext()
-        pinned = self.cfg.fp8.scales_per_step and not self.bf16
+        pinned = holds_step_scales(self.cfg.fp8, self.actor.fp8_backend) and not self.bf16
         scales = step_fp8_scaling(self.actor.module) if pinned else contextlib.nullcontext()
         with precision, scales:
             metrics, logprob_time, shadow_time = self._update(local, acc, step, calibrating, oracle)
@@ -332,6 +333,10 @@ class PolicyUpdate:
             metrics["train/lr"] = lr  # of the last update, as the grad norm
             if cfg.fp8.enabled:
                 metrics["calib/lower"], metrics["calib/upper"] = bounds or self.calibrator.bounds
+            if self.calibrator.sharing:  # the fractions of the clip sets that stayed clipped
+                metrics["calib/keep_neg_lower"], metrics["calib/keep_pos_upper"] = (
+                    self.calibrator.keep()
+                )
             if calibrating:
                 metrics.update(calib_metrics)
         return metrics, logprob_time, shadow_time

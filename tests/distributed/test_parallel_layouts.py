@@ -59,13 +59,13 @@ def test_first_step_matches_one_rank(reference, tmp_path, layout):
         assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6), (layout, key, a, b)
 
 
-# Full FP8 with calibrated clipping at every step and DAPO dynamic sampling (format bonus and
-# overlong shaping give the barely-trained policy's groups some reward variance to keep). Blockwise FP8 groups
-# are per token (1x128 activations) and per weight tile, so splitting the batch over DP ranks or
-# the layers over PP stages quantizes exactly what one rank does: the calibration histograms, merged
-# over the DP group (or computed on the last stage), must give the 1-rank bounds. Bounds are read
-# from 4096 bins over log ratios in (-2, 2); identical inputs give identical bins, so the tolerance
-# is the same 1e-4 as the loss.
+# Full FP8 with calibrated clipping (the default share mode) at every step and DAPO dynamic
+# sampling (format bonus and overlong shaping give the barely-trained policy's groups some reward
+# variance to keep). Blockwise FP8 groups are per token (1x128 activations) and per weight tile, so
+# splitting the batch over DP ranks or the layers over PP stages quantizes exactly what one rank
+# does: the calibration histograms, merged over the DP group (or computed on the last stage), must
+# give the 1-rank clip shares and keep fractions. They are read from 4096 bins over log ratios in
+# (-2, 2); identical inputs give identical bins, so the tolerance is the same 1e-4 as the loss.
 FP8 = [
     "fp8.recipe=blockwise",
     "rollout.fp8.weight_quant=blockwise",
@@ -75,11 +75,13 @@ FP8 = [
     "loss.overlong_buffer=4",
 ]
 FP8_KEYS = KEYS + (
-    "calib/raw_lower",
-    "calib/raw_upper",
     "calib/lower",
     "calib/upper",
     "calib/bf16_neg_lower_clipfrac",
+    "calib/fp8_neg_lower_clipfrac_nominal",
+    "calib/bf16_pos_upper_clipfrac",
+    "calib/keep_neg_lower",
+    "calib/keep_pos_upper",
     "fp8/token_mult_prob_error",
 )
 

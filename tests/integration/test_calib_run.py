@@ -34,10 +34,11 @@ NARROW = [
     "sft.steps=200",
 ]
 RUNS = {
-    "quantile": ["loss.calib.strategy=quantile"],
+    "quantile": ["loss.calib.mode=calibrate", "loss.calib.strategy=quantile"],
     # BF16 clips the A>0 tokens past 1.01 at the nominal bounds; the limits force the calibrated
     # upper bound to >= 2.9, where FP8 clips none: the A>0 share is broken on purpose.
     "violation": [
+        "loss.calib.mode=calibrate",
         "loss.eps_high=0.01",
         "loss.calib.upper_limits=[2.9,3.0]",
         "loss.calib.invariant_tolerance=0.001",
@@ -50,12 +51,14 @@ RUNS = {
 }
 # Delayed scaling: every calibration's FP8 pass must leave the amax histories as it found them,
 # so a run that calibrates at every step records exactly as many amaxes as one that never does.
-DELAYED = ["fp8.recipe=tensorwise_delayed", "fp8.format=hybrid", "loss.calib.ema_decay=0"]
+DELAYED = ["fp8.recipe=tensorwise_delayed", "fp8.format=hybrid", "loss.calib.mode=calibrate"]
+MOVING = "fp8.scales_per_step=false"  # the scales move within a step, as on TE
 RUNS |= {
-    "delayed_calibrated": [*DELAYED, "loss.calib.interval=1"],
-    "delayed_nominal": [*DELAYED, "loss.calib.enabled=false"],
-    # fp8.scales_per_step: the step's passes keep its first scales and still record their amaxes.
-    "delayed_per_step": [*DELAYED, "loss.calib.enabled=false", "fp8.scales_per_step=true"],
+    "delayed_calibrated": [*DELAYED, MOVING, "loss.calib.interval=1"],
+    "delayed_nominal": [*DELAYED, MOVING, "loss.calib.enabled=false"],
+    # fp8.scales_per_step's default ('auto') on the emulation: the step's passes keep its first
+    # scales and still record their amaxes.
+    "delayed_per_step": [*DELAYED, "loss.calib.enabled=false"],
 }
 # Share mode calibrating at every step, stopped after step 2 and resumed: the smoothed counts and
 # the seeded rounding must come back as they were (compared with 3 uninterrupted steps).
@@ -121,7 +124,7 @@ def test_quantile_rule_clips_bf16s_share_on_both_signs(runs):
         assert math.isfinite(bf16) and fp8 == pytest.approx(bf16, abs=1e-9), sign
     # The first calibration is used as it is (no EMA yet), by step 1's later update and step 2.
     assert (s2["calib/lower"], s2["calib/upper"]) == (s1["calib/raw_lower"], s1["calib/raw_upper"])
-    assert "calib/raw_lower" not in s2  # loss.calib.interval=20: step 2 does not calibrate
+    assert "calib/raw_lower" not in s2  # loss.calib.interval=5: step 2 does not calibrate
 
 
 def test_a_calibration_that_breaks_the_invariant_falls_back_to_nominal_with_a_guard_event(runs):
@@ -192,7 +195,10 @@ def test_share_mode_clips_bf16s_count_at_the_nominal_bounds(runs):
     assert min(s1["calib/keep_neg_lower"], s1["calib/keep_pos_upper"]) < 1
     for sign in ("neg_lower", "pos_upper"):
         assert s1[f"train/pg_clipfrac_{sign}"] <= n1[f"train/pg_clipfrac_{sign}"], sign
-    assert "calib/keep_neg_lower" not in s2 and math.isfinite(s2["train/loss"])
+    # Step 2 does not calibrate (interval 5) and clips with the fractions step 1 measured.
+    assert "calib/bf16_neg_lower_clipfrac" not in s2 and math.isfinite(s2["train/loss"])
+    for sign in ("neg_lower", "pos_upper"):
+        assert s2[f"calib/keep_{sign}"] == s1[f"calib/keep_{sign}"], sign
 
 
 def test_share_mode_resumes_to_the_uninterrupted_run(runs):

@@ -111,3 +111,21 @@ def test_calibrated_study_arms_pin_their_schedule(study, tmp_path):
         need = CALIB_KEYS[:1] if cal.mode == "oracle" else CALIB_KEYS
         missing = [k for k in need if k not in given]
         assert not missing, f"{study.name}: arm {run.arm} leaves {missing} to the defaults"
+
+
+@pytest.mark.parametrize(
+    "study", sorted((EXAMPLES_DIR / "studies").glob("*.yaml")), ids=lambda p: p.stem
+)
+def test_delayed_scaling_study_arms_pin_whether_the_step_holds_its_scales(study, tmp_path):
+    """The same for ``fp8.scales_per_step``: its default ('auto') holds delayed scales for a step
+    since 2026-12-07, and the tables made before it ran with moving scales."""
+    import yaml
+
+    from megatron_rl_fp8.study.runner import load_study
+
+    s = load_study(study, tmp_path / "out")
+    shared = yaml.safe_load(study.read_text()).get("overrides") or {}
+    for run in s.runs:
+        if run.config.fp8.enabled and run.config.fp8.spec.delayed:
+            given = {**shared, **s.arms[run.arm]}
+            assert "fp8.scales_per_step" in given, f"{study.name}: arm {run.arm}"

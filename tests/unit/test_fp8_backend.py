@@ -23,6 +23,8 @@ from megatron_rl_fp8.fp8 import torch_backend as tb
 from megatron_rl_fp8.fp8.backend import (
     backend_problem,
     cuda_capability,
+    holds_step_scales,
+    moving_scales_note,
     resolve_backend,
     should_emulate,
 )
@@ -99,6 +101,9 @@ def test_scales_per_step_needs_a_delayed_recipe_off_te():
     with pytest.raises(ValueError, match="scales_per_step='yes' is not valid"):
         FP8Config(recipe="tensorwise_delayed", scales_per_step="yes")
     assert FP8Config(scales_per_step=True).scales_per_step  # BF16: nothing to pin, no refusal
+    # 'auto' (the default) refuses nothing: it holds the scales only where they can be held.
+    assert FP8Config(recipe="tensorwise_delayed", backend="te").scales_per_step == "auto"
+    assert FP8Config(recipe="blockwise").scales_per_step == "auto"
 
 
 # -- resolving for this machine --------------------------------------------------------------------
@@ -156,6 +161,30 @@ def test_auto_skips_te_for_scales_per_step(machine):
     assert resolve_backend(FP8Config(recipe="tensorwise_delayed"), capability=H200) == "te"
     cfg = FP8Config(recipe="tensorwise_delayed", scales_per_step=True)
     assert resolve_backend(cfg, capability=H200) == "torch"
+
+
+@pytest.mark.parametrize(
+    "recipe, setting, backend, held",
+    [
+        ("tensorwise_delayed", "auto", "emulate", True),
+        ("tensorwise_delayed", "auto", "torch", True),
+        ("tensorwise_delayed", "auto", "te", False),  # TE keeps its own histories
+        ("tensorwise_delayed", False, "emulate", False),
+        ("tensorwise_delayed", True, "torch", True),
+        ("blockwise", "auto", "emulate", False),  # no history to hold
+        ("tensorwise_current", "auto", "torch", False),
+        ("bf16", "auto", None, False),
+    ],
+)
+def test_whether_a_step_holds_its_delayed_scales(recipe, setting, backend, held):
+    cfg = FP8Config(recipe=recipe, scales_per_step=setting)
+    assert holds_step_scales(cfg, backend) is held
+    # The run log says so where delayed scales move within a step, and only there.
+    note = moving_scales_note(cfg, backend)
+    assert (note is not None) == (cfg.enabled and cfg.spec.delayed and not held)
+    if note is not None:
+        assert "\n" not in note and "docs/reproduction.md" in note
+        assert ("TE keeps" in note) == (backend == "te")
 
 
 @pytest.mark.parametrize(

@@ -120,8 +120,10 @@ def test_fp8_training_is_faster_at_large_token_counts():
         fp8 = predict(cfg, w, gpu, "fp8", recipe=recipe)
         assert fp8.phases["update"] < bf16.phases["update"]
         assert fp8.phases["old_logprobs"] < bf16.phases["old_logprobs"]
-    # Tensorwise pays for its calibration shadow; the training phase as a whole is faster.
-    fp8 = predict(cfg, w, gpu, "fp8", recipe="tensorwise_current")
+    # Tensorwise pays for its calibration shadow; at the paper's interval of 20 the training phase
+    # as a whole is faster (at the default 5 it is not: docs/scaling.md).
+    paper = config(1, 256, "loss.calib.interval=20")
+    fp8 = predict(paper, w, gpu, "fp8", recipe="tensorwise_current")
     train = ("old_logprobs", "shadow", "update")
     assert sum(fp8.phases[p] for p in train) < sum(bf16.phases[p] for p in train)
     # FP8 rollout: fewer weight bytes per decode step; the sync pays the quantization.
@@ -145,7 +147,8 @@ def test_the_oracle_pays_a_bf16_forward_per_mini_batch_every_step():
     bf16_forward = oracle.phases["shadow"] / (1 + later)
     assert bf16_forward > fp8_forward
     per_calibration = bf16_forward + later * (bf16_forward + fp8_forward)
-    assert calibrated.phases["shadow"] == pytest.approx(per_calibration / 20, rel=1e-12)
+    interval = config(1, 256).loss.calib.interval
+    assert calibrated.phases["shadow"] == pytest.approx(per_calibration / interval, rel=1e-12)
     assert oracle.phases["update"] == calibrated.phases["update"]
 
 
