@@ -264,3 +264,5 @@ class ClipCalibrator:
         self.lower, self.upper, self.count = state["lower"], state["upper"], state["count"]
         self.requested = state.get("requested", False)
         self.kept = {int(k): list(v) for k, v in state.get("kept", {}).items()}
+        if self.sharing:  # the share mode clips at the nominal bounds, whatever a run resumed
+            self.lower, self.upper = self.nominal  # from calibrated (before 12-07's default)

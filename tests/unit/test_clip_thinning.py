@@ -256,3 +256,14 @@ def test_a_calibration_where_fp8_clips_nothing_keeps_the_fraction_it_had():
     assert not violated and kept == cal.kept
     assert stats["keep_neg_lower"] == first["keep_neg_lower"]
     assert stats["keep_pos_upper"] == first["keep_pos_upper"]
+
+
+def test_a_share_run_resumed_from_calibrated_bounds_clips_at_the_nominal_ones():
+    """A run saved under ``mode: calibrate`` (the default before 2026-12-07) and resumed under the
+    share mode keeps its calibration count but not its bounds: the share mode thins the nominal
+    clip set, and the bounds it carried would clip with both until the next calibration."""
+    state = {"lower": 0.7, "upper": 1.4, "count": 3, "requested": False}
+    cal = _calibrator()
+    cal.load_state_dict(state)
+    assert (cal.lower, cal.upper) == pytest.approx((LOW, HIGH)) and cal.count == 3
+    assert cal.keep() == (1.0, 1.0)  # no fractions carried: the whole clip set until calibrated
