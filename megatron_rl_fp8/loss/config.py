@@ -21,7 +21,7 @@ STRATEGIES = tuple(UPPER_RULES)
 Strategy = Literal[STRATEGIES]
 DEFAULT_STRATEGY = "balance"
 """The default upper rule of ``mode: calibrate`` (docs/reproduction.md has the evidence it was
-chosen on; the default mode, ``share``, has none)."""
+chosen on; the default mode, ``share``, uses no upper rule)."""
 Mode = Literal["calibrate", "oracle", "share"]
 
 DEFAULT_BINS = 4096
