@@ -177,7 +177,6 @@ class ClipCalibrator:
                     bounds = self.nominal
                 stats |= shares
             stats |= {"fallback": float(bool(violated))}
-            stats["hist_bytes"] = float(packed.numel() * packed.element_size())  # all-reduced
             stats |= {f"invariant_violated/{sign}": 1.0 for sign in violated}
             result = (*bounds, stats, kept)
         self.lower, self.upper, stats, kept = broadcast_object(result, g.last_stage_rank)
@@ -223,6 +222,8 @@ class ClipCalibrator:
                 c[at] = [0.0, 0.0]
         keep = self.keep(kept)
         stats = shares | {"keep_neg_lower": keep[0], "keep_pos_upper": keep[1]}
+        # What the calibration all-reduced (bounds_from_histogram reports it for the other mode).
+        stats["hist_bytes"] = float(packed.numel() * packed.element_size())
         stats |= dict(zip(("lower", "upper"), self.nominal))
         return self.nominal, kept, stats, violated
 
