@@ -91,8 +91,6 @@ class PolicyUpdate:
         # Set by the stability guard: this step trains without FP8 (nominal bounds, no shadow).
         self.bf16 = False
         self.param_norm = 0.0  # of the weights after the last step (every rank)
-        # fp8.scales_per_step on this run's backend: each step's forwards share its first scales.
-        self.holds_scales = holds_step_scales(cfg.fp8, actor.fp8_backend)
 
     def _logprobs(self, batch: dict, *, entropy: bool = True, count_routes=False) -> dict | None:
         t = self.cfg.train
@@ -237,7 +235,8 @@ class PolicyUpdate:
         calibrating = self.calibrator.due(step) and not self.bf16
         oracle = self.calibrator.oracle and not self.bf16
         precision = self.actor.full_precision() if self.bf16 else contextlib.nullcontext()
-        pinned = self.holds_scales and not self.bf16
+        # fp8.scales_per_step on this run's backend: each step's forwards share its first scales.
+        pinned = holds_step_scales(self.cfg.fp8, self.actor.fp8_backend) and not self.bf16
         scales = step_fp8_scaling(self.actor.module) if pinned else contextlib.nullcontext()
         with precision, scales:
             metrics, logprob_time, shadow_time = self._update(local, acc, step, calibrating, oracle)
