@@ -214,13 +214,13 @@ def holds_step_scales(config: FP8Config, backend: str | None) -> bool:
 def moving_scales_note(config: FP8Config, backend: str | None) -> str | None:
     """A line for the run log where delayed scales move inside an RL step (a delayed recipe whose
     scales ``backend`` does not hold for the step), None elsewhere: calibrated clipping's default
-    did not bring the clip shares to BF16's there (docs/reproduction.md)."""
+    did not bring the clip shares to BF16's there, the oracle mode did (docs/reproduction.md)."""
     if backend is None or not config.spec.delayed or holds_step_scales(config, backend):
         return None
     why = "TE keeps its own amax histories" if backend == "te" else "fp8.scales_per_step=false"
     return (
         f"fp8: delayed scales move within each RL step here ({why}); calibrated clipping's default "
-        "did not match BF16's clip shares with moving scales (docs/reproduction.md); backend "
-        "'torch' or 'emulate' with fp8.scales_per_step holds them, blockwise and current scaling "
-        "need neither"
+        "did not match BF16's clip shares with moving scales, loss.calib.mode=oracle did at a "
+        "BF16 forward per mini-batch (docs/reproduction.md); backend 'torch' or 'emulate' with "
+        "fp8.scales_per_step holds them, blockwise and current scaling need neither"
     )

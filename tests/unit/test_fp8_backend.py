@@ -185,6 +185,7 @@ def test_whether_a_step_holds_its_delayed_scales(recipe, setting, backend, held)
     if note is not None:
         assert "\n" not in note and "docs/reproduction.md" in note
         assert ("TE keeps" in note) == (backend == "te")
+        assert "loss.calib.mode=oracle" in note  # what met the bar with moving scales
 
 
 @pytest.mark.parametrize(
