@@ -312,6 +312,26 @@ class RunConfig:
                 "reward.function: package.module:function"
             )
 
+    def idle_settings(self) -> tuple[str, ...]:
+        """Dotted prefixes of settings that change nothing in this run: the clip calibration's
+        knobs where training is not FP8 or calibration is off, ``fp8.scales_per_step`` where the
+        recipe keeps no scale history. The settings that decide it (``fp8.recipe``,
+        ``loss.calib.enabled``) are never idle, so a change to them is still a change. A study
+        ignores these when it checks an existing run against its file, so a default that moved
+        under a BF16 or nominal arm does not refuse runs that it never acted on."""
+        idle = []
+        if not self.fp8.enabled:
+            idle.append("loss.calib.")
+        elif not self.loss.calib.enabled:
+            idle += [
+                f"loss.calib.{f.name}"
+                for f in dataclasses.fields(self.loss.calib)
+                if f.name != "enabled"
+            ]
+        if not (self.fp8.enabled and self.fp8.spec.delayed):
+            idle.append("fp8.scales_per_step")
+        return tuple(idle)
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(to_dict(self), sort_keys=False)
 

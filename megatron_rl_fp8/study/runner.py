@@ -260,6 +260,12 @@ def load_study(path: str | Path, out: str | Path | None = None) -> Study:
     return study
 
 
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether dotted ``key`` is one of ``prefixes`` or inside one (a prefix ending in '.' is a
+    section)."""
+    return any(key == p or key.startswith(p if p.endswith(".") else p + ".") for p in prefixes)
+
+
 def _check_frozen(study: Study, where: str) -> None:
     """A run that exists must still be the run the study file describes. Where it lives is not
     part of that: a study directory that was moved, copied off a cluster or reached through a
@@ -281,10 +287,13 @@ def _check_frozen(study: Study, where: str) -> None:
                 ) from None
             # A field newer than the run, at its default, came with the code, not the study file.
             defaults = {d.path: d.default for d in describe_fields(run.config)}
+            # Nor do a setting that acts on none of the run's code (a calibration default that
+            # moved under a BF16 arm) or where the run lives.
+            idle = (*run.config.idle_settings(), "train.output_dir")
             changed = [
                 c
                 for c in changed_settings(frozen, to_dict(run.config), defaults=defaults)
-                if not c.startswith("train.output_dir:")
+                if not _under(c.split(":", 1)[0], idle)
             ]
             if changed:
                 raise ConfigError(

@@ -128,7 +128,8 @@ def test_the_reports_numbers_are_the_runs_metrics(finished):
 
 def test_a_moved_study_directory_is_the_same_study(finished, tmp_path, capsys):
     """Copied off the cluster (or reached through a link), a study's runs are still its runs:
-    the report reads them, nothing reruns; a changed setting is still refused."""
+    the report reads them, nothing reruns; a changed setting that acts on the run is still
+    refused."""
     import shutil
 
     from megatron_rl_fp8.cli import main
@@ -141,6 +142,10 @@ def test_a_moved_study_directory_is_the_same_study(finished, tmp_path, capsys):
     frozen = moved / "bf16" / "seed1" / "config.yaml"
     older = yaml.safe_load(frozen.read_text())
     del older["rollout"]["sglang"]["parse_answers"]
+    # and with defaults since moved under settings that never act on a BF16 run (12-07's
+    # calibration default): not a change either.
+    older["loss"]["calib"] |= {"mode": "calibrate", "interval": 20, "ema_decay": 0.5}
+    older["fp8"]["scales_per_step"] = False
     frozen.write_text(yaml.safe_dump(older))
     assert main(["study", str(study), "--out", str(moved), "--report-only"]) == 0
     assert (moved / "report" / "report.md").is_file()

@@ -245,3 +245,26 @@ def test_null_seeds_follow_train_seed():
     # What config.yaml records reads back as the same run.
     again = load_config(None, [])
     assert again.rollout.seed == again.train.seed == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, idle, active",
+    [
+        # BF16 training: no calibration knob and no scale history acts.
+        ([], ["loss.calib.", "fp8.scales_per_step"], []),
+        # Nominal FP8 (calibration off): its knobs are idle, the switch itself is not.
+        (
+            ["fp8.recipe=blockwise", "loss.calib.enabled=false"],
+            ["loss.calib.mode", "loss.calib.interval", "fp8.scales_per_step"],
+            ["loss.calib.enabled", "loss.calib.", "fp8.recipe"],
+        ),
+        # Calibrated FP8 with a delayed recipe: everything acts.
+        (["fp8.recipe=tensorwise_delayed"], [], ["loss.calib.mode", "fp8.scales_per_step"]),
+    ],
+)
+def test_idle_settings_name_what_acts_on_nothing_in_the_run(overrides, idle, active):
+    cfg = load_config("examples/tiny_cpu.yaml", overrides)
+    got = cfg.idle_settings()
+    assert all(p in got for p in idle), got
+    assert not any(p in got for p in active), got
+    assert "fp8.recipe" not in got and "loss.calib.enabled" not in got
