@@ -84,6 +84,13 @@ class CalibConfig:
         help="Weight of the previous bounds (share mode: counts) when smoothing a new "
         "calibration (0, the default = use each calibration as is; the paper smooths with 0.5).",
     )
+    share_min_tokens: int = field(
+        default=0,
+        help="Share mode, for a sign FP8 rarely clips: a position's counts pool its newest "
+        "calibrations (BF16's and FP8's alike), going back until FP8 clipped at least this many "
+        "tokens of the sign, at most 64 calibrations back; needs ema_decay 0. 0 (the default): "
+        "the newest calibration where FP8 clipped any (docs/reproduction.md, 'Learning rate').",
+    )
     lower_limits: tuple[float, float] = field(
         default=DEFAULT_LOWER_LIMITS,
         help="(min, max) allowed calibrated lower ratio bound; max < 1 so that an "
@@ -107,6 +114,16 @@ class CalibConfig:
             raise ValueError(
                 f"CalibConfig.ema_decay={self.ema_decay!r} must lie in [0, 1); "
                 "use 0 to disable smoothing."
+            )
+        if self.share_min_tokens < 0:
+            raise ValueError(
+                f"CalibConfig.share_min_tokens={self.share_min_tokens!r} must be >= 0 "
+                "(0: no pooling, the default)."
+            )
+        if self.share_min_tokens and self.ema_decay:
+            raise ValueError(
+                f"CalibConfig.share_min_tokens={self.share_min_tokens} pools calibrations, and "
+                f"ema_decay={self.ema_decay} smooths them: use one; set ema_decay to 0 to pool."
             )
         if not 0 < self.invariant_tolerance < 1:
             raise ValueError(

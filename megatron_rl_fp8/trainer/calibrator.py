@@ -22,6 +22,8 @@ gradient: what calibration approximates at one shadow pass per ``interval`` step
 calibration measures, per sign, the share of FP8's nominally clipped tokens that BF16 clips too
 (``loss/thinning.py``; the counts smoothed per mini-batch position over calibrations and summed
 over positions), and every later update clips only that share, each row's most extreme tokens.
+With ``loss.calib.share_min_tokens`` a position's counts instead pool its newest calibrations back
+until FP8 clipped that many tokens of the sign (the window travels in checkpoints too).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from megatron_rl_fp8.loss import (
 from megatron_rl_fp8.loss.config import PolicyLossConfig
 from megatron_rl_fp8.parallel import Groups
 from megatron_rl_fp8.trainer.collectives import broadcast_object
+
+# share_min_tokens looks back at most this many calibrations of a position.
+WINDOW_CAP = 64
 
 # Diagnostics of calibrated_clip_bounds reported as calib/<name> on calibration steps.
 _REPORTED = (
@@ -71,6 +76,8 @@ class ClipCalibrator:
         self.count = 0  # calibrations folded into the EMA so far
         # mode=share: mini-batch position -> smoothed share_counts() of its calibrations.
         self.kept: dict[int, list[float]] = {}
+        # share_min_tokens: position -> the share_counts() of its calibrations, newest first.
+        self.window: dict[int, list[list[float]]] = {}
         self.requested = False  # the stability guard asked for a calibration at the next step
 
     @property
@@ -181,7 +188,7 @@ class ClipCalibrator:
             result = (*bounds, stats, kept)
         self.lower, self.upper, stats, kept = broadcast_object(result, g.last_stage_rank)
         if kept is not None:
-            self.kept = kept
+            self.kept, self.window = kept
         self.count += 1
         self.requested = False
         out = {f"calib/{k}": v for k, v in stats.items() if k in _REPORTED}
@@ -192,17 +199,21 @@ class ClipCalibrator:
         return out
 
     def _share(self, packed: torch.Tensor, position: int):
-        """(nominal bounds, the position's smoothed counts, stats, violated signs) of a share
-        calibration. The invariant judges the keep fractions the next updates use on this batch;
-        a sign whose thinned share breaks it falls back to the whole nominal clip set until the
-        next calibration, which then starts that sign's smoothing afresh (its counts are zeroed:
-        keep 1 now, and the next EMA keeps the new ratio as it is)."""
+        """(nominal bounds, (every position's counts, the pooling windows), stats, violated
+        signs) of a share calibration. The invariant judges the keep fractions the next updates
+        use on this batch; a sign whose thinned share breaks it falls back to the whole nominal
+        clip set until the next calibration, which then starts that sign's smoothing afresh (its
+        counts are zeroed: keep 1 now, and the next EMA or window keeps the new ratio as it is)."""
         calib = self.loss_cfg.calib
         hist = {"bins": calib.bins, "log_ratio_range": calib.log_ratio_range}
         new = share_counts(packed, calib.bins)
         prev, d = self.kept.get(position), calib.ema_decay
         counts = new if prev is None else [d * p + (1 - d) * n for p, n in zip(prev, new)]
-        if prev is not None:
+        window = {k: [list(c) for c in v] for k, v in self.window.items()}
+        if calib.share_min_tokens:
+            window[position] = [new, *window.get(position, [])][:WINDOW_CAP]
+            counts = pooled_counts(window[position], calib.share_min_tokens)
+        elif prev is not None:
             # A batch where FP8 clips no token of a sign says nothing of the share BF16 keeps:
             # that sign's counts stay as they were (without this, EMA 0 reset its keep to 1, the
             # whole nominal clip set, at about half the shipped job's calibrations).
@@ -218,14 +229,14 @@ class ClipCalibrator:
         violated = invariant_violations(shares, calib.invariant_tolerance)
         for sign in violated:
             at = slice(0, 2) if sign == "neg_lower" else slice(2, 4)
-            for c in kept.values():
+            for c in (*kept.values(), *(c for w in window.values() for c in w)):
                 c[at] = [0.0, 0.0]
         keep = self.keep(kept)
         stats = shares | {"keep_neg_lower": keep[0], "keep_pos_upper": keep[1]}
         # What the calibration all-reduced (bounds_from_histogram reports it for the other mode).
         stats["hist_bytes"] = float(packed.numel() * packed.element_size())
         stats |= dict(zip(("lower", "upper"), self.nominal))
-        return self.nominal, kept, stats, violated
+        return self.nominal, (kept, window), stats, violated
 
     def oracle_log_ratio(
         self,
@@ -250,8 +261,8 @@ class ClipCalibrator:
             return torch.zeros_like(mini["old_logprobs"])
         return cur16["logprobs"] - mini["old_logprobs_bf16"]
 
-    # {"lower", "upper", "count"} is the format runs were first saved with; "requested" and
-    # "kept" (mode=share) are newer.
+    # {"lower", "upper", "count"} is the format runs were first saved with; "requested", "kept"
+    # (mode=share) and "window" (share_min_tokens) are newer.
     def state_dict(self) -> dict:
         return {
             "lower": self.lower,
@@ -259,11 +270,27 @@ class ClipCalibrator:
             "count": self.count,
             "requested": self.requested,
             "kept": {str(k): list(v) for k, v in self.kept.items()},
+            "window": {str(k): [list(c) for c in v] for k, v in self.window.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.lower, self.upper, self.count = state["lower"], state["upper"], state["count"]
         self.requested = state.get("requested", False)
         self.kept = {int(k): list(v) for k, v in state.get("kept", {}).items()}
+        self.window = {int(k): [list(c) for c in v] for k, v in state.get("window", {}).items()}
         if self.sharing:  # the share mode clips at the nominal bounds, whatever a run resumed
             self.lower, self.upper = self.nominal  # from calibrated (before 12-07's default)
+
+
+def pooled_counts(window: list[list[float]], min_tokens: int) -> list[float]:
+    """``share_counts()`` summed per sign over ``window`` (a position's calibrations, newest
+    first), each sign going back until FP8's count reaches ``min_tokens`` (all of them if it never
+    does). BF16's counts of the same calibrations come along, those where FP8 clipped none too."""
+    counts = [0.0, 0.0, 0.0, 0.0]
+    for bf16, fp8 in ((0, 1), (2, 3)):
+        for c in window:
+            counts[bf16] += c[bf16]
+            counts[fp8] += c[fp8]
+            if counts[fp8] >= min_tokens:
+                break
+    return counts

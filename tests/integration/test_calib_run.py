@@ -60,9 +60,16 @@ RUNS |= {
     # scales and still record their amaxes.
     "delayed_per_step": [*DELAYED, "loss.calib.enabled=false"],
 }
-# Share mode calibrating at every step, stopped after step 2 and resumed: the smoothed counts and
-# the seeded rounding must come back as they were (compared with 3 uninterrupted steps).
-SHARE_3 = ["loss.calib.mode=share", *NARROW, "loss.calib.interval=1", "train.steps=3"]
+# Share mode calibrating at every step, stopped after step 2 and resumed: the counts, the pooling
+# window (a minimum no calibration reaches, so step 3 pools every calibration before it) and the
+# seeded rounding must come back as they were (compared with 3 uninterrupted steps).
+SHARE_3 = [
+    "loss.calib.mode=share",
+    *NARROW,
+    "loss.calib.interval=1",
+    "loss.calib.share_min_tokens=100000",
+    "train.steps=3",
+]
 RUNS |= {
     "share_3_steps": SHARE_3,
     "share_resumed": [[*SHARE_3, "train.save_interval=1", "train.exit_after_steps=2"], SHARE_3],

@@ -28,7 +28,7 @@ from megatron_rl_fp8.loss import (
     token_ratio,
 )
 from megatron_rl_fp8.loss.config import CalibConfig, PolicyLossConfig
-from megatron_rl_fp8.trainer.calibrator import ClipCalibrator
+from megatron_rl_fp8.trainer.calibrator import WINDOW_CAP, ClipCalibrator, pooled_counts
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 LOW, HIGH = 1 - EPS_LOW, 1 + EPS_HIGH
@@ -193,7 +193,7 @@ def test_share_calibration_smooths_counts_pools_positions_and_falls_back_on_a_vi
     adv, mask = torch.tensor([-1.0, 1.0] * 16), torch.ones(32, 16, dtype=torch.bool)
     packed = build_calibration_histogram(x8, x16, adv, mask, EPS_LOW, EPS_HIGH)
     counts = share_counts(packed, 4096)
-    bounds, kept, stats, violated = cal._share(packed, 1)
+    bounds, (kept, _), stats, violated = cal._share(packed, 1)
     assert bounds == pytest.approx((LOW, HIGH)) and not violated and kept == {1: counts}
     assert stats["fp8_neg_lower_clipfrac_calibrated"] == pytest.approx(
         stats["bf16_neg_lower_clipfrac"]
@@ -204,7 +204,7 @@ def test_share_calibration_smooths_counts_pools_positions_and_falls_back_on_a_vi
     # A second position pools its counts with the first; the EMA is per position.
     cal.kept[2] = [0.0, 100.0, 0.0, 0.0]
     assert cal.keep()[0] == pytest.approx(counts[0] / (counts[1] + 100.0))
-    _, kept, _, _ = cal._share(packed, 2)
+    _, (kept, _), _, _ = cal._share(packed, 2)
     assert kept[2] == pytest.approx(
         [0.5 * counts[0], 50 + 0.5 * counts[1], *(0.5 * c for c in counts[2:])]
     )
@@ -213,7 +213,7 @@ def test_share_calibration_smooths_counts_pools_positions_and_falls_back_on_a_vi
     # next calibration's EMA keeps that calibration's ratio as it is.
     assert stats["bf16_neg_lower_clipfrac"] > 0.02  # so that clipping nothing breaks it
     cal.kept = {1: [0.0, 1000.0, counts[2], counts[3]]}
-    _, kept2, stats2, violated2 = cal._share(packed, 1)
+    _, (kept2, _), stats2, violated2 = cal._share(packed, 1)
     assert violated2 == ["neg_lower"] and stats2["keep_neg_lower"] == 1.0
     # What broke it is reported: the smoothed fraction's share, more than 0.01 below BF16's.
     assert stats2["fp8_neg_lower_clipfrac_calibrated"] < stats["bf16_neg_lower_clipfrac"] - 0.01
@@ -247,10 +247,10 @@ def test_a_calibration_where_fp8_clips_nothing_keeps_the_fraction_it_had():
     x16 = torch.randn(32, 16, generator=gen) * 0.3
     adv, mask = torch.tensor([-1.0, 1.0] * 16), torch.ones(32, 16, dtype=torch.bool)
     informative = build_calibration_histogram(x16 - 0.1, x16, adv, mask, EPS_LOW, EPS_HIGH)
-    _, cal.kept, first, _ = cal._share(informative, 1)
+    _, (cal.kept, _), first, _ = cal._share(informative, 1)
     assert 0 < first["keep_neg_lower"] < 1
     quiet = torch.zeros(32, 16)  # ratio 1 everywhere: nothing past either bound
-    _, kept, stats, violated = cal._share(
+    _, (kept, _), stats, violated = cal._share(
         build_calibration_histogram(quiet, quiet, adv, mask, EPS_LOW, EPS_HIGH), 1
     )
     assert not violated and kept == cal.kept
@@ -267,3 +267,73 @@ def test_a_share_run_resumed_from_calibrated_bounds_clips_at_the_nominal_ones():
     cal.load_state_dict(state)
     assert (cal.lower, cal.upper) == pytest.approx((LOW, HIGH)) and cal.count == 3
     assert cal.keep() == (1.0, 1.0)  # no fractions carried: the whole clip set until calibrated
+
+
+def test_pooled_counts_go_back_until_fp8_reaches_the_minimum_per_sign():
+    # Newest first: (BF16 A<0, FP8 A<0, BF16 A>0, FP8 A>0) of three calibrations.
+    window = [[5.0, 9.0, 1.0, 0.0], [4.0, 6.0, 0.0, 2.0], [7.0, 7.0, 3.0, 3.0]]
+    # A<0 stops at the newest (9 >= 4); A>0 needs the first two (0, then 2 < 4) and the third.
+    assert pooled_counts(window, 4) == [5.0, 9.0, 4.0, 5.0]
+    # A minimum never reached sums the whole window; 1 stops at the first FP8 clip.
+    assert pooled_counts(window, 100) == [16.0, 22.0, 4.0, 5.0]
+    assert pooled_counts(window, 1) == [5.0, 9.0, 1.0, 2.0]
+
+
+def _pooling_calibrator(min_tokens: int = 4):
+    calib = CalibConfig(mode="share", ema_decay=0.0, share_min_tokens=min_tokens)
+    return ClipCalibrator(PolicyLossConfig(eps_high=EPS_HIGH, calib=calib), fp8_training=True)
+
+
+def test_a_pooling_calibration_counts_bf16_clips_where_fp8_clipped_none():
+    """share_min_tokens: the batch where only BF16 clipped an A>0 token counts (the no-evidence
+    rule passes over it); the window and the counts travel in checkpoints; a violated sign
+    starts its pooling afresh."""
+    gen = torch.Generator().manual_seed(3)
+    x16 = torch.randn(32, 16, generator=gen) * 0.3
+    adv, mask = torch.tensor([-1.0, 1.0] * 16), torch.ones(32, 16, dtype=torch.bool)
+    first = build_calibration_histogram(x16 - 0.1, x16, adv, mask, EPS_LOW, EPS_HIGH)
+    c1 = share_counts(first, 4096)
+    assert c1[1] >= 4 and 0 < c1[3] < 4 * 32  # both signs clipped; A<0 past the minimum
+    # BF16 clips one A>0 token, FP8 none (its ratio 1), nothing of A<0.
+    x16b, x8b = torch.zeros(32, 16), torch.zeros(32, 16)
+    x16b[1, 0] = 1.0
+    second = build_calibration_histogram(x8b, x16b, adv, mask, EPS_LOW, EPS_HIGH)
+    assert share_counts(second, 4096) == [0.0, 0.0, 1.0, 0.0]
+    cal = _pooling_calibrator(min_tokens=int(c1[3]) + 1)  # A>0 never reaches it: pools both
+    _, (cal.kept, cal.window), _, _ = cal._share(first, 1)
+    _, (kept, window), stats, violated = cal._share(second, 1)
+    assert not violated and window[1] == [[0.0, 0.0, 1.0, 0.0], c1]
+    # A<0: the newest batch has no FP8 clip, so the older one counts too; A>0: both, BF16's
+    # extra token included.
+    assert kept[1] == [c1[0], c1[1], c1[2] + 1.0, c1[3]]
+    assert stats["keep_pos_upper"] == pytest.approx(min(1.0, (c1[2] + 1.0) / c1[3]))
+    cal.kept, cal.window = kept, window
+    restored = _pooling_calibrator(min_tokens=int(c1[3]) + 1)
+    restored.load_state_dict(cal.state_dict())
+    assert (restored.kept, restored.window) == (cal.kept, cal.window)
+    # A history far from the batch, pooled (a minimum the batch alone does not reach), breaks
+    # A<0's invariant: the counts and the whole window of that sign are zeroed, so the next
+    # calibration pools that batch alone.
+    cal.loss_cfg.calib.share_min_tokens = 10**6
+    cal.window = {1: [[0.0, 1000.0, 0.0, 0.0]]}
+    cal.kept = {1: [0.0, 1000.0, 0.0, 0.0]}
+    _, (kept, window), stats, violated = cal._share(first, 1)
+    assert "neg_lower" in violated and stats["keep_neg_lower"] == 1.0
+    assert all(c[:2] == [0.0, 0.0] for c in window[1])
+    cal.kept, cal.window = kept, window
+    _, (kept, _), _, _ = cal._share(first, 1)
+    assert kept[1][:2] == c1[:2]
+
+
+def test_the_window_is_capped_and_pooling_refuses_an_ema():
+    cal = _pooling_calibrator(min_tokens=10**9)
+    quiet = torch.zeros(4, 4)
+    adv, mask = torch.tensor([-1.0, 1.0] * 2), torch.ones(4, 4, dtype=torch.bool)
+    packed = build_calibration_histogram(quiet, quiet, adv, mask, EPS_LOW, EPS_HIGH)
+    for _ in range(WINDOW_CAP + 5):
+        _, (cal.kept, cal.window), _, _ = cal._share(packed, 2)
+    assert len(cal.window[2]) == WINDOW_CAP
+    with pytest.raises(ValueError, match="share_min_tokens=4 pools calibrations.*ema_decay=0.5"):
+        CalibConfig(share_min_tokens=4, ema_decay=0.5)
+    with pytest.raises(ValueError, match="share_min_tokens=-1 must be >= 0"):
+        CalibConfig(share_min_tokens=-1)
