@@ -79,8 +79,10 @@ def load_started(path: str | Path, nominal: str | None = None) -> tuple[Study, d
 
 
 def study_evidence(path: str | Path, nominal: str) -> list[dict]:
-    """Rows of one study: every arm but the reference, each with its differences."""
+    """Rows of one study: every arm but the reference, each with its differences and the seeds
+    of its runs not finished yet (read as far as they got)."""
     study, loaded = load_started(path, nominal)
+    unfinished = {r.label: r.arm for r in study.runs if r.state() in ("partial", "failed")}
     vs_bf16 = loaded_numbers(loaded, study.reference)["arms"]
     vs_nom = loaded_numbers(loaded, nominal)["arms"]
     rows = []
@@ -94,6 +96,9 @@ def study_evidence(path: str | Path, nominal: str) -> list[dict]:
                 "setting": study.name,
                 "arm": arm,
                 "seeds": len(runs),
+                "unfinished": sum(
+                    a in (arm, study.reference, nominal) for a in unfinished.values()
+                ),
                 "vs_nominal": nom,
                 "vs_bf16": bf16,
                 "verdict": verdict(nom, bf16),
@@ -123,10 +128,16 @@ def evidence_table(paths: list[str | Path], nominal: str = "fp8_nominal") -> str
             for k in VS_NOMINAL
         ]
         bf16 = [format_cell(r["vs_bf16"][k], STATS[k][1], n, True) for k in VS_BF16]
-        cells.append([r["setting"], r["arm"], str(n), *nom, *bf16, r["verdict"]])
+        seeds = f"{n} ({r['unfinished']} unfinished)" if r["unfinished"] else str(n)
+        cells.append([r["setting"], r["arm"], seeds, *nom, *bf16, r["verdict"]])
     note = (
         f"Cells: paired difference, mean [95% interval] over seeds; `*`: the interval excludes 0. "
         f"Verdict: `ok` when no accuracy interval lies below the nominal arm (`{nominal}`) and "
         "both signs' clip-share intervals contain BF16's; `?` when too few seeds give an interval."
     )
+    if any(r["unfinished"] for r in rows):
+        note += (
+            " `unfinished`: runs of the row (its arm, BF16's or nominal's) still running or "
+            "failed, read as far as they got; the row is not the study's result yet."
+        )
     return "\n".join([*markdown_table(header, cells), "", note]) + "\n"

@@ -34,6 +34,7 @@ def make_study(tmp_path, monkeypatch, name="ev", arms=ARMS):
             {
                 "base": str(base),
                 "seeds": list(SEEDS),
+                "overrides": {"train.steps": 4},
                 "reference": "bf16",
                 "arms": {a: ({} if a == "bf16" else {"fp8.recipe": "blockwise"}) for a in arms},
             }
@@ -54,7 +55,7 @@ def make_study(tmp_path, monkeypatch, name="ev", arms=ARMS):
                 )
             records[-1]["eval/reward_mean"] = 0.3 + acc + 0.01 * seed + 0.002 * (seed - 2) * acc
             run = write_run(root / "runs" / "studies" / name / arm / f"seed{seed}", records)
-            (run / "checkpoints").mkdir()
+            (run / "checkpoints" / "iter_0000004").mkdir(parents=True)  # finished
     return study
 
 
@@ -111,3 +112,21 @@ def test_nominal_without_runs(tmp_path, monkeypatch, capsys):
     study.write_text(yaml.safe_dump(data))
     assert main(["study", "--evidence", str(study)]) == 2
     assert "the nominal arm 'fp8_nominal' has no runs yet" in capsys.readouterr().err
+
+
+def test_an_unfinished_run_is_named_in_its_rows(tmp_path, monkeypatch):
+    """Read mid-study, a row says how many of the runs it compares have not finished: a nominal
+    run still at step 2 shows in the nominal row and in every row compared with nominal."""
+    study = make_study(tmp_path, monkeypatch)
+    run = Path("runs/studies/ev/fp8_nominal/seed2/checkpoints")
+    (run / "iter_0000004").rename(run / "iter_0000002")
+    rows = {r["arm"]: r for r in study_evidence(study, "fp8_nominal")}
+    assert {a: r["unfinished"] for a, r in rows.items()} == {
+        "fp8_nominal": 1,
+        "fp8_good": 1,
+        "fp8_bad": 1,
+    }
+    table = evidence_table([study])
+    assert table.count("| 3 (1 unfinished) |") == 3 and "the row is not the study's result" in table
+    (run / "iter_0000002").rename(run / "iter_0000004")
+    assert "unfinished" not in evidence_table([study])
