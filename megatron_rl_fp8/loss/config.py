@@ -120,6 +120,11 @@ class CalibConfig:
                 f"CalibConfig.share_min_tokens={self.share_min_tokens!r} must be >= 0 "
                 "(0: no pooling, the default)."
             )
+        if self.share_min_tokens and self.mode != "share":
+            raise ValueError(
+                f"CalibConfig.share_min_tokens={self.share_min_tokens} pools the share mode's "
+                f"counts; mode={self.mode!r} has none: set mode='share' or share_min_tokens=0."
+            )
         if self.share_min_tokens and self.ema_decay:
             raise ValueError(
                 f"CalibConfig.share_min_tokens={self.share_min_tokens} pools calibrations, and "

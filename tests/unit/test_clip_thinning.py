@@ -335,5 +335,7 @@ def test_the_window_is_capped_and_pooling_refuses_an_ema():
     assert len(cal.window[2]) == WINDOW_CAP
     with pytest.raises(ValueError, match="share_min_tokens=4 pools calibrations.*ema_decay=0.5"):
         CalibConfig(share_min_tokens=4, ema_decay=0.5)
+    with pytest.raises(ValueError, match="share_min_tokens=2 pools the share mode's.*'oracle'"):
+        CalibConfig(share_min_tokens=2, mode="oracle")
     with pytest.raises(ValueError, match="share_min_tokens=-1 must be >= 0"):
         CalibConfig(share_min_tokens=-1)
