@@ -285,7 +285,9 @@ class ClipCalibrator:
 def pooled_counts(window: list[list[float]], min_tokens: int) -> list[float]:
     """``share_counts()`` summed per sign over ``window`` (a position's calibrations, newest
     first), each sign going back until FP8's count reaches ``min_tokens`` (all of them if it never
-    does). BF16's counts of the same calibrations come along, those where FP8 clipped none too."""
+    does). BF16's counts of the same calibrations come along, those where FP8 clipped none too,
+    up to FP8's pooled count: thinning this position's clip set cannot clip more than it holds,
+    and the excess, summed with the other positions, would clip more there instead."""
     counts = [0.0, 0.0, 0.0, 0.0]
     for bf16, fp8 in ((0, 1), (2, 3)):
         for c in window:
@@ -293,4 +295,5 @@ def pooled_counts(window: list[list[float]], min_tokens: int) -> list[float]:
             counts[fp8] += c[fp8]
             if counts[fp8] >= min_tokens:
                 break
+        counts[bf16] = min(counts[bf16], counts[fp8])
     return counts

@@ -277,6 +277,8 @@ def test_pooled_counts_go_back_until_fp8_reaches_the_minimum_per_sign():
     # A minimum never reached sums the whole window; 1 stops at the first FP8 clip.
     assert pooled_counts(window, 100) == [16.0, 22.0, 4.0, 5.0]
     assert pooled_counts(window, 1) == [5.0, 9.0, 1.0, 2.0]
+    # BF16 past FP8's pooled count is cut to it: this position cannot clip more than FP8 holds.
+    assert pooled_counts([[5.0, 2.0, 3.0, 0.0], [1.0, 0.0, 1.0, 2.0]], 2) == [2.0, 2.0, 2.0, 2.0]
 
 
 def _pooling_calibrator(min_tokens: int = 4):
@@ -291,7 +293,9 @@ def test_a_pooling_calibration_counts_bf16_clips_where_fp8_clipped_none():
     gen = torch.Generator().manual_seed(3)
     x16 = torch.randn(32, 16, generator=gen) * 0.3
     adv, mask = torch.tensor([-1.0, 1.0] * 16), torch.ones(32, 16, dtype=torch.bool)
-    first = build_calibration_histogram(x16 - 0.1, x16, adv, mask, EPS_LOW, EPS_HIGH)
+    # FP8 ratios pushed out on both signs (down for A<0 rows, up for A>0): FP8 clips more of each.
+    x8 = x16 + 0.1 * adv[:, None]
+    first = build_calibration_histogram(x8, x16, adv, mask, EPS_LOW, EPS_HIGH)
     c1 = share_counts(first, 4096)
     assert c1[1] >= 4 and 0 < c1[3] < 4 * 32  # both signs clipped; A<0 past the minimum
     # BF16 clips one A>0 token, FP8 none (its ratio 1), nothing of A<0.
@@ -304,9 +308,10 @@ def test_a_pooling_calibration_counts_bf16_clips_where_fp8_clipped_none():
     _, (kept, window), stats, violated = cal._share(second, 1)
     assert not violated and window[1] == [[0.0, 0.0, 1.0, 0.0], c1]
     # A<0: the newest batch has no FP8 clip, so the older one counts too; A>0: both, BF16's
-    # extra token included.
+    # extra token included, up to FP8's count.
+    assert c1[2] + 1.0 < c1[3]
     assert kept[1] == [c1[0], c1[1], c1[2] + 1.0, c1[3]]
-    assert stats["keep_pos_upper"] == pytest.approx(min(1.0, (c1[2] + 1.0) / c1[3]))
+    assert stats["keep_pos_upper"] == pytest.approx((c1[2] + 1.0) / c1[3])
     cal.kept, cal.window = kept, window
     restored = _pooling_calibrator(min_tokens=int(c1[3]) + 1)
     restored.load_state_dict(cal.state_dict())
