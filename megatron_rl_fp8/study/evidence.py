@@ -79,8 +79,9 @@ def load_started(path: str | Path, nominal: str | None = None) -> tuple[Study, d
 
 
 def study_evidence(path: str | Path, nominal: str) -> list[dict]:
-    """Rows of one study: every arm but the reference, each with its differences and the seeds
-    of its runs not finished yet (read as far as they got)."""
+    """Rows of one study: every arm but the reference, each with its differences and how many of
+    the runs it compares (its arm's, the reference's, nominal's) have not finished (read as far
+    as they got)."""
     study, loaded = load_started(path, nominal)
     unfinished = {r.label: r.arm for r in study.runs if r.state() in ("partial", "failed")}
     vs_bf16 = loaded_numbers(loaded, study.reference)["arms"]
