@@ -83,7 +83,7 @@ def study_evidence(path: str | Path, nominal: str) -> list[dict]:
     the runs it compares (its arm's, the reference's, nominal's) have not finished (read as far
     as they got)."""
     study, loaded = load_started(path, nominal)
-    unfinished = {r.label: r.arm for r in study.runs if r.state() in ("partial", "failed")}
+    unfinished = [r.arm for r in study.runs if r.state() in ("partial", "failed")]
     vs_bf16 = loaded_numbers(loaded, study.reference)["arms"]
     vs_nom = loaded_numbers(loaded, nominal)["arms"]
     rows = []
@@ -97,9 +97,7 @@ def study_evidence(path: str | Path, nominal: str) -> list[dict]:
                 "setting": study.name,
                 "arm": arm,
                 "seeds": len(runs),
-                "unfinished": sum(
-                    a in (arm, study.reference, nominal) for a in unfinished.values()
-                ),
+                "unfinished": sum(a in (arm, study.reference, nominal) for a in unfinished),
                 "vs_nominal": nom,
                 "vs_bf16": bf16,
                 "verdict": verdict(nom, bf16),

@@ -287,8 +287,8 @@ def _check_frozen(study: Study, where: str) -> None:
                 ) from None
             # A field newer than the run, at its default, came with the code, not the study file.
             defaults = {d.path: d.default for d in describe_fields(run.config)}
-            # Nor do a setting that acts on none of the run's code (a calibration default that
-            # moved under a BF16 arm) or where the run lives.
+            # Nor is a setting that acts on nothing in the run (a calibration default that moved
+            # under a BF16 arm), nor where the run lives.
             idle = (*run.config.idle_settings(), "train.output_dir")
             changed = [
                 c

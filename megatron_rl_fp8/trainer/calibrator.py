@@ -208,12 +208,14 @@ class ClipCalibrator:
         hist = {"bins": calib.bins, "log_ratio_range": calib.log_ratio_range}
         new = share_counts(packed, calib.bins)
         prev, d = self.kept.get(position), calib.ema_decay
-        counts = new if prev is None else [d * p + (1 - d) * n for p, n in zip(prev, new)]
         window = {k: [list(c) for c in v] for k, v in self.window.items()}
         if calib.share_min_tokens:
             window[position] = [new, *window.get(position, [])][:WINDOW_CAP]
             counts = pooled_counts(window[position], calib.share_min_tokens)
-        elif prev is not None:
+        elif prev is None:
+            counts = new
+        else:
+            counts = [d * p + (1 - d) * n for p, n in zip(prev, new)]
             # A batch where FP8 clips no token of a sign says nothing of the share BF16 keeps:
             # that sign's counts stay as they were (without this, EMA 0 reset its keep to 1, the
             # whole nominal clip set, at about half the shipped job's calibrations).
