@@ -14,9 +14,19 @@ import typing
 from typing import Any, Literal, Union, get_args, get_origin
 
 
-def field(default=dataclasses.MISSING, *, help: str, default_factory=dataclasses.MISSING):  # noqa: A002
-    """A dataclass field that carries its help text (shown in errors and ``--help``)."""
+def field(
+    default=dataclasses.MISSING,
+    *,
+    help: str,  # noqa: A002
+    default_factory=dataclasses.MISSING,
+    before=dataclasses.MISSING,
+):
+    """A dataclass field that carries its help text (shown in errors and ``--help``). ``before``:
+    the value that describes what the code did before the field existed, where that is not the
+    default (a field that changed behaviour as it came); a run saved then is compared with it."""
     kwargs: dict[str, Any] = {"metadata": {"help": help}}
+    if before is not dataclasses.MISSING:
+        kwargs["metadata"]["before"] = before
     if default_factory is not dataclasses.MISSING:
         kwargs["default_factory"] = default_factory
     else:
@@ -200,6 +210,7 @@ class FieldDoc:
     value: Any  # resolved (after YAML, base: includes and overrides)
     default: Any  # the dataclass default
     help: str
+    before: Any  # what a run saved before the field existed ran with: ``before=``, else default
 
 
 def describe_fields(obj, prefix: str = "", default_obj=None) -> list[FieldDoc]:
@@ -221,7 +232,8 @@ def describe_fields(obj, prefix: str = "", default_obj=None) -> list[FieldDoc]:
         if dataclasses.is_dataclass(value):
             out += describe_fields(value, path, default)
         else:
-            out.append(FieldDoc(path, value, default, f.metadata.get("help", "")))
+            before = f.metadata.get("before", default)
+            out.append(FieldDoc(path, value, default, f.metadata.get("help", ""), before))
     return out
 
 

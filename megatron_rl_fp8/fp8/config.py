@@ -75,6 +75,7 @@ class FP8Config:
     )
     scales_per_step: bool | Literal["auto"] = field(
         default="auto",
+        before=False,  # runs saved before 2026-12-07 moved their scales within a step
         help="Delayed scaling, backends emulate and torch: every forward pass of an RL step "
         "(old logprobs, calibration, the updates) quantizes activations and weights with the "
         "scales the step began with; their amaxes still enter the history, which sets the next "

@@ -285,14 +285,15 @@ def _check_frozen(study: Study, where: str) -> None:
                     f"{where}: {run.label}: {frozen} cannot be read ({e.strerror or e}); fix its "
                     f"permissions, or delete {run.path} to run it afresh"
                 ) from None
-            # A field newer than the run, at its default, came with the code, not the study file.
-            defaults = {d.path: d.default for d in describe_fields(run.config)}
+            # A field newer than the run, set to what the run's code did without it (its default,
+            # or the ``before`` of a field that changed behaviour as it came), is the same run.
+            absent = {d.path: d.before for d in describe_fields(run.config)}
             # Nor is a setting that acts on nothing in the run (a calibration default that moved
             # under a BF16 arm), nor where the run lives.
             idle = (*run.config.idle_settings(), "train.output_dir")
             changed = [
                 c
-                for c in changed_settings(frozen, to_dict(run.config), defaults=defaults)
+                for c in changed_settings(frozen, to_dict(run.config), absent=absent)
                 if not _under(c.split(":", 1)[0], idle)
             ]
             if changed:

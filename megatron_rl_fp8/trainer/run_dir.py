@@ -74,11 +74,11 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def changed_settings(saved: Path, new: dict, *, defaults: dict | None = None) -> list[str]:
+def changed_settings(saved: Path, new: dict, *, absent: dict | None = None) -> list[str]:
     """``["a.b: old -> new", ...]`` between a run's saved ``config.yaml`` and the config resuming
-    it; one item saying so when the saved file is not a readable YAML mapping. ``defaults``
-    (dotted path -> default): a setting the saved file lacks (the run's code had no such field)
-    that is at its default now is not listed."""
+    it; one item saying so when the saved file is not a readable YAML mapping. ``absent`` (dotted
+    path -> value): what a run whose code had no such field ran with (``FieldDoc.before``); a
+    setting the saved file lacks that has that value now is not listed."""
     try:
         old = yaml.safe_load(saved.read_bytes().decode()) or {}
     except (OSError, ValueError, yaml.YAMLError) as e:  # ValueError: not UTF-8
@@ -86,18 +86,18 @@ def changed_settings(saved: Path, new: dict, *, defaults: dict | None = None) ->
     if not isinstance(old, dict):
         return [f"(the saved {saved.name} is not a mapping of settings; it is replaced)"]
     before, after = _flatten(old), _flatten(new)
-    defaults = defaults or {}
+    absent = absent or {}
 
-    def newer_field_at_default(k: str) -> bool:
-        if k in before or k not in defaults:
+    def newer_field_as_run(k: str) -> bool:
+        if k in before or k not in absent:
             return False
-        default = defaults[k]
-        return after.get(k) == (list(default) if isinstance(default, tuple) else default)
+        value = absent[k]
+        return after.get(k) == (list(value) if isinstance(value, tuple) else value)
 
     return [
         f"{k}: {before.get(k, '(unset)')!r} -> {after.get(k, '(unset)')!r}"
         for k in sorted(set(before) | set(after))
-        if before.get(k) != after.get(k) and not newer_field_at_default(k)
+        if before.get(k) != after.get(k) and not newer_field_as_run(k)
     ]
 
 

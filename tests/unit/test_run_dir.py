@@ -99,12 +99,12 @@ def test_changed_settings_on_resume(tmp_path):
         "train.seed: '(unset)' -> 1",
     ]
     assert changed_settings(old, {"optim": {"lr": 0.0001}, "train": {"steps": 10}}) == []
-    # A field the saved run's code did not have yet: at its default it is not a change, set to
-    # anything else it is; a field the saved file has is compared as ever.
-    defaults = {"train.seed": 1, "optim.lr": 0.0003, "train.tags": ("a", "b")}
-    assert changed_settings(old, new, defaults=defaults) == ["optim.lr: 0.0001 -> 0.0003"]
+    # A field the saved run's code did not have yet: at the value that code ran with it is not a
+    # change, set to anything else it is; a field the saved file has is compared as ever.
+    absent = {"train.seed": 1, "optim.lr": 0.0003, "train.tags": ("a", "b")}
+    assert changed_settings(old, new, absent=absent) == ["optim.lr: 0.0001 -> 0.0003"]
     newer = {**new, "train": {**new["train"], "tags": ["a", "b"], "seed": 2}}
-    assert changed_settings(old, newer, defaults=defaults) == [
+    assert changed_settings(old, newer, absent=absent) == [
         "optim.lr: 0.0001 -> 0.0003",
         "train.seed: '(unset)' -> 2",
     ]
