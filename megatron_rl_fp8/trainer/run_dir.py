@@ -85,19 +85,19 @@ def changed_settings(saved: Path, new: dict, *, absent: dict | None = None) -> l
         return [f"(the saved {saved.name} is unreadable: {type(e).__name__}; it is replaced)"]
     if not isinstance(old, dict):
         return [f"(the saved {saved.name} is not a mapping of settings; it is replaced)"]
-    before, after = _flatten(old), _flatten(new)
+    saved_flat, new_flat = _flatten(old), _flatten(new)
     absent = absent or {}
 
     def newer_field_as_run(k: str) -> bool:
-        if k in before or k not in absent:
+        if k in saved_flat or k not in absent:
             return False
         value = absent[k]
-        return after.get(k) == (list(value) if isinstance(value, tuple) else value)
+        return new_flat.get(k) == (list(value) if isinstance(value, tuple) else value)
 
     return [
-        f"{k}: {before.get(k, '(unset)')!r} -> {after.get(k, '(unset)')!r}"
-        for k in sorted(set(before) | set(after))
-        if before.get(k) != after.get(k) and not newer_field_as_run(k)
+        f"{k}: {saved_flat.get(k, '(unset)')!r} -> {new_flat.get(k, '(unset)')!r}"
+        for k in sorted(set(saved_flat) | set(new_flat))
+        if saved_flat.get(k) != new_flat.get(k) and not newer_field_as_run(k)
     ]
 
 
