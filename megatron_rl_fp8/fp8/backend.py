@@ -186,8 +186,6 @@ def resolve_backend(config: FP8Config, *, capability=...) -> str | None:
     for backend in ("te", "torch"):
         if backend == "te" and not config.keep_lm_head_bf16:
             continue  # Megatron's output layer is no TE module: TE cannot run it in FP8
-        if backend == "te" and config.scales_per_step is True:
-            continue  # TE's modules keep their own histories: the step cannot pin them
         if backend_problem(backend, config.recipe, capability, fmt=config.format) is None:
             return backend
     return "emulate"
@@ -202,25 +200,25 @@ def should_emulate(config: FP8Config) -> bool:
 def holds_step_scales(config: FP8Config, backend: str | None) -> bool:
     """Whether an RL step quantizes all its forwards with the delayed scales it began with
     (``fp8.scales_per_step``) when ``backend`` (:func:`resolve_backend`'s answer) runs ``config``.
-    'auto' holds them wherever the project owns the histories: a delayed recipe on the emulation or
-    the torch backend; TE's modules keep their own (docs/gpu_contracts.md, TE-7)."""
+    'auto' holds them on every backend that runs a delayed recipe: the emulation and the torch
+    backend pin the histories they own; on TE one autocast region spans the step
+    (docs/gpu_contracts.md, TE-7)."""
     if backend is None or not config.spec.delayed:
         return False
     if config.scales_per_step == "auto":
-        return backend in ("emulate", "torch")
+        return backend in ("emulate", "torch", "te")
     return config.scales_per_step
 
 
 def moving_scales_note(config: FP8Config, backend: str | None) -> str | None:
-    """A line for the run log where delayed scales move inside an RL step (a delayed recipe whose
-    scales ``backend`` does not hold for the step), None elsewhere: calibrated clipping's default
-    did not bring the clip shares to BF16's there, the oracle mode did (docs/reproduction.md)."""
+    """A line for the run log where delayed scales move inside an RL step (a delayed recipe run
+    with ``fp8.scales_per_step: false``), None elsewhere: calibrated clipping's default did not
+    bring the clip shares to BF16's there, the oracle mode did (docs/reproduction.md)."""
     if backend is None or not config.spec.delayed or holds_step_scales(config, backend):
         return None
-    why = "TE keeps its own amax histories" if backend == "te" else "fp8.scales_per_step=false"
     return (
-        f"fp8: delayed scales move within each RL step here ({why}); calibrated clipping's default "
-        "did not match BF16's clip shares with moving scales, loss.calib.mode=oracle did at a "
-        "BF16 forward per mini-batch (docs/reproduction.md); backend 'torch' or 'emulate' with "
-        "fp8.scales_per_step holds them, blockwise and current scaling need neither"
+        "fp8: delayed scales move within each RL step here (fp8.scales_per_step=false); "
+        "calibrated clipping's default did not match BF16's clip shares with moving scales, "
+        "loss.calib.mode=oracle did at a BF16 forward per mini-batch (docs/reproduction.md); "
+        "fp8.scales_per_step 'auto' holds them, blockwise and current scaling need neither"
     )

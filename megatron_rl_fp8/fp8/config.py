@@ -76,14 +76,13 @@ class FP8Config:
     scales_per_step: bool | Literal["auto"] = field(
         default="auto",
         before=False,  # runs saved before 2026-12-07 moved their scales within a step
-        help="Delayed scaling, backends emulate and torch: every forward pass of an RL step "
-        "(old logprobs, calibration, the updates) quantizes activations and weights with the "
-        "scales the step began with; their amaxes still enter the history, which sets the next "
-        "step's scales. Without it a micro-batch's update forward takes other scales than its "
-        "old-logprob pass (other micro-batches moved the history) and its ratios shift together "
-        "(docs/reproduction.md). 'auto': on wherever it can run (a delayed recipe on emulate or "
-        "torch), off elsewhere; true insists (refused on TE, whose modules keep their own "
-        "histories, and on recipes without history; backend auto then skips TE).",
+        help="Delayed scaling: every forward pass of an RL step (old logprobs, calibration, the "
+        "updates) quantizes activations and weights with the scales the step began with; their "
+        "amaxes still enter the history, which sets the next step's scales. Without it a "
+        "micro-batch's update forward takes other scales than its old-logprob pass (other "
+        "micro-batches moved the history) and its ratios shift together (docs/reproduction.md). "
+        "On TE one FP8 autocast region spans the step (docs/gpu_contracts.md, TE-7). 'auto': on "
+        "for a delayed recipe, off elsewhere; true insists (refused on recipes without history).",
     )
     margin: int = field(
         default=0,
@@ -201,11 +200,6 @@ class FP8Config:
             raise ValueError(
                 f"FP8Config.scales_per_step=true has no effect with recipe={self.recipe!r} (it "
                 "keeps no amax history); use recipe 'tensorwise_delayed', or 'auto'"
-            )
-        if self.backend == "te":
-            raise ValueError(
-                "FP8Config.scales_per_step=true cannot run on backend='te' (TE's modules keep "
-                "their own amax histories); use backend 'torch' or 'emulate', or 'auto'"
             )
 
     def _check_backend(self) -> None:

@@ -15,9 +15,11 @@ differ from TE's by less than one bit of precision.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
+from collections.abc import Iterator
 from typing import Any
 
 from megatron_rl_fp8.fp8.config import FP8Config
@@ -30,6 +32,9 @@ __all__ = [
     "TE_FP8_ROWS",
     "TE_MXFP8_BLOCK",
     "have_te",
+    "held_region",
+    "te_fp8_off",
+    "te_step_scales",
     "te_fp8_align",
     "te_fp8_dims_problem",
     "fp8_weight_shapes",
@@ -186,3 +191,44 @@ def megatron_fp8_kwargs(
     elif "first_last_layers_bf16" in fields:
         kwargs["first_last_layers_bf16"] = False
     return kwargs
+
+
+@contextlib.contextmanager
+def held_region(region) -> Iterator[None]:
+    """Run the block inside ``region``, an FP8 autocast that updates the delayed scales when it
+    exits as the outermost region with grad enabled (TE's ``autocast_exit``): exited with grad on
+    after the block, so the update runs once, here; after an error exited with grad off, so no
+    rank waits in the update's amax all-reduce for a rank that failed."""
+    import torch
+
+    region.__enter__()
+    try:
+        yield
+    except BaseException as err:
+        with torch.no_grad():
+            region.__exit__(type(err), err, err.__traceback__)
+        raise
+    with torch.enable_grad():
+        region.__exit__(None, None, None)
+
+
+def te_step_scales(megatron_config) -> contextlib.AbstractContextManager:
+    """The forwards inside the block take the delayed scales it began with, on Transformer
+    Engine (``fp8.scales_per_step``; docs/gpu_contracts.md, TE-7): Megatron's own FP8 autocast for
+    the whole model (its recipe and amax-reduction group) opened around them, so the per-block
+    regions Megatron opens inside are nested and leave the scales alone; TE's casts max-accumulate
+    every forward's amaxes into the history's newest row, and the scales move once, when the
+    block ends. No effect where ``megatron_config.fp8`` is unset (BF16)."""
+    from megatron.core.fp8_utils import get_fp8_context
+
+    return held_region(get_fp8_context(megatron_config))
+
+
+def te_fp8_off() -> contextlib.AbstractContextManager:
+    """A region where Transformer Engine's modules run unquantized, also inside an enabled one
+    (the BF16 shadow and the reference policy inside a step whose scales are held): Megatron opens
+    no region for a model without ``fp8``, so TE's enclosing state would otherwise apply."""
+    import transformer_engine.pytorch as te
+
+    region = getattr(te, "autocast", None)  # TE >= 2.20; fp8_autocast is its deprecated alias
+    return region(enabled=False) if region is not None else te.fp8_autocast(enabled=False)

@@ -28,6 +28,7 @@ from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from megatron_rl_fp8.fp8.config import FP8Config
 from megatron_rl_fp8.fp8.emulation import FP8LinearEmulator, quantization_error
+from megatron_rl_fp8.fp8.te import te_fp8_off, te_step_scales
 from megatron_rl_fp8.fp8.torch_backend import FP8LinearTorch
 from megatron_rl_fp8.fp8.torchao_backend import FP8LinearTorchAO
 
@@ -153,7 +154,8 @@ def fp8_weight_cache(model) -> Iterator[None]:
 @contextlib.contextmanager
 def full_precision(model, config=None):
     """Run ``model`` without FP8 inside the block: emulated linears use Megatron's GEMM; on the TE
-    path ``config.fp8`` is cleared so Megatron opens no FP8 autocast (same weights either way)."""
+    path ``config.fp8`` is cleared so Megatron opens no FP8 autocast, and a disabled TE region
+    keeps a step's held-scales region (:func:`step_fp8_scaling`) from applying (same weights)."""
     gemms = [g for _, _, g in emulated_linears(model)]
     # Restore what was there, not "on": the blocks nest (the stability guard's BF16 steps
     # contain the BF16 shadow passes).
@@ -164,7 +166,8 @@ def full_precision(model, config=None):
     if saved_fp8 is not None:
         config.fp8 = None
     try:
-        yield
+        with te_fp8_off() if saved_fp8 is not None else contextlib.nullcontext():
+            yield
     finally:
         for g, enabled in zip(gemms, saved_enabled):
             g.enabled = enabled
@@ -184,7 +187,8 @@ def frozen_fp8_scaling(model) -> Iterator[None]:
     FP8 linears as they found them: the calibration's FP8 pass then sees the scales the update's
     forward will use, and does not shift them (each pass would otherwise record its amaxes and
     move the next pass's scales). No effect without history (current scaling, blockwise) or on
-    TE, whose modules keep their own (docs/gpu_contracts.md, TE-7)."""
+    TE, whose modules keep their own: there the step's held region (:func:`step_fp8_scaling`)
+    keeps the pass's scales the update's (docs/gpu_contracts.md, TE-7)."""
     saved = [
         (s, None if s.history is None else s.history.clone(), s.num_updates)
         for _, s in _scaling_states(model)
@@ -197,19 +201,23 @@ def frozen_fp8_scaling(model) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def step_fp8_scaling(model) -> Iterator[None]:
+def step_fp8_scaling(model, config=None) -> Iterator[None]:
     """Forward passes inside the block (one RL step's: old logprobs, calibration, updates)
     quantize activations and weights with the delayed scales the block began with; their amaxes
     still enter the histories, and the scales move once the block ends (``fp8.scales_per_step``).
     So a token's old and new log-probs compare two policies under one set of scales: without it,
     a micro-batch's update forward takes the scales other micro-batches left in the history, and
-    its ratios shift together. Gradient scales move as before. No effect without history or on TE
-    (docs/gpu_contracts.md, TE-7)."""
+    its ratios shift together. Gradient scales move as before. On the TE path (``config.fp8``
+    set) one TE region around the block holds TE's own histories' forward scales, and TE moves
+    the gradient scales once, after the block's first backward (``fp8/te.py: te_step_scales``;
+    docs/gpu_contracts.md, TE-7). No effect without history."""
     states = [s for role, s in _scaling_states(model) if role != "grad_output"]
+    te_fp8 = getattr(config, "fp8", None) is not None
     for s in states:
         s.pin()
     try:
-        yield
+        with te_step_scales(config) if te_fp8 else contextlib.nullcontext():
+            yield
     finally:
         for s in states:
             s.unpin()

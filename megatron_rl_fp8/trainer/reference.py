@@ -16,8 +16,9 @@ Its weights, set once before step 1 (:meth:`Reference.load_weights`):
   ``<train.output_dir>/reference/``, so a resumed run gets the same reference back; otherwise a
   resume reads ``model.load`` / ``model.hf_checkpoint`` again.
 
-Precision: the reference never runs FP8 (no TE FP8 recipe, no emulated GEMMs), whatever the actor
-trains in: it is the unquantized reference policy, at the actor's parameter dtype. So under FP8
+Precision: the reference never runs FP8 (no TE FP8 recipe, no emulated GEMMs; on TE its passes run
+in a disabled TE region, as a held step's region is open around them), whatever the actor trains
+in: it is the unquantized reference policy, at the actor's parameter dtype. So under FP8
 training the KL also contains the FP8-vs-BF16 mismatch of the policy (nonzero at step 1).
 
 Memory: one more copy of the weights in the parameter dtype, sharded like the actor's, and nothing
@@ -30,6 +31,7 @@ Disk: the snapshot (when one is needed) is one more weights-only copy in the par
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -38,6 +40,7 @@ import torch
 from megatron_rl_fp8 import checkpoint
 from megatron_rl_fp8.config import RunConfig
 from megatron_rl_fp8.convert.start_weights import load_hf_weights
+from megatron_rl_fp8.fp8.te import te_fp8_off
 from megatron_rl_fp8.metrics.logger import print_rank0
 from megatron_rl_fp8.models.gpt import build_gpt_model, transformer_config
 from megatron_rl_fp8.models.logprobs import token_logprobs
@@ -60,6 +63,9 @@ class Reference:
         # The actor's kernel choice (Actor.__init__), so parameter names match one to one; but no
         # FP8 recipe and no emulation: the reference runs unquantized.
         use_te = actor.use_te
+        # Inside a step whose TE scales are held (fp8.scales_per_step) an enabled TE region is
+        # open: the reference's TE modules would run FP8 without a disabled one of their own.
+        self.te_fp8 = actor.fp8_backend == "te"
         self.config = transformer_config(
             self.model_cfg,
             tensor_model_parallel_size=g.tp_size,
@@ -162,9 +168,10 @@ class Reference:
 
         # The actor's schedule: same micro-batching, positions and pipeline path as its logprobs.
         micro_batches = split_for_model(batch, micro_batch_size, max_tokens, self.config, g)
-        out = run_schedule(
-            self.model, self.groups.device, micro_batches, loss_fn, forward_only=True
-        )
+        with te_fp8_off() if self.te_fp8 else contextlib.nullcontext():
+            out = run_schedule(
+                self.model, self.groups.device, micro_batches, loss_fn, forward_only=True
+            )
         if not self.groups.is_last_stage:
             return None
         return micro_batches.merge([o["logprobs"] for o in out])

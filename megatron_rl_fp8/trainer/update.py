@@ -237,7 +237,11 @@ class PolicyUpdate:
         precision = self.actor.full_precision() if self.bf16 else contextlib.nullcontext()
         # fp8.scales_per_step on this run's backend: each step's forwards share its first scales.
         pinned = holds_step_scales(self.cfg.fp8, self.actor.fp8_backend) and not self.bf16
-        scales = step_fp8_scaling(self.actor.module) if pinned else contextlib.nullcontext()
+        scales = (
+            step_fp8_scaling(self.actor.module, self.actor.config)
+            if pinned
+            else contextlib.nullcontext()
+        )
         with precision, scales:
             metrics, logprob_time, shadow_time = self._update(local, acc, step, calibrating, oracle)
         # The rollout sync, checkpoints and the norm read the weights next: gather them now

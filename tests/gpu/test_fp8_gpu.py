@@ -124,7 +124,8 @@ def test_emulated_per_tensor_gemm_matches_scaled_mm(fast_accum):
     assert _rms(e_fp32) < _rms(e_hw) / 30
 
 
-def _te_step(rank, world, recipe):
+def _te_actor(recipe):
+    """A 2-layer actor on the TE path with ``recipe``, and a batch for it."""
     from megatron_rl_fp8 import parallel
     from megatron_rl_fp8.fp8.config import FP8Config
     from megatron_rl_fp8.models.config import ModelConfig
@@ -147,17 +148,65 @@ def _te_step(rank, world, recipe):
     assert not actor.fp8_emulated and actor.config.fp8 == "e4m3"
     ids = torch.randint(4, 128, (16, 32), generator=torch.Generator().manual_seed(0)).cuda()
     batch = {"input_ids": ids, "labels": ids.roll(-1, 1), "loss_mask": torch.ones_like(ids).float()}
+    return actor, batch
+
+
+def _nll(mb, logprobs):
+    return -(logprobs * mb["loss_mask"]).sum() / mb["loss_mask"].numel(), {}
+
+
+def _te_step(rank, world, recipe):
+    from megatron_rl_fp8 import parallel
+
+    actor, batch = _te_actor(recipe)
     lp8 = actor.compute_logprobs(batch, 16)["logprobs"]
     with actor.full_precision():
         lp16 = actor.compute_logprobs(batch, 16)["logprobs"]
     assert actor.config.fp8 == "e4m3"  # restored after the shadow block
 
-    def nll(mb, logprobs):
-        return -(logprobs * mb["loss_mask"]).sum() / mb["loss_mask"].numel(), {}
-
-    _, grad_norm, ok = actor.train_step(batch, 16, nll)
+    _, grad_norm, ok = actor.train_step(batch, 16, _nll)
     parallel.destroy()
     return (lp8 - lp16).abs().max().item(), grad_norm, ok
+
+
+def _te_held_step(rank, world):
+    """One RL step's passes under ``step_fp8_scaling`` on TE (docs/gpu_contracts.md, TE-7)."""
+    from megatron_rl_fp8 import parallel
+    from megatron_rl_fp8.models.fp8 import step_fp8_scaling
+
+    actor, batch = _te_actor("tensorwise_delayed")
+    actor.train_step(batch, 16, _nll)  # TE's FP8 state exists, its histories hold amaxes
+    metas = [m.fp8_meta["scaling_fwd"] for m in actor.module.modules() if hasattr(m, "fp8_meta")]
+    assert metas, "no TE module with forward FP8 state"
+
+    def state():
+        return [(s.scale.clone(), s.amax_history[1:].clone()) for s in metas]
+
+    def same(a, b):
+        return all(torch.equal(x, y) and torch.equal(h, k) for (x, h), (y, k) in zip(a, b))
+
+    with actor.full_precision():
+        lp16_outside = actor.compute_logprobs(batch, 16)["logprobs"]
+    start = state()
+    with step_fp8_scaling(actor.module, actor.config):
+        lp8 = actor.compute_logprobs(batch, 16)["logprobs"]
+        newest = [s.amax_history[0].clone() for s in metas]
+        with actor.full_precision():  # the BF16 shadow inside the step's enabled region
+            lp16 = actor.compute_logprobs(batch, 16)["logprobs"]
+        actor.train_step(batch, 16, _nll)
+        actor.train_step(batch, 16, _nll)
+        held = same(start, state())
+        # Each forward max-accumulates into the newest row (the autocast docstring's warning
+        # that a second run overrides it would show as a row that shrank).
+        held &= all(bool((s.amax_history[0] >= a).all()) for s, a in zip(metas, newest))
+    moved_after = not same(start, state())
+    # The control: without the region each grad-enabled forward moves the forward scales.
+    before = state()
+    actor.train_step(batch, 16, _nll)
+    moved_without = not same(before, state())
+    parallel.destroy()
+    shadow_gap = (lp16 - lp16_outside).abs().max().item()
+    return held, moved_after, moved_without, shadow_gap, (lp8 - lp16).abs().max().item()
 
 
 @needs_cuda
@@ -169,6 +218,23 @@ def test_te_fp8_training_step(recipe):
     gap, grad_norm, ok = run_distributed(_te_step, world_size=1, args=(recipe,))[0]
     assert ok and torch.isfinite(torch.tensor(grad_norm))
     assert 0 < gap < 0.5  # FP8 changes the logprobs, but only by quantization noise
+
+
+@needs_cuda
+@needs_te
+def test_te_step_scales_hold_the_forward_scales_for_the_step():
+    """TE-7: inside ``step_fp8_scaling`` every forward (no-grad logprobs, two updates) keeps the
+    step's first forward scales and older amax history rows and max-accumulates into the newest,
+    the scales move once at its end, and the BF16 shadow inside runs unquantized; without the
+    region the updates move them."""
+    from tests.dist_utils import run_distributed
+
+    held, moved_after, moved_without, shadow_gap, fp8_gap = run_distributed(
+        _te_held_step, world_size=1
+    )[0]
+    assert held and moved_after and moved_without
+    assert shadow_gap < 1e-6  # the same BF16 pass inside the region as outside it
+    assert fp8_gap > 0  # and FP8 was on around it
 
 
 @needs_cuda

@@ -91,13 +91,13 @@ def test_te_backend_needs_the_lm_head_in_bf16():
         FP8Config(recipe="blockwise", backend="te", keep_lm_head_bf16=False)
 
 
-def test_scales_per_step_needs_a_delayed_recipe_off_te():
+def test_scales_per_step_needs_a_delayed_recipe():
     with pytest.raises(
         ValueError, match="scales_per_step=true has no effect with recipe='blockwise'"
     ):
         FP8Config(recipe="blockwise", scales_per_step=True)
-    with pytest.raises(ValueError, match="scales_per_step=true cannot run on backend='te'"):
-        FP8Config(recipe="tensorwise_delayed", backend="te", scales_per_step=True)
+    # TE holds them too (one autocast region around the step, docs/gpu_contracts.md TE-7).
+    assert FP8Config(recipe="tensorwise_delayed", backend="te", scales_per_step=True)
     with pytest.raises(ValueError, match="scales_per_step='yes' is not valid"):
         FP8Config(recipe="tensorwise_delayed", scales_per_step="yes")
     assert FP8Config(scales_per_step=True).scales_per_step  # BF16: nothing to pin, no refusal
@@ -156,11 +156,11 @@ def test_auto_skips_te_for_an_fp8_lm_head(machine):
     assert resolve_backend(cfg, capability=H200) == "torch"
 
 
-def test_auto_skips_te_for_scales_per_step(machine):
+def test_scales_per_step_keeps_te(machine):
     machine(te=True)
-    assert resolve_backend(FP8Config(recipe="tensorwise_delayed"), capability=H200) == "te"
-    cfg = FP8Config(recipe="tensorwise_delayed", scales_per_step=True)
-    assert resolve_backend(cfg, capability=H200) == "torch"
+    for setting in ("auto", True, False):
+        cfg = FP8Config(recipe="tensorwise_delayed", scales_per_step=setting)
+        assert resolve_backend(cfg, capability=H200) == "te"
 
 
 @pytest.mark.parametrize(
@@ -168,7 +168,8 @@ def test_auto_skips_te_for_scales_per_step(machine):
     [
         ("tensorwise_delayed", "auto", "emulate", True),
         ("tensorwise_delayed", "auto", "torch", True),
-        ("tensorwise_delayed", "auto", "te", False),  # TE keeps its own histories
+        ("tensorwise_delayed", "auto", "te", True),  # one TE region around the step
+        ("tensorwise_delayed", False, "te", False),
         ("tensorwise_delayed", False, "emulate", False),
         ("tensorwise_delayed", True, "torch", True),
         ("blockwise", "auto", "emulate", False),  # no history to hold
@@ -184,7 +185,7 @@ def test_whether_a_step_holds_its_delayed_scales(recipe, setting, backend, held)
     assert (note is not None) == (cfg.enabled and cfg.spec.delayed and not held)
     if note is not None:
         assert "\n" not in note and "docs/reproduction.md" in note
-        assert ("TE keeps" in note) == (backend == "te")
+        assert "fp8.scales_per_step=false" in note  # the only way to get moving scales
         assert "loss.calib.mode=oracle" in note  # what met the bar with moving scales
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from megatron_rl_fp8.fp8.backend import should_emulate
 from megatron_rl_fp8.fp8.config import FP8Config, RolloutFP8Config
-from megatron_rl_fp8.fp8.te import have_te, megatron_fp8_kwargs, te_recipe
+from megatron_rl_fp8.fp8.te import have_te, held_region, megatron_fp8_kwargs, te_recipe
 
 
 def test_defaults_and_help_metadata():
@@ -143,3 +144,35 @@ def test_te_recipe_classes():
     assert isinstance(te_recipe(FP8Config(recipe="tensorwise_current")), r.Float8CurrentScaling)
     assert isinstance(te_recipe(FP8Config(recipe="blockwise")), r.Float8BlockScaling)
     assert isinstance(te_recipe(FP8Config(recipe="mxfp8")), r.MXFP8BlockScaling)
+
+
+class _Region:
+    """An FP8 autocast region as the step uses it: entered once, exited once. Records the grad
+    mode at the exit, which TE's ``autocast_exit`` reads to decide whether the outermost region
+    updates the delayed scales (docs/gpu_contracts.md, TE-7)."""
+
+    def __init__(self):
+        self.events = []
+
+    def __enter__(self):
+        self.events.append("enter")
+
+    def __exit__(self, exc_type, exc, tb):
+        self.events.append(("exit", torch.is_grad_enabled(), exc_type))
+        return False
+
+
+def test_held_region_updates_once_with_grad_on_and_skips_the_update_after_an_error():
+    region = _Region()
+    with torch.no_grad():  # a step reached from a no-grad caller still moves its scales after
+        with held_region(region):
+            assert region.events == ["enter"]
+        assert not torch.is_grad_enabled()
+    assert region.events == ["enter", ("exit", True, None)]
+    # After an error no update: its amax all-reduce would wait for ranks that did not fail.
+    region = _Region()
+    with pytest.raises(RuntimeError, match="boom"):
+        with held_region(region):
+            raise RuntimeError("boom")
+    assert region.events == ["enter", ("exit", False, RuntimeError)]
+    assert torch.is_grad_enabled()
