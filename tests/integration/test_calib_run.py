@@ -52,7 +52,7 @@ RUNS = {
 # Delayed scaling: every calibration's FP8 pass must leave the amax histories as it found them,
 # so a run that calibrates at every step records exactly as many amaxes as one that never does.
 DELAYED = ["fp8.recipe=tensorwise_delayed", "fp8.format=hybrid", "loss.calib.mode=calibrate"]
-MOVING = "fp8.scales_per_step=false"  # the scales move within a step, as on TE
+MOVING = "fp8.scales_per_step=false"  # the scales move within a step (TE did before 2026-12-07)
 RUNS |= {
     "delayed_calibrated": [*DELAYED, MOVING, "loss.calib.interval=1"],
     "delayed_nominal": [*DELAYED, MOVING, "loss.calib.enabled=false"],
