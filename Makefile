@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= examples/tiny_cpu.yaml
 
-.PHONY: install install-sglang run lint test test-portable test-sglang test-slurm test-all clean
+.PHONY: install install-sglang run lint test test-slow coverage test-portable test-sglang test-slurm \
+	test-all clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,15 +29,30 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# pytest-xdist runs the suite on TEST_WORKERS processes (each test module on one worker, so a
+# module's shared runs are made once); tests/conftest.py gives each worker its share of the cores
+# as threads. `make test` must stay under 10 minutes on 2 cores (.ci/run fails it past 12);
+# longer tests are marked `slow` and run by `make test-slow` (CI's next step) and `make test-all`.
+TEST_WORKERS ?= 2
+PYTEST_PAR := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15
+	$(PYTEST_PAR) --durations=15
+
+test-slow: $(STAMP)
+	$(PYTEST_PAR) -m slow --durations=15
+
+# Line coverage of megatron_rl_fp8/ over `make test`'s tier and the slow tier together, ranks and
+# CLI subprocesses included ([tool.coverage.*] in pyproject.toml): the table, and htmlcov/.
+coverage: $(STAMP)
+	$(PYTEST_PAR) -m "not sglang and not slurm" --cov --cov-report=term --cov-report=html
 
 # The end-to-end tests again with AVX2 kernels forced in ATen, MKL and oneDNN: on an AVX-512 box
 # this computes what an AVX2-only CPU (many AMD and older Intel parts) computes, so a test that
 # depends on one CPU's floating-point results fails here rather than on a user's machine.
 test-portable: $(STAMP)
 	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
-		$(PY) -m pytest -q tests/integration
+		$(PYTEST_PAR) -m "slow or not (slow or sglang or slurm)" tests/integration
 
 # SGLang's CPU engine lives in its own venv (.venv-sglang) so its pins never touch .venv.
 SGLANG_VENV ?= .venv-sglang

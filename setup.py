@@ -51,6 +51,11 @@ setup(
         "dev": [
             "pytest",
             "pytest-timeout",
+            # make test runs on two workers; make coverage measures ranks and CLI runs too
+            # (coverage's patch = fork / subprocess).
+            "pytest-xdist>=3.6",
+            "pytest-cov>=7",
+            "coverage>=7.18",
             "accelerate",
             "ruff==0.17.6",
             "tensorboard",

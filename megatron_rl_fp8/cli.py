@@ -31,6 +31,7 @@ import traceback
 from pathlib import Path
 
 from megatron_rl_fp8.launch import REQUEUE_EXIT_CODE
+from megatron_rl_fp8.utils.library_noise import quiet_library_noise
 
 # The commands import their modules inside their functions ("lazy: start-up"): `megatron-rl-fp8
 # --help` loads none of them (torch takes ~3 s; even config_utils ~20 ms of a ~70 ms start).
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     """Every command; Ctrl-C ends any of them with one line and exit 130 (what a shell reports
     for SIGINT), not a traceback: what was saved is resumed by running the command again."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    quiet_library_noise()  # before any command imports Megatron-Core, transformers or torchao
     try:
         return _main(argv)
     except KeyboardInterrupt:

@@ -19,6 +19,7 @@ def _selects_gpu_tests(markexpr: str) -> bool:
 
 
 def pytest_configure(config):
+    _share_cores_between_workers()
     if os.environ.get("MRF8_TEST_KEEP_CUDA") == "1":
         return
     if _selects_gpu_tests(config.getoption("markexpr") or ""):
@@ -26,6 +27,21 @@ def pytest_configure(config):
     # Before anything initialises CUDA: torch reads this at its first CUDA call.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ[CPU_SUITE_ENV] = "1"
+
+
+def _share_cores_between_workers():
+    """Under pytest-xdist (``make test`` runs ``-n 2``), each worker and every process it starts
+    (ranks, CLI runs) gets its share of the cores as threads: two workers of two threads each on
+    two cores would time-slice every intra-op parallel region (OpenMP spins) and run slower than
+    one. A thread count set by the caller (``OMP_NUM_THREADS``) is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (cores or 1) // workers))
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 import pytest  # noqa: E402
@@ -44,5 +60,11 @@ def tiny_hf_model(tmp_path_factory):
 def tiny_sft_cache(tmp_path_factory):
     """The ``train.cache_dir`` of the tiny job's end-to-end runs: their SFT warm start (cached by
     content: model, task, tokenizer, ``sft.*``, seed; precision excluded) is computed once per
-    session for every test that asks for the same SFT settings."""
+    session for every test that asks for the same SFT settings. Under pytest-xdist the workers
+    share it (the directory above each worker's own): the warm start's own lock lets one worker
+    build an entry while another waits for it, as two runs on one cache do."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "tiny_sft_cache"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("tiny_sft_cache")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import traceback
 
 import torch.multiprocessing as mp
@@ -66,6 +67,17 @@ def _worker(rank, world_size, port, fn, args, queue, environ):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _save_coverage()
+
+
+def _save_coverage():
+    """A rank ends in ``os._exit`` (multiprocessing's), which skips coverage's exit hook: under
+    ``make coverage`` its measurement is saved here, or the ranks' lines would count as unrun."""
+    coverage = sys.modules.get("coverage")
+    cov = coverage.Coverage.current() if coverage is not None else None
+    if cov is not None:
+        cov.stop()
+        cov.save()
 
 
 def run_distributed(fn, world_size: int = 2, args: tuple = (), timeout: float = 300.0) -> list:

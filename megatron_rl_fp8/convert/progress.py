@@ -21,7 +21,7 @@ class Meter:
             unit_scale=True,
             unit_divisor=1024,
             desc=desc,
-            disable=not show,
+            disable=None if show else True,  # None: off when stderr is not a terminal
             dynamic_ncols=True,
             leave=False,
         )

@@ -7,11 +7,12 @@ from tqdm.auto import tqdm
 
 
 def progress_bar(enabled: bool, total: int, initial: int):
-    """The RL steps' progress bar (tqdm; disabled off the driver rank)."""
+    """The RL steps' progress bar (tqdm; disabled off the driver rank, and where stderr is not a
+    terminal: in a log file its redraws would interleave with the step lines)."""
     return tqdm(
         total=total,
         initial=initial,
-        disable=not enabled,
+        disable=None if enabled else True,  # None: tqdm's own rule, off when not a TTY
         desc="rl",
         dynamic_ncols=True,
         leave=False,

@@ -201,6 +201,9 @@ def transformer_config(
         # TP=1 and TP=2 start from identical weights for the same seed.
         use_cpu_initialization=True,
         init_method_std=0.02,
+        # Megatron's default ("full") is deprecated for [], which means the same (the whole layer,
+        # where CUDA graphs are on at all); passing it spares every run the deprecation warning.
+        cuda_graph_scope=[],
     )
     kwargs.update(megatron_fusions(on_cpu=on_cpu, use_te=use_te))
     if model.num_experts is not None:

@@ -382,7 +382,10 @@ def run_study(study: Study, jobs: int, *, echo=print) -> dict[str, int]:
         echo(f"study: {skipped} of {len(study.runs)} runs already finished; skipping them")
     threads = max(1, usable_cores() // max(1, jobs))
     total = sum(r.config.train.steps for r in study.runs)
-    bar = tqdm(total=total, desc=f"study {study.name}", dynamic_ncols=True, leave=False)
+    # disable=None: no bar where stderr is not a terminal (a log file gets the status lines only)
+    bar = tqdm(
+        total=total, desc=f"study {study.name}", disable=None, dynamic_ncols=True, leave=False
+    )
     running: dict[int, tuple[StudyRun, subprocess.Popen, float, int]] = {}
     pending = list(todo)
 

@@ -73,7 +73,11 @@ def _copy(run: Path, tmp_path: Path) -> Path:
 
 
 # -- 1, 2: the shared warm-start cache ------------------------------------------------------------
-@pytest.mark.parametrize("start", ["fresh cache", "damaged entry"])
+# The damaged entry's rebuild is make test's by test_a_damaged_cache_entry_is_rebuilt; the two
+# runs racing to rebuild it are the slow tier's (like every variant below marked slow, ~20 s each).
+@pytest.mark.parametrize(
+    "start", ["fresh cache", pytest.param("damaged entry", marks=pytest.mark.slow)]
+)
 def test_concurrent_warm_starts_build_the_cache_entry_once(tmp_path, cache, healthy_run, start):
     """Two runs want the same entry at once, and neither finds a usable one: one builds it (or
     rebuilds the damaged one), the other waits and loads it."""
@@ -113,7 +117,14 @@ def test_concurrent_warm_starts_build_the_cache_entry_once(tmp_path, cache, heal
     assert first[0] == first[1]
 
 
-@pytest.mark.parametrize("damage", ["truncated shard", "empty trainer state", "same-size shard"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "truncated shard",
+        pytest.param("empty trainer state", marks=pytest.mark.slow),
+        pytest.param("same-size shard", marks=pytest.mark.slow),
+    ],
+)
 def test_a_damaged_cache_entry_is_rebuilt(tmp_path, cache, healthy_run, damage):
     own = tmp_path / "cache"
     shutil.copytree(cache, own)
@@ -195,7 +206,13 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_leaves_no_partial_write
 
 # -- 5, 7: damaged run files, a refused resume --------------------------------------------------
 @pytest.mark.parametrize(
-    "damage", ["config.yaml a list", "config.yaml binary", ".lock binary", ".lock a directory"]
+    "damage",
+    [
+        "config.yaml a list",
+        pytest.param("config.yaml binary", marks=pytest.mark.slow),
+        pytest.param(".lock binary", marks=pytest.mark.slow),
+        ".lock a directory",
+    ],
 )
 def test_a_damaged_run_file_does_not_block_the_resume(tmp_path, cache, healthy_run, damage):
     out = _copy(healthy_run, tmp_path)

@@ -47,7 +47,9 @@ def _values(metrics: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if not k.startswith("perf/")} for m in metrics]
 
 
-@pytest.mark.parametrize("pipeline", ["sync", "one_step_off"])
+# Pipelined, the plugin engine is the slow tier's (the pipeline itself is make test's:
+# tests/integration/test_pipeline_run.py).
+@pytest.mark.parametrize("pipeline", ["sync", pytest.param("one_step_off", marks=pytest.mark.slow)])
 def test_an_engine_registered_from_outside_trains_as_local_does(pipeline, tmp_path, tiny_sft_cache):
     runs = {}
     for name, engine in (("local", "rollout.engine=local"), ("recording", RECORDING)):

@@ -59,9 +59,10 @@ def _train(out: Path, cache: Path, *overrides: str) -> subprocess.CompletedProce
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One SFT warm start for every run here (it is cached by content, precision excluded)."""
-    return tmp_path_factory.mktemp("sft_cache")
+def cache(tiny_sft_cache):
+    """One SFT warm start for every run here and tests/integration/test_pipeline_run.py's guard
+    run (it is cached by content, precision excluded)."""
+    return tiny_sft_cache
 
 
 def _checkpoints(out: Path) -> list[str]:

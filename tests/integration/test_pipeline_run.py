@@ -149,6 +149,7 @@ def test_resume_equals_the_uninterrupted_run(pipelined, tmp_path, tiny_sft_cache
         assert m == want[m["step"]], m["step"]
 
 
+@pytest.mark.slow  # the rollback itself is make test's: tests/integration/test_guard_run.py
 def test_a_guard_rollback_drops_the_rollout_in_flight(tmp_path, tiny_sft_cache):
     # tests/integration/test_guard_run.py's collapse, pipelined: step 3's update collapses the
     # policy, step 4 measures it while step 5's rollout is generated from the collapsed weights.

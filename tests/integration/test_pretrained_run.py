@@ -103,6 +103,7 @@ def test_train_from_hf_checkpoint_at_tp2(hf_model, tmp_path):
     _check_run(done, out, hf_model["dir"])
 
 
+@pytest.mark.slow  # the checkpoint start itself is make test's (the TP=2 test above)
 def test_train_from_hf_checkpoint_and_resume_ignores_it(hf_model, tmp_path):
     """TP=1, two steps from the HF folder; then the same run interrupted after step 1 and resumed
     with model.hf_checkpoint pointing at another model (same shapes, other weights): a run that

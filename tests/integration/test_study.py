@@ -162,6 +162,7 @@ def test_a_moved_study_directory_is_the_same_study(finished, tmp_path, capsys):
     assert "was started with other settings (optim.lr:" in err and "output_dir" not in err, err
 
 
+@pytest.mark.slow  # kill -9 + resume of one run is make test's: tests/integration/test_tiny_run.py
 def test_a_killed_study_resumes_to_the_uninterrupted_result(finished, tmp_path):
     """The fixture's study less one arm (its bf16 runs are the same runs: same settings, same
     threads per run), killed in its second run and started again."""

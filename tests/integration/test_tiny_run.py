@@ -83,10 +83,27 @@ def cache(tiny_sft_cache):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, cache):
+def uninterrupted_proc(tmp_path_factory, cache):
     out = tmp_path_factory.mktemp("full")
-    subprocess.run(_cmd(out, cache), cwd=ROOT, env=_env(), check=True, capture_output=True)
-    return {m["step"]: m for m in read_metrics(out)}
+    proc = subprocess.run(_cmd(out, cache), cwd=ROOT, env=_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_proc):
+    return {m["step"]: m for m in read_metrics(uninterrupted_proc[0])}
+
+
+def test_the_first_screen_is_the_projects(uninterrupted_proc):
+    """No library notice before (or among) the run's own lines on a CPU box: Megatron's Apex
+    fallbacks, modelopt's version notice, torchao's CUDA extensions, torch's pytree deprecation
+    (megatron_rl_fp8/utils/library_noise.py), nor progress-bar redraws in a file."""
+    _, proc = uninterrupted_proc
+    assert proc.stdout.startswith("actor: "), proc.stdout[:500]
+    marks = ("Warning", "warnings.warn", "Failed to load", "_pytree", "\r")
+    noise = [x for x in proc.stderr.splitlines() if any(m in x for m in marks)]
+    assert not noise, noise
 
 
 def test_run_learns_and_stays_in_bounds(uninterrupted):

@@ -78,6 +78,7 @@ def test_a_tool_using_run_trains_on_its_trajectories(pipeline, uninterrupted):
     assert 0 <= steps[-1]["eval/tool_used_frac"] <= 1
 
 
+@pytest.mark.slow  # resume == uninterrupted, pipelined, is make test's in test_pipeline_run.py
 def test_a_resumed_pipelined_tool_run_equals_the_uninterrupted_one(
     tmp_path, tiny_sft_cache, uninterrupted
 ):
