@@ -10,6 +10,10 @@ CPU box, each about an optional piece this project never asks them for:
 * torchao, imported by transformers' quantizer registry to check its version, logs one
   "Failed to load ... _C_*.so" line per CUDA extension it cannot load where there is no CUDA.
 * torchao registers its enums as pytree constants, which torch 2.13 logs as deprecated (twice).
+* torch warns that ShardedTensor is deprecated for DTensor each time Megatron's checkpointing
+  (``dist_checkpointing``, its torch_dist format) builds one, at every save and load. Which module
+  the warning names depends on the call's stack depth, so it is matched by its words alone. At
+  every load torch also warns that ``load_state_dict`` (which Megatron calls) is deprecated.
 * modelopt warns that the installed transformers is newer than the ones it was tested with. This
   project installs both and checks modelopt's FP8 quantization in that install against its own
   (tests/unit/test_fp8_modelopt.py), which is what the warning asks the user to worry about.
@@ -31,6 +35,10 @@ import warnings
 _MEGATRON_FALLBACK = r"(Transformer Engine and )?Apex (is|are) not installed\. Falling back"
 # modelopt/torch/__init__.py: "transformers 5.25.0 is not tested with current version of modelopt".
 _MODELOPT_UNTESTED = r"transformers [\w.+-]+ is not tested with current version of modelopt"
+
+
+_SHARDED_TENSOR = r"Please use DTensor instead and we are deprecating ShardedTensor"
+_LOAD_STATE_DICT = r"`load_state_dict` is deprecated and will be removed in future versions"
 
 
 class _DropMessages(logging.Filter):
@@ -59,6 +67,13 @@ def quiet_library_noise() -> None:
     )
     warnings.filterwarnings(
         "ignore", message=_MODELOPT_UNTESTED, category=UserWarning, module=r"modelopt\.torch"
+    )
+    warnings.filterwarnings("ignore", message=_SHARDED_TENSOR, category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore",
+        message=_LOAD_STATE_DICT,
+        category=FutureWarning,
+        module=r"megatron\.core\.dist_checkpointing",
     )
     logging.getLogger("torch.utils._pytree").addFilter(
         _DropMessages("is an Enum subclass and is now natively supported by torch.compile")

@@ -26,8 +26,8 @@ KEYS = (
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
+def reference(tmp_path_factory, tiny_sft_cache):
+    cache = tiny_sft_cache  # SMALL's warm start: tests/integration/test_calib_run.py's too
     out = tmp_path_factory.mktemp("tp1")
     metrics = run_distributed(
         trainer_body,

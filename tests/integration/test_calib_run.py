@@ -76,13 +76,13 @@ RUNS |= {
 }
 
 
-def _runs(rank, world_size, runs: dict, tmp: str):
+def _runs(rank, world_size, runs: dict, tmp: str, cache: str):
     out = {}
     for name, overrides in runs.items():
         d = Path(tmp) / name
         # A list of override lists: the runs one after another in one output directory.
         for part in overrides if isinstance(overrides[0], list) else [overrides]:
-            part = [*COMMON, *part, f"train.output_dir={d}", f"train.cache_dir={tmp}/cache"]
+            part = [*COMMON, *part, f"train.output_dir={d}", f"train.cache_dir={cache}"]
             out[name] = _run_with_amax_counts(part)
     return out
 
@@ -112,11 +112,13 @@ def _run_with_amax_counts(overrides):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_sft_cache):
     tmp = tmp_path_factory.mktemp("calib_runs")
     # Eleven short runs in one rank: ~4 min on CI's 2 cores, so the hang guard is wider than the
     # default 300 s (a loaded machine took 243 s).
-    (got,) = run_distributed(_runs, world_size=1, args=(RUNS, str(tmp)), timeout=900)
+    (got,) = run_distributed(
+        _runs, world_size=1, args=(RUNS, str(tmp), str(tiny_sft_cache)), timeout=900
+    )
     metrics = {name: {r["step"]: r for r in m} for name, (m, _) in got.items()}
     return tmp, metrics, {name: counts for name, (_, counts) in got.items()}
 

@@ -62,7 +62,7 @@ def quiet(monkeypatch):
         lg.filters = [f for f in lg.filters if not isinstance(f, library_noise._DropMessages)]
 
 
-def test_megatrons_and_modelopts_notices_are_dropped_and_their_other_warnings_kept(quiet):
+def test_library_notices_are_dropped_and_their_other_warnings_kept(quiet):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         quiet(cuda=False)  # its filter goes on top of "always"
@@ -70,12 +70,23 @@ def test_megatrons_and_modelopts_notices_are_dropped_and_their_other_warnings_ke
             warnings.warn_explicit(text, UserWarning, "megatron/core/x.py", 1, "megatron.core.x")
         # The same words from another package are not Megatron's fallback notice.
         warnings.warn_explicit(MEGATRON[0][0], UserWarning, "other.py", 1, "other")
+        sharded = "Please use DTensor instead and we are deprecating ShardedTensor."
+        warnings.warn_explicit(
+            sharded, FutureWarning, "strategies/torch.py", 799, "megatron.core.x"
+        )
+        warnings.warn_explicit(sharded, UserWarning, "elsewhere.py", 1, "elsewhere")
+        load = "`load_state_dict` is deprecated and will be removed in future versions. Please use"
+        for module in ("megatron.core.dist_checkpointing.strategies.torch", "mine"):
+            warnings.warn_explicit(load, FutureWarning, "torch.py", 799, module)
         for text in MODELOPT:
             warnings.warn_explicit(
                 text, UserWarning, "modelopt/torch/__init__.py", 55, "modelopt.torch"
             )
     kept = [str(w.message) for w in caught]
-    want = [text for text, dropped in MEGATRON if not dropped] + [MEGATRON[0][0], MODELOPT[1]]
+    want = [text for text, dropped in MEGATRON if not dropped]
+    want += [MEGATRON[0][0], "Please use DTensor instead and we are deprecating ShardedTensor."]
+    want += ["`load_state_dict` is deprecated and will be removed in future versions. Please use"]
+    want += [MODELOPT[1]]
     assert kept == want
 
 
