@@ -1,7 +1,7 @@
 """Library messages that tell the user nothing, filtered where they are raised.
 
-A run's first screen should be the project's own lines. Three libraries print before them on a
-CPU box, each about an optional piece this project never asks them for:
+A run's first screen should be the project's own lines. Four libraries print among them on a CPU
+box, about pieces this project does not use or cannot change:
 
 * Megatron-Core warns at import, once per module, that Apex (and Transformer Engine) are absent
   and it falls back to torch's norm, optimizers and multi-tensor helpers. The project never uses
@@ -35,8 +35,7 @@ import warnings
 _MEGATRON_FALLBACK = r"(Transformer Engine and )?Apex (is|are) not installed\. Falling back"
 # modelopt/torch/__init__.py: "transformers 5.25.0 is not tested with current version of modelopt".
 _MODELOPT_UNTESTED = r"transformers [\w.+-]+ is not tested with current version of modelopt"
-
-
+# torch's, from Megatron's dist_checkpointing (save and load).
 _SHARDED_TENSOR = r"Please use DTensor instead and we are deprecating ShardedTensor"
 _LOAD_STATE_DICT = r"`load_state_dict` is deprecated and will be removed in future versions"
 
